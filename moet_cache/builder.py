@@ -1,0 +1,514 @@
+"""Build a cache from an NVFP4 checkpoint: base planes per layer, dense copies, the delta tier, manifests.
+
+Order of writes (each atomic): aux files, dense shards (+ part records), per layer the plane files
+then its manifest, the delta pack and index, the source map, cache.json, and last COMMIT.json.
+A killed build is rerun: finished parts whose files still match their records are kept.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors import safe_open
+
+from . import layout as L
+from .checkpoint import COMPRESSED_TENSORS, INDEX_NAME, PROJECTIONS, Checkpoint, expert_layer_of, \
+    layer_of, open_checkpoint, tensor_bytes
+from .errors import InputError
+from .fsutil import CacheLock, atomic_write_bytes, check_free_space, fsync_dir, read_json_file
+from .hashing import xxh3_file_hex, xxh3_hex
+from .manifest import (CACHE_MANIFEST, COMMIT_RECORD, FORMAT_VERSION, BuildParams, CacheManifest,
+                       CommitRecord, DeltaIndex, FileEntry, LayerManifest, LayerRef, ManifestError,
+                       PartManifest, TensorEntry, load_record, write_record)
+from .modelconfig import parse_layer_selection
+from .planes import code_histogram, error_and_energy, fit_table, split_planes
+from .progress import NullProgress, Progress
+from .stwriter import SafetensorsWriter, TensorSpec, WrittenFile
+from .tiering import DEFAULT_DELTA_BUDGET, Candidate, RoutingProfile, check_profile, choose_tier, \
+    load_profile
+from .units import parse_budget
+from .verifier import record_verified_state
+from .version import __version__
+
+AUX_MAX_BYTES = 64 << 20
+
+
+@dataclass(frozen=True)
+class BuildOptions:
+    delta_budget: str = DEFAULT_DELTA_BUDGET
+    profile: str | None = None
+    lossless: bool = False
+    layers: str | None = None
+    include_mtp: bool = False
+    wait: bool = False
+
+
+@dataclass(frozen=True)
+class BuildResult:
+    cache: str
+    already_complete: bool
+    layers: tuple[int, ...]
+    layers_built: tuple[int, ...]
+    layers_reused: tuple[int, ...]
+    source_bytes: int
+    cache_bytes: int
+    tier_experts: int
+    tier_bytes: int
+    budget_bytes: int
+    seconds: float
+
+
+def _key(obj: object) -> str:
+    return xxh3_hex(json.dumps(obj, sort_keys=True).encode())
+
+
+def _now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+def file_matches(root: Path, entry: FileEntry) -> bool:
+    """The file exists with the recorded size and digest (re-hashed)."""
+    p = root / entry.path
+    try:
+        if p.is_symlink() or not p.is_file() or p.stat().st_size != entry.size:
+            return False
+        return xxh3_file_hex(p) == entry.xxh3
+    except OSError:
+        return False
+
+
+def _entries(path: str, written: WrittenFile, role: str) -> tuple[FileEntry, list[TensorEntry]]:
+    fe = FileEntry(path, written.size, written.xxh3, role)
+    tensors = [TensorEntry(t.name, path, t.dtype, t.shape, t.begin, t.end, t.xxh3) for t in written.tensors]
+    return fe, tensors
+
+
+def _write_json_entry(root: Path, rel: str, record: object, role: str) -> FileEntry:
+    data = write_record(root / rel, record)
+    return FileEntry(rel, len(data), xxh3_hex(data), role)
+
+
+@dataclass
+class _Plan:
+    served: list[int]
+    kinds: dict[int, str]
+    omitted: set[str]               # source tensors not carried into the cache at all
+    planed: set[str]                # source tensors that become planes
+    has_input_scale: bool
+    dense_by_shard: dict[str, list[str]] = field(default_factory=dict)
+
+
+class _Builder:
+    def __init__(self, ckpt: Checkpoint, root: Path, opts: BuildOptions, progress: Progress) -> None:
+        self.ckpt, self.root, self.opts, self.progress = ckpt, root, opts, progress
+        self.model = ckpt.model
+        self.fingerprint = ckpt.fingerprint().to_dict()
+        self.plan = self._make_plan()
+        self.profile: RoutingProfile | None = load_profile(opts.profile) if opts.profile else None
+        if self.profile:
+            check_profile(self.profile, {layer: self.model.n_routed_experts for layer in self.plan.served})
+        self.built: list[int] = []
+        self.reused: list[int] = []
+        self.read_bytes = 0
+
+    # --- planning ----------------------------------------------------------------------------
+    def _make_plan(self) -> _Plan:
+        m, ck = self.model, self.ckpt
+        main = m.main_moe_layers()
+        mtp = [i for i in m.mtp_layers() if m.is_moe_layer(i)
+               and f"model.layers.{i}.mlp.experts.0.gate_proj.{'weight_packed' if ck.layout == COMPRESSED_TENSORS else 'weight'}" in ck.tensors]
+        if self.opts.layers:
+            sel = parse_layer_selection(self.opts.layers)
+            total = m.num_hidden_layers + m.num_nextn_predict_layers
+            beyond = sorted(i for i in sel if i >= total)
+            if beyond:
+                raise InputError(f"--layers names layer {beyond[0]}, but the model has layers 0-{total - 1}")
+            if set(mtp) & sel and not self.opts.include_mtp:
+                raise InputError(f"--layers names the MTP layer {sorted(set(mtp) & sel)[0]}",
+                                 "add --include-mtp to build planes for MTP layers")
+            served = sorted(sel & set(main + mtp))
+            if not served:
+                raise InputError(f"--layers {self.opts.layers} selects no MoE layer",
+                                 f"the MoE layers are {main[0]}-{main[-1]}" if main else "the model has no MoE layer")
+        else:
+            served = main + (mtp if self.opts.include_mtp else [])
+        if not served:
+            raise InputError("the model has no MoE layer to build planes for")
+        ck.validate_experts(served)
+        kinds = {i: ("mtp" if i >= m.num_hidden_layers else "moe") for i in served}
+        planed = ck.expert_tensor_names(served)
+        omitted: set[str] = set()
+        if not (self.opts.include_mtp or self.opts.lossless):
+            omitted = {n for n in ck.tensors if (layer_of(n) or -1) >= m.num_hidden_layers}
+        names0 = ck.expert_names(served[0], 0, "gate_proj")
+        plan = _Plan(served, kinds, omitted, planed, names0["input_scale"] in ck.tensors)
+        for name in sorted(ck.tensors):
+            if name not in planed and name not in omitted:
+                plan.dense_by_shard.setdefault(ck.tensors[name].shard, []).append(name)
+        return plan
+
+    def _nbytes(self, name: str) -> int:
+        info = self.ckpt.tensors[name]
+        return TensorSpec(name, info.dtype, info.shape).nbytes
+
+    def build_params(self, budget: int) -> BuildParams:
+        return BuildParams(tuple(self.plan.served), self.opts.include_mtp, self.opts.lossless, budget,
+                           self.profile.digest if self.profile else None)
+
+    def total_delta_bytes(self) -> int:
+        m = self.model
+        return len(self.plan.served) * m.n_routed_experts * self._expert_delta_bytes()
+
+    def _expert_delta_bytes(self) -> int:
+        m = self.model
+        return (2 * m.moe_intermediate_size * m.hidden_size + m.hidden_size * m.moe_intermediate_size) // 4
+
+    # --- the build ---------------------------------------------------------------------------
+    def run(self) -> BuildResult:
+        t0 = time.perf_counter()
+        budget = parse_budget(self.opts.delta_budget, self.total_delta_bytes(), what="delta budget")
+        params = self.build_params(budget)
+        done = self._already_complete(params)
+        if done is not None:
+            return self._result(done, True, budget, t0)
+        self._uncommit()
+        self._check_space(budget)
+        expert_bytes = sum(self._nbytes(n) for n in self.plan.planed)
+        dense_bytes = sum(self._nbytes(n) for names in self.plan.dense_by_shard.values() for n in names)
+        self.progress.start(expert_bytes + dense_bytes, "build")
+        files = self._copy_aux()
+        for shard, names in sorted(self.plan.dense_by_shard.items()):
+            files.extend(self._dense(shard, names))
+        manifests: dict[int, tuple[LayerManifest, FileEntry]] = {}
+        for layer in self.plan.served:
+            manifests[layer] = self._layer(layer)
+            self.progress.layer_done(layer)
+        files.extend(self._tier(manifests, budget))
+        files.append(self._source_map())
+        refs = tuple(LayerRef(layer, fe.path, fe.size, fe.xxh3) for layer, (_, fe) in sorted(manifests.items()))
+        manifest = CacheManifest(__version__, _now(), str(self.ckpt.root.resolve()), self.ckpt.layout,
+                                 self.fingerprint, self.model.to_dict(), params, refs, tuple(files))
+        mdata = write_record(self.root / CACHE_MANIFEST, manifest)
+        self._sweep(manifest)
+        write_record(self.root / COMMIT_RECORD, CommitRecord(CACHE_MANIFEST, len(mdata), xxh3_hex(mdata), _now()))
+        record_verified_state(self.root, manifest, xxh3_hex(mdata), by="build")
+        self.progress.finish()
+        return self._result(manifest, False, budget, t0)
+
+    def _result(self, manifest: CacheManifest, already: bool, budget: int, t0: float) -> BuildResult:
+        index = load_record(self.root / L.DELTA_INDEX, DeltaIndex.parse)
+        pack = manifest.file(L.ROLE_PACK)
+        return BuildResult(
+            cache=str(self.root), already_complete=already, layers=tuple(self.plan.served),
+            layers_built=tuple(self.built), layers_reused=tuple(self.reused), source_bytes=self.read_bytes,
+            cache_bytes=sum(f.size for f in manifest.files) + sum(r.size for r in manifest.layers),
+            tier_experts=sum(len(ex) for _, ex in index.layers), tier_bytes=pack.size if pack else 0,
+            budget_bytes=budget, seconds=time.perf_counter() - t0)
+
+    def _already_complete(self, params: BuildParams) -> CacheManifest | None:
+        from .verifier import read_committed_manifest
+        try:
+            manifest = read_committed_manifest(self.root)
+        except (ManifestError, InputError):
+            return None
+        if manifest is None or manifest.build != params or manifest.source_fingerprint != self.fingerprint:
+            return None
+        from .verifier import boot_check
+        return manifest if boot_check(self.root).ok else None
+
+    def _uncommit(self) -> None:
+        """A cache being (re)built must never look complete: the commit record goes first."""
+        commit = self.root / COMMIT_RECORD
+        if commit.exists():
+            commit.unlink()
+            fsync_dir(self.root)
+
+    def _check_space(self, budget: int) -> None:
+        codes = sum(self._nbytes(n) for n in self.plan.planed)
+        dense = sum(self._nbytes(n) for names in self.plan.dense_by_shard.values() for n in names)
+        estimate = codes + min(budget, codes // 2) + dense
+        present = sum(p.stat().st_size for p in self.root.rglob("*") if p.is_file() and not p.is_symlink())
+        check_free_space(self.root, max(0, estimate - present))
+
+    # --- parts ---------------------------------------------------------------------------------
+    def _copy_aux(self) -> list[FileEntry]:
+        out = []
+        for p in sorted(self.ckpt.root.iterdir()):
+            if p.name.startswith(".") or p.name.endswith(".safetensors") or p.name == INDEX_NAME \
+                    or p.is_symlink() or not p.is_file() or p.stat().st_size > AUX_MAX_BYTES:
+                continue
+            data = p.read_bytes()
+            rel = f"{L.AUX_DIR}/{p.name}"
+            dest = self.root / rel
+            if not (dest.is_file() and dest.read_bytes() == data):
+                atomic_write_bytes(dest, data)
+            out.append(FileEntry(rel, len(data), xxh3_hex(data), L.ROLE_AUX))
+        return out
+
+    def _reusable_part(self, rel: str, key: str) -> PartManifest | None:
+        path = self.root / rel
+        if not path.is_file():
+            return None
+        try:
+            part = load_record(path, PartManifest.parse, rel)
+        except ManifestError:
+            return None
+        if part.build_key != key or not all(file_matches(self.root, f) for f in part.files):
+            return None
+        return part
+
+    def _dense(self, shard: str, names: list[str]) -> list[FileEntry]:
+        rel, rec = L.dense_file(shard), L.dense_record(shard)
+        key = _key({"v": FORMAT_VERSION, "src": self.fingerprint, "shard": shard, "names": names})
+        part = self._reusable_part(rec, key)
+        if part is None:
+            specs = [TensorSpec(n, self.ckpt.tensors[n].dtype, self.ckpt.tensors[n].shape) for n in names]
+            with SafetensorsWriter(self.root / rel, specs, self.ckpt.shard_metadata.get(shard)) as w:
+                for n in names:
+                    raw = self.ckpt.get_raw(n)
+                    w.write(n, raw)
+                    self.read_bytes += raw.nbytes
+                    self.progress.advance(raw.nbytes)
+                written = w.commit()
+            fe, tensors = _entries(rel, written, L.ROLE_DENSE)
+            part = PartManifest(key, (fe,), tuple(tensors), self.ckpt.shard_metadata.get(shard))
+            rec_entry = _write_json_entry(self.root, rec, part, L.ROLE_PART)
+        else:
+            self.progress.advance(sum(self._nbytes(n) for n in names))
+            data = (self.root / rec).read_bytes()
+            rec_entry = FileEntry(rec, len(data), xxh3_hex(data), L.ROLE_PART)
+        return [part.files[0], rec_entry]
+
+    def _layer_key(self, layer: int) -> str:
+        return _key({"v": FORMAT_VERSION, "src": self.fingerprint, "layout": self.ckpt.layout,
+                     "layer": layer, "lossless": self.opts.lossless, "input_scale": self.plan.has_input_scale})
+
+    def _layer(self, layer: int) -> tuple[LayerManifest, FileEntry]:
+        rel = L.layer_manifest(layer)
+        key = self._layer_key(layer)
+        path = self.root / rel
+        lm = None
+        if path.is_file():
+            try:
+                lm = load_record(path, LayerManifest.parse, rel)
+            except ManifestError:
+                lm = None
+            if lm is not None and (lm.build_key != key or not all(file_matches(self.root, f) for f in lm.files)):
+                lm = None
+        if lm is None:
+            lm = self._build_layer(layer, key)
+            self.built.append(layer)
+        else:
+            self.reused.append(layer)
+            self.progress.advance(lm.source_bytes)
+        data = (self.root / rel).read_bytes()
+        return lm, FileEntry(rel, len(data), xxh3_hex(data), "layer-manifest")
+
+    def _layer_specs(self, layer: int) -> tuple[list[TensorSpec], list[TensorSpec]]:
+        m = self.model
+        E, H, I = m.n_routed_experts, m.hidden_size, m.moe_intermediate_size
+        base = [TensorSpec(L.W13_BASE, "U8", (E, 2 * I, H // 4)), TensorSpec(L.W2_BASE, "U8", (E, H, I // 4)),
+                TensorSpec(L.W13_SCALE, "F8_E4M3", (E, 2 * I, H // 16)),
+                TensorSpec(L.W2_SCALE, "F8_E4M3", (E, H, I // 16)),
+                TensorSpec(L.W13_SCALE_2, "F32", (E, 2)), TensorSpec(L.W2_SCALE_2, "F32", (E,))]
+        if self.plan.has_input_scale:
+            base += [TensorSpec(L.W13_INPUT_SCALE, "F32", (E, 2)), TensorSpec(L.W2_INPUT_SCALE, "F32", (E,))]
+        base += [TensorSpec(L.W13_TABLE, "F32", (E, 2, 4)), TensorSpec(L.W2_TABLE, "F32", (E, 4))]
+        delta = [TensorSpec(L.W13_DELTA, "U8", (E, 2 * I, H // 4)), TensorSpec(L.W2_DELTA, "U8", (E, H, I // 4))]
+        for proj in PROJECTIONS:
+            for kind in self._scalar_kinds():
+                info = self.ckpt.tensors[self.ckpt.expert_names(layer, 0, proj)[kind]]
+                delta.append(TensorSpec(L.source_scalar(proj, kind), info.dtype, (E, *info.shape)))
+        return base, delta
+
+    def _scalar_kinds(self) -> tuple[str, ...]:
+        return ("global_scale", "input_scale") if self.plan.has_input_scale else ("global_scale",)
+
+    def _build_layer(self, layer: int, key: str) -> LayerManifest:
+        m, ck = self.model, self.ckpt
+        E = m.n_routed_experts
+        base_specs, delta_specs = self._layer_specs(layer)
+        delta_rel = L.delta_file(layer) if self.opts.lossless else L.staged_delta_file(layer)
+        scale2 = np.zeros((E, 3), dtype=np.float32)
+        iscale = np.zeros((E, 3), dtype=np.float32)
+        tables = np.zeros((E, 3, 4), dtype=np.float32)
+        raw_scalars: dict[tuple[str, str], list[np.ndarray]] = {}
+        sq_error, energy = [], []
+        source_bytes = 0
+        with SafetensorsWriter(self.root / L.base_file(layer), base_specs) as bw, \
+                SafetensorsWriter(self.root / delta_rel, delta_specs) as dw:
+            for e in range(E):
+                err = en = 0.0
+                for j, proj in enumerate(PROJECTIONS):
+                    x = ck.read_expert(layer, e, proj)
+                    base, delta = split_planes(x.codes)
+                    table = fit_table(code_histogram(x.codes))
+                    g = ck.multiply_global_scale(x.global_scale)
+                    er, eg = error_and_energy(x.codes, x.block_scale.to(torch.float32).numpy(), table)
+                    err, en = err + er * g * g, en + eg * g * g
+                    w13 = proj != "down_proj"
+                    bw.write(L.W13_BASE if w13 else L.W2_BASE, base)
+                    dw.write(L.W13_DELTA if w13 else L.W2_DELTA, delta)
+                    scale_raw = tensor_bytes(x.block_scale)
+                    bw.write(L.W13_SCALE if w13 else L.W2_SCALE, scale_raw)
+                    scale2[e, j], tables[e, j] = g, table
+                    raw_scalars.setdefault((proj, "global_scale"), []).append(tensor_bytes(x.global_scale))
+                    if self.plan.has_input_scale:
+                        if x.input_scale is None:
+                            raise InputError(f"layer {layer} expert {e} {proj} has no input scale, expert 0 has")
+                        iscale[e, j] = ck.multiply_global_scale(x.input_scale)
+                        raw_scalars.setdefault((proj, "input_scale"), []).append(tensor_bytes(x.input_scale))
+                    n = x.codes.nbytes + scale_raw.nbytes + 8
+                    source_bytes += n
+                    self.read_bytes += n
+                    self.progress.advance(n)
+                sq_error.append(err)
+                energy.append(en)
+            bw.write(L.W13_SCALE_2, scale2[:, :2])
+            bw.write(L.W2_SCALE_2, scale2[:, 2].copy())
+            if self.plan.has_input_scale:
+                bw.write(L.W13_INPUT_SCALE, iscale[:, :2])
+                bw.write(L.W2_INPUT_SCALE, iscale[:, 2].copy())
+            bw.write(L.W13_TABLE, tables[:, :2])
+            bw.write(L.W2_TABLE, tables[:, 2].copy())
+            for (proj, kind), parts in raw_scalars.items():
+                dw.write(L.source_scalar(proj, kind), np.concatenate(parts))
+            base_written = bw.commit()
+            delta_written = dw.commit()
+        base_fe, base_t = _entries(L.base_file(layer), base_written, L.ROLE_BASE)
+        delta_fe, delta_t = _entries(delta_rel, delta_written, L.ROLE_DELTA_ALL)
+        files, tensors = [base_fe], list(base_t)
+        if self.opts.lossless:
+            files.append(delta_fe)
+            tensors += delta_t
+        else:
+            write_record(self.root / L.staged_delta_record(layer),
+                         PartManifest(key, (delta_fe,), tuple(delta_t)))
+        lm = LayerManifest(layer, self.plan.kinds[layer], E, m.hidden_size, m.moe_intermediate_size, key,
+                           self._expert_delta_bytes(), source_bytes, tuple(files), tuple(tensors),
+                           tuple(sq_error), tuple(energy))
+        write_record(self.root / L.layer_manifest(layer), lm)
+        return lm
+
+    # --- the tier --------------------------------------------------------------------------------
+    def _tier(self, manifests: dict[int, tuple[LayerManifest, FileEntry]], budget: int) -> list[FileEntry]:
+        layer_mans = {layer: lm for layer, (lm, _) in manifests.items()}
+        key = _key({"layers": {str(layer): fe.xxh3 for layer, (_, fe) in manifests.items()},
+                    "budget": budget, "profile": self.profile.digest if self.profile else None})
+        part_rel = "delta/tier.part.json"
+        part = self._reusable_part(part_rel, key)
+        if part is None:
+            chosen = choose_tier(tier_candidates(layer_mans, self.profile), budget)
+            sources = {layer: self._delta_source(layer, lm) for layer, lm in layer_mans.items() if chosen[layer]}
+            pack_fe, index_fe = write_delta_pack(self.root, layer_mans, chosen, sources, budget,
+                                                 self.profile is not None)
+            part = PartManifest(key, (pack_fe, index_fe), ())
+            part_fe = _write_json_entry(self.root, part_rel, part, L.ROLE_PART)
+        else:
+            data = (self.root / part_rel).read_bytes()
+            part_fe = FileEntry(part_rel, len(data), xxh3_hex(data), L.ROLE_PART)
+        return [*part.files, part_fe]
+
+    def _delta_source(self, layer: int, lm: LayerManifest) -> Path:
+        """The file holding every delta plane of a layer; rebuilt from the source if it is gone."""
+        if self.opts.lossless:
+            return self.root / L.delta_file(layer)
+        part = self._reusable_part(L.staged_delta_record(layer), lm.build_key)
+        if part is None:
+            self._build_layer(layer, lm.build_key)  # the staged deltas were lost: read the layer again
+            if layer in self.reused:
+                self.reused.remove(layer)
+                self.built.append(layer)
+        return self.root / L.staged_delta_file(layer)
+
+    def _source_map(self) -> FileEntry:
+        ck = self.ckpt
+        shards = []
+        for shard in ck.shards:
+            names = sorted(n for n, t in ck.tensors.items() if t.shard == shard and n not in self.plan.omitted)
+            shards.append({"name": shard, "metadata": ck.shard_metadata.get(shard),
+                           "tensors": [[n, ck.tensors[n].dtype, list(ck.tensors[n].shape)] for n in names]})
+        doc = {"format": "moet-cache-source-map", "format_version": FORMAT_VERSION, "layout": ck.layout,
+               "complete": not self.plan.omitted, "index_metadata": (ck.index or {}).get("metadata"),
+               "shards": shards}
+        data = (json.dumps(doc, indent=None) + "\n").encode()
+        atomic_write_bytes(self.root / L.SOURCE_MAP, data)
+        return FileEntry(L.SOURCE_MAP, len(data), xxh3_hex(data), L.ROLE_SOURCE_MAP)
+
+    def _sweep(self, manifest: CacheManifest) -> None:
+        """Remove what an earlier build left in our folders that this cache does not list."""
+        keep = {f.path for f in manifest.files} | {r.manifest for r in manifest.layers}
+        for layer in manifest.layers:
+            lm = load_record(self.root / layer.manifest, LayerManifest.parse)
+            keep.update(f.path for f in lm.files)
+        for folder in (L.LAYERS_DIR, L.DENSE_DIR, "delta", L.AUX_DIR):
+            d = self.root / folder
+            if d.is_dir():
+                for p in d.iterdir():
+                    if p.relative_to(self.root).as_posix() not in keep and (p.is_file() or p.is_symlink()):
+                        p.unlink()
+        staging = self.root / L.STAGING_DIR
+        if staging.is_dir():
+            shutil.rmtree(staging)
+        fsync_dir(self.root)
+
+
+def tier_candidates(layers: dict[int, LayerManifest], profile: RoutingProfile | None) -> list[Candidate]:
+    out = []
+    for layer, lm in sorted(layers.items()):
+        weights = profile.weights(layer, lm.n_experts) if profile else (1.0,) * lm.n_experts
+        out += [Candidate(layer, e, lm.expert_delta_bytes, lm.sq_error[e], weights[e]) for e in range(lm.n_experts)]
+    return out
+
+
+def write_delta_pack(root: Path, layers: dict[int, LayerManifest], chosen: dict[int, tuple[int, ...]],
+                     sources: dict[int, Path], budget: int, weighted: bool) -> tuple[FileEntry, FileEntry]:
+    """Write delta/tier.safetensors (chosen experts' planes, layer by layer) and its index."""
+    specs = []
+    for layer, experts in sorted(chosen.items()):
+        if experts:
+            lm = layers[layer]
+            H, I, n = lm.hidden_size, lm.intermediate_size, len(experts)
+            specs += [TensorSpec(L.pack_tensor(layer, L.W13_DELTA), "U8", (n, 2 * I, H // 4)),
+                      TensorSpec(L.pack_tensor(layer, L.W2_DELTA), "U8", (n, H, I // 4))]
+    with SafetensorsWriter(root / L.PACK, specs) as w:
+        for layer, experts in sorted(chosen.items()):
+            if not experts:
+                continue
+            with safe_open(str(sources[layer]), framework="pt") as f:
+                for which in (L.W13_DELTA, L.W2_DELTA):
+                    sl = f.get_slice(which)
+                    for e in experts:
+                        w.write(L.pack_tensor(layer, which), tensor_bytes(sl[e : e + 1]))
+        written = w.commit()
+    pack_fe = FileEntry(L.PACK, written.size, written.xxh3, L.ROLE_PACK)
+    used = sum(layers[layer].expert_delta_bytes * len(ex) for layer, ex in chosen.items())
+    index = DeltaIndex(L.PACK, budget, used, weighted, tuple(sorted(chosen.items())))
+    index_fe = _write_json_entry(root, L.DELTA_INDEX, index, L.ROLE_DELTA_INDEX)
+    return pack_fe, index_fe
+
+
+def build_cache(src: str | os.PathLike[str], cache: str | os.PathLike[str],
+                options: BuildOptions | None = None, progress: Progress | None = None) -> BuildResult:
+    """Build (or resume, or confirm) the cache for `src` at `cache`."""
+    opts = options or BuildOptions()
+    root = Path(cache)
+    src_path = Path(src)
+    if root.exists() and not root.is_dir():
+        raise InputError(f"{root} exists and is not a folder")
+    if root.resolve() == src_path.resolve() or src_path.resolve() in root.resolve().parents:
+        raise InputError("the cache folder must not be the checkpoint folder or inside it")
+    root.mkdir(parents=True, exist_ok=True)
+    with CacheLock(root, wait=opts.wait):
+        with open_checkpoint(src_path) as ckpt:
+            return _Builder(ckpt, root, opts, progress or NullProgress()).run()
+
+
+__all__ = ["BuildOptions", "BuildResult", "build_cache", "file_matches", "read_json_file"]

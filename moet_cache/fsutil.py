@@ -1,0 +1,166 @@
+"""Files that survive a kill: atomic writes, a lock, free-space checks, and safe relative paths."""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+import shutil
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+from .errors import DiskFullError, InputError, LockHeldError, UnsafePathError
+
+MAX_JSON_BYTES = 64 << 20  # manifests and configs are small; refuse anything absurd before parsing
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def tmp_path_for(path: Path) -> Path:
+    return path.with_name(f".{path.name}.tmp-{os.getpid()}")
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write to a temp file in the same folder, fsync, rename over `path`, fsync the folder."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = tmp_path_for(path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise_if_disk_full(e, len(data), path)
+        raise
+    fsync_dir(path.parent)
+
+
+def atomic_write_json(path: Path, obj: Any) -> bytes:
+    data = (json.dumps(obj, indent=1, sort_keys=False) + "\n").encode()
+    atomic_write_bytes(path, data)
+    return data
+
+
+def raise_if_disk_full(e: OSError, needed: int, path: Path) -> None:
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        raise DiskFullError(
+            f"the disk is full while writing {path.name} ({needed} more bytes needed at least)",
+            "free space on that filesystem and run the build again; it resumes",
+        ) from None
+
+
+def read_json_file(path: Path, *, limit: int = MAX_JSON_BYTES) -> Any:
+    """Read a JSON file with a size cap; any malformation is an InputError naming the file."""
+    try:
+        size = path.stat().st_size
+        if size > limit:
+            raise InputError(f"{path.name} is {size} bytes, over the {limit}-byte limit for a JSON file")
+        with open(path, "rb") as f:
+            data = f.read(limit + 1)
+        return json.loads(data.decode("utf-8"))
+    except InputError:
+        raise
+    except FileNotFoundError:
+        raise InputError(f"{path} does not exist") from None
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise InputError(f"{path.name} is not valid JSON: {e}", "fix or regenerate the file") from None
+    except OSError as e:
+        raise InputError(f"cannot read {path}: {e.strerror}") from None
+
+
+def safe_relpath(rel: Any, what: str = "path") -> str:
+    """Check a manifest path: relative, POSIX, no '..', no empty or hidden-dot parts."""
+    if not isinstance(rel, str) or not rel or len(rel) > 4096 or "\x00" in rel or "\\" in rel:
+        raise UnsafePathError(f"{what} {rel!r} is not a valid relative path")
+    p = PurePosixPath(rel)
+    if p.is_absolute() or any(part in ("", ".", "..") for part in rel.split("/")):
+        raise UnsafePathError(f"{what} {rel!r} is absolute or leaves the cache",
+                              "a manifest may only name files inside the cache; rebuild the cache")
+    return rel
+
+
+def resolve_inside(root: Path, rel: str, what: str = "path") -> Path:
+    """Join a checked relative path to the cache root; refuse links on the way that leave the root."""
+    safe_relpath(rel, what)
+    path = root / rel
+    real_root = root.resolve()
+    cur = root
+    for part in rel.split("/"):
+        cur = cur / part
+        if cur.is_symlink():
+            raise UnsafePathError(f"{what} {rel!r} passes through a symbolic link",
+                                  "the cache must hold plain files; rebuild it")
+    try:
+        path.resolve().relative_to(real_root)
+    except ValueError:
+        raise UnsafePathError(f"{what} {rel!r} resolves outside the cache") from None
+    return path
+
+
+class CacheLock:
+    """An exclusive flock on CACHE/.lock; a second build fails at once (or waits with wait=True)."""
+
+    def __init__(self, root: Path, wait: bool = False) -> None:
+        self.path = root / ".lock"
+        self.wait = wait
+        self._fd: int | None = None
+
+    def __enter__(self) -> CacheLock:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | (0 if self.wait else fcntl.LOCK_NB))
+        except BlockingIOError:
+            os.close(fd)
+            raise LockHeldError(
+                f"another process is building {self.path.parent}",
+                "wait for it to finish, or pass --wait",
+            ) from None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        self._fd = fd
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._fd is not None:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            os.close(self._fd)
+            self._fd = None
+
+
+def lock_is_held(root: Path) -> bool:
+    """True while a build holds CACHE/.lock (a probe that takes and drops a shared lock)."""
+    path = root / ".lock"
+    if not path.exists():
+        return False
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+
+
+def check_free_space(root: Path, needed: int) -> None:
+    """Fail early (exit 3) when the filesystem under `root` has less than `needed` bytes free."""
+    probe = root
+    while not probe.exists():
+        probe = probe.parent
+    free = shutil.disk_usage(probe).free
+    if free < needed:
+        raise DiskFullError(
+            f"{probe} has {free} bytes free, the build needs {needed} more bytes",
+            "free space or choose a cache folder on a larger disk",
+        )

@@ -1,0 +1,61 @@
+"""Where each file lives inside a cache folder, and the tensor names inside them (docs/FORMAT.md)."""
+
+from __future__ import annotations
+
+LAYERS_DIR = "layers"
+DENSE_DIR = "dense"
+STAGING_DIR = "staging"
+AUX_DIR = "model"
+PACK = "delta/tier.safetensors"
+DELTA_INDEX = "delta/tier.json"
+SOURCE_MAP = "source-map.json"
+
+# Roles of the files that the cache manifest lists.
+ROLE_BASE, ROLE_DELTA_ALL, ROLE_DENSE, ROLE_PACK = "base", "delta-all", "dense", "delta-pack"
+ROLE_DELTA_INDEX, ROLE_SOURCE_MAP, ROLE_AUX, ROLE_PART = "delta-index", "source-map", "aux", "part-manifest"
+
+# Base-plane file of a layer (vLLM's fused-MoE names; w13 = gate and up stacked, w2 = down).
+W13_BASE, W2_BASE = "w13_base", "w2_base"
+W13_SCALE, W2_SCALE = "w13_weight_scale", "w2_weight_scale"
+W13_SCALE_2, W2_SCALE_2 = "w13_weight_scale_2", "w2_weight_scale_2"
+W13_INPUT_SCALE, W2_INPUT_SCALE = "w13_input_scale", "w2_input_scale"
+W13_TABLE, W2_TABLE = "w13_table", "w2_table"
+# Delta planes (per-layer lossless file, and per layer inside the tier pack).
+W13_DELTA, W2_DELTA = "w13_delta", "w2_delta"
+
+
+def layer_manifest(layer: int) -> str:
+    return f"{LAYERS_DIR}/layer-{layer:03d}.json"
+
+
+def base_file(layer: int) -> str:
+    return f"{LAYERS_DIR}/layer-{layer:03d}.base.safetensors"
+
+
+def delta_file(layer: int) -> str:
+    return f"{LAYERS_DIR}/layer-{layer:03d}.delta.safetensors"
+
+
+def staged_delta_file(layer: int) -> str:
+    return f"{STAGING_DIR}/layer-{layer:03d}.delta.safetensors"
+
+
+def staged_delta_record(layer: int) -> str:
+    return f"{STAGING_DIR}/layer-{layer:03d}.delta.json"
+
+
+def dense_file(shard: str) -> str:
+    return f"{DENSE_DIR}/{shard}"
+
+
+def dense_record(shard: str) -> str:
+    return f"{DENSE_DIR}/{shard}.json"
+
+
+def pack_tensor(layer: int, which: str) -> str:
+    return f"layers.{layer}.{which}"
+
+
+def source_scalar(proj: str, kind: str) -> str:
+    """In the delta-all file: the source's own scalar tensors, stacked over experts, for a bit-exact export."""
+    return f"source.{proj}.{kind}"

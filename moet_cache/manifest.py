@@ -1,0 +1,377 @@
+"""The cache's records (the contract with the runtime) and their strict JSON reading.
+
+Every manifest is refused as a whole when anything is off: wrong type, number out of range,
+unknown format version, a path that is absolute or climbs out of the cache. The JSON Schemas under
+manifests/ describe the same documents; tests check that what we write validates against them.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from .errors import InputError
+from .fsutil import atomic_write_json, read_json_file, safe_relpath
+
+FORMAT_VERSION = 1
+CACHE_MANIFEST = "cache.json"
+COMMIT_RECORD = "COMMIT.json"
+VERIFIED_STATE = ".state/verified.json"
+_HEX32 = re.compile(r"^[0-9a-f]{32}$")
+MAX_INT = 1 << 53
+DTYPES = ("U8", "F8_E4M3", "F32", "BF16", "F16", "I32", "I64", "F64", "I8", "I16", "U16", "U32",
+          "U64", "BOOL", "F8_E5M2", "F4")
+
+
+class ManifestError(InputError):
+    """A manifest is malformed (a cache that cannot be trusted; rebuild it)."""
+
+
+def _fail(where: str, msg: str) -> ManifestError:
+    return ManifestError(f"{where}: {msg}", "the cache manifest is damaged; run moet-cache build again")
+
+
+def _obj(v: Any, where: str) -> dict[str, Any]:
+    if not isinstance(v, dict):
+        raise _fail(where, "expected a JSON object")
+    return v
+
+
+def _int(d: dict[str, Any], key: str, where: str, lo: int = 0, hi: int = MAX_INT) -> int:
+    v = d.get(key)
+    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+        raise _fail(where, f"{key} must be an integer in [{lo}, {hi}], found {v!r}")
+    return v
+
+
+def _float(d: dict[str, Any], key: str, where: str) -> float:
+    v = d.get(key)
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+        raise _fail(where, f"{key} must be a finite non-negative number, found {v!r}")
+    return float(v)
+
+
+def _str(d: dict[str, Any], key: str, where: str, optional: bool = False) -> str:
+    v = d.get(key)
+    if v is None and optional:
+        return ""
+    if not isinstance(v, str) or len(v) > 4096:
+        raise _fail(where, f"{key} must be a string, found {type(v).__name__}")
+    return v
+
+
+def _hex(d: dict[str, Any], key: str, where: str) -> str:
+    v = d.get(key)
+    if not isinstance(v, str) or not _HEX32.match(v):
+        raise _fail(where, f"{key} must be a 32-digit xxh3-128 hex digest")
+    return v
+
+
+def _list(d: dict[str, Any], key: str, where: str, max_len: int = 1 << 22) -> list[Any]:
+    v = d.get(key)
+    if not isinstance(v, list) or len(v) > max_len:
+        raise _fail(where, f"{key} must be a list")
+    return v
+
+
+def _path(d: dict[str, Any], key: str, where: str) -> str:
+    v = d.get(key)
+    try:
+        return safe_relpath(v, f"{where}: {key}")
+    except InputError as e:
+        raise ManifestError(e.message, "the cache manifest names a path outside the cache; rebuild it") from None
+
+
+def _version(d: dict[str, Any], fmt: str, where: str) -> None:
+    if d.get("format") != fmt:
+        raise _fail(where, f"format must be {fmt!r}, found {d.get('format')!r}")
+    if d.get("format_version") != FORMAT_VERSION:
+        raise ManifestError(
+            f"{where}: format_version {d.get('format_version')!r} is not supported (this moet-cache reads {FORMAT_VERSION})",
+            "rebuild the cache with this version of moet-cache")
+
+
+# --- records -----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class FileEntry:
+    path: str
+    size: int
+    xxh3: str
+    role: str
+
+    @classmethod
+    def parse(cls, d: Any, where: str) -> FileEntry:
+        d = _obj(d, where)
+        return cls(_path(d, "path", where), _int(d, "size", where), _hex(d, "xxh3", where),
+                   _str(d, "role", where))
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    name: str
+    file: str
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+    xxh3: str
+
+    @classmethod
+    def parse(cls, d: Any, where: str) -> TensorEntry:
+        d = _obj(d, where)
+        shape = _list(d, "shape", where, 8)
+        if not all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < MAX_INT for x in shape):
+            raise _fail(where, "shape must be a list of non-negative integers")
+        dtype = _str(d, "dtype", where)
+        if dtype not in DTYPES:
+            raise _fail(where, f"unknown dtype {dtype!r}")
+        t = cls(_str(d, "name", where), _path(d, "file", where), dtype, tuple(shape),
+                _int(d, "begin", where), _int(d, "end", where), _hex(d, "xxh3", where))
+        if t.end < t.begin:
+            raise _fail(where, f"tensor {t.name} ends before it begins")
+        return t
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["shape"] = list(self.shape)
+        return d
+
+
+@dataclass(frozen=True)
+class LayerManifest:
+    """One served layer: its plane files, its tensors and each expert's base-only error."""
+
+    layer: int
+    kind: str                       # "moe" (main model) or "mtp"
+    n_experts: int
+    hidden_size: int
+    intermediate_size: int
+    build_key: str                  # digest of what the layer's bytes depend on (source, format)
+    expert_delta_bytes: int         # the delta planes of one expert (w13 + w2)
+    source_bytes: int               # the source's bytes of this layer's routed experts
+    files: tuple[FileEntry, ...]
+    tensors: tuple[TensorEntry, ...]
+    sq_error: tuple[float, ...]     # per expert: sum of (FP4 - base-only)^2 over w13 and w2
+    energy: tuple[float, ...]       # per expert: sum of FP4 weight^2, for relative errors
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format": "moet-cache-layer", "format_version": FORMAT_VERSION,
+            "layer": self.layer, "kind": self.kind, "n_experts": self.n_experts,
+            "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
+            "build_key": self.build_key, "expert_delta_bytes": self.expert_delta_bytes,
+            "source_bytes": self.source_bytes,
+            "files": [asdict(f) for f in self.files],
+            "tensors": [t.to_dict() for t in self.tensors],
+            "sq_error": list(self.sq_error), "energy": list(self.energy),
+        }
+
+    @classmethod
+    def parse(cls, d: Any, where: str) -> LayerManifest:
+        d = _obj(d, where)
+        _version(d, "moet-cache-layer", where)
+        kind = _str(d, "kind", where)
+        if kind not in ("moe", "mtp"):
+            raise _fail(where, f"kind must be moe or mtp, found {kind!r}")
+        n = _int(d, "n_experts", where, 1, 1 << 16)
+        files = tuple(FileEntry.parse(x, where) for x in _list(d, "files", where, 64))
+        tensors = tuple(TensorEntry.parse(x, where) for x in _list(d, "tensors", where, 4096))
+        names = {f.path for f in files}
+        for t in tensors:
+            if t.file not in names:
+                raise _fail(where, f"tensor {t.name} is in {t.file}, which the layer does not list")
+        err = [_float({"v": v}, "v", where) for v in _list(d, "sq_error", where)]
+        energy = [_float({"v": v}, "v", where) for v in _list(d, "energy", where)]
+        if len(err) != n or len(energy) != n:
+            raise _fail(where, "sq_error and energy need one entry per expert")
+        return cls(_int(d, "layer", where, 0, 1 << 16), kind, n,
+                   _int(d, "hidden_size", where, 1), _int(d, "intermediate_size", where, 1),
+                   _hex(d, "build_key", where), _int(d, "expert_delta_bytes", where),
+                   _int(d, "source_bytes", where), files, tensors, tuple(err), tuple(energy))
+
+
+@dataclass(frozen=True)
+class LayerRef:
+    layer: int
+    manifest: str
+    size: int
+    xxh3: str
+
+
+@dataclass(frozen=True)
+class BuildParams:
+    layers: tuple[int, ...]
+    include_mtp: bool
+    lossless: bool
+    delta_budget_bytes: int
+    profile_xxh3: str | None
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["layers"] = list(self.layers)
+        return d
+
+
+@dataclass(frozen=True)
+class CacheManifest:
+    """The whole cache: where it came from, how it was built, every layer manifest and file."""
+
+    tool_version: str
+    created: str
+    source_path: str
+    source_layout: str
+    source_fingerprint: dict[str, Any]
+    model: dict[str, Any]
+    build: BuildParams
+    layers: tuple[LayerRef, ...]
+    files: tuple[FileEntry, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format": "moet-cache", "format_version": FORMAT_VERSION,
+            "tool_version": self.tool_version, "created": self.created,
+            "source": {"path": self.source_path, "layout": self.source_layout,
+                       "fingerprint": self.source_fingerprint},
+            "model": self.model, "build": self.build.to_dict(),
+            "layers": [asdict(r) for r in self.layers],
+            "files": [asdict(f) for f in self.files],
+        }
+
+    def file(self, role: str) -> FileEntry | None:
+        return next((f for f in self.files if f.role == role), None)
+
+    @classmethod
+    def parse(cls, d: Any, where: str = CACHE_MANIFEST) -> CacheManifest:
+        d = _obj(d, where)
+        _version(d, "moet-cache", where)
+        src = _obj(d.get("source"), where + ": source")
+        build = _obj(d.get("build"), where + ": build")
+        layers_sel = _list(build, "layers", where, 1 << 16)
+        if not all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 1 << 16 for x in layers_sel):
+            raise _fail(where, "build.layers must be a list of layer numbers")
+        for key in ("include_mtp", "lossless"):
+            if not isinstance(build.get(key), bool):
+                raise _fail(where, f"build.{key} must be true or false")
+        prof = build.get("profile_xxh3")
+        if prof is not None:
+            _hex(build, "profile_xxh3", where)
+        params = BuildParams(tuple(layers_sel), build["include_mtp"], build["lossless"],
+                             _int(build, "delta_budget_bytes", where), prof)
+        refs = []
+        for x in _list(d, "layers", where, 1 << 16):
+            x = _obj(x, where)
+            refs.append(LayerRef(_int(x, "layer", where, 0, 1 << 16), _path(x, "manifest", where),
+                                 _int(x, "size", where), _hex(x, "xxh3", where)))
+        if len({r.layer for r in refs}) != len(refs):
+            raise _fail(where, "a layer is listed twice")
+        files = tuple(FileEntry.parse(x, where) for x in _list(d, "files", where, 1 << 20))
+        paths = [f.path for f in files] + [r.manifest for r in refs]
+        if len(set(paths)) != len(paths):
+            raise _fail(where, "a file is listed twice")
+        model = _obj(d.get("model"), where + ": model")
+        fp = _obj(src.get("fingerprint"), where + ": source.fingerprint")
+        return cls(_str(d, "tool_version", where), _str(d, "created", where),
+                   _str(src, "path", where), _str(src, "layout", where), fp, model, params,
+                   tuple(refs), files)
+
+
+@dataclass(frozen=True)
+class CommitRecord:
+    """Written last and atomically: the cache is complete exactly when this names the manifest's digest."""
+
+    manifest: str
+    manifest_size: int
+    manifest_xxh3: str
+    committed_at: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"format": "moet-cache-commit", "format_version": FORMAT_VERSION, **asdict(self)}
+
+    @classmethod
+    def parse(cls, d: Any, where: str = COMMIT_RECORD) -> CommitRecord:
+        d = _obj(d, where)
+        _version(d, "moet-cache-commit", where)
+        return cls(_path(d, "manifest", where), _int(d, "manifest_size", where),
+                   _hex(d, "manifest_xxh3", where), _str(d, "committed_at", where))
+
+
+@dataclass(frozen=True)
+class DeltaIndex:
+    """Which (layer, expert) delta planes the tier pack holds; one entry per served layer."""
+
+    pack: str
+    budget_bytes: int
+    used_bytes: int
+    weighted_by_profile: bool
+    layers: tuple[tuple[int, tuple[int, ...]], ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format": "moet-cache-delta-index", "format_version": FORMAT_VERSION,
+            "pack": self.pack, "budget_bytes": self.budget_bytes, "used_bytes": self.used_bytes,
+            "weighted_by_profile": self.weighted_by_profile,
+            "layers": [{"layer": layer, "experts": list(ex)} for layer, ex in self.layers],
+        }
+
+    def experts_of(self, layer: int) -> tuple[int, ...] | None:
+        return next((ex for lyr, ex in self.layers if lyr == layer), None)
+
+    @classmethod
+    def parse(cls, d: Any, where: str = "delta index") -> DeltaIndex:
+        d = _obj(d, where)
+        _version(d, "moet-cache-delta-index", where)
+        if not isinstance(d.get("weighted_by_profile"), bool):
+            raise _fail(where, "weighted_by_profile must be true or false")
+        layers = []
+        for x in _list(d, "layers", where, 1 << 16):
+            x = _obj(x, where)
+            ex = _list(x, "experts", where, 1 << 16)
+            if not all(isinstance(e, int) and not isinstance(e, bool) and 0 <= e < 1 << 16 for e in ex) \
+                    or sorted(set(ex)) != ex:
+                raise _fail(where, "experts must be a sorted list of distinct expert numbers")
+            layers.append((_int(x, "layer", where, 0, 1 << 16), tuple(ex)))
+        return cls(_path(d, "pack", where), _int(d, "budget_bytes", where), _int(d, "used_bytes", where),
+                   d["weighted_by_profile"], tuple(layers))
+
+
+def load_record(path: Path, parser: Any, where: str | None = None) -> Any:
+    """Read a JSON manifest file and parse it strictly; any problem is a ManifestError."""
+    try:
+        data = read_json_file(path)
+    except InputError as e:
+        raise ManifestError(e.message, "the cache manifest is damaged; run moet-cache build again") from None
+    return parser(data, where or path.name)
+
+
+def write_record(path: Path, record: Any) -> bytes:
+    return atomic_write_json(path, record.to_dict())
+
+
+@dataclass(frozen=True)
+class PartManifest:
+    """A finished piece of a build that is not a layer (a dense shard, a staged delta file), for resume."""
+
+    build_key: str
+    files: tuple[FileEntry, ...]
+    tensors: tuple[TensorEntry, ...]
+    metadata: dict[str, str] | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"format": "moet-cache-part", "format_version": FORMAT_VERSION, "build_key": self.build_key,
+                "files": [asdict(f) for f in self.files], "tensors": [t.to_dict() for t in self.tensors],
+                "metadata": self.metadata}
+
+    @classmethod
+    def parse(cls, d: Any, where: str) -> PartManifest:
+        d = _obj(d, where)
+        _version(d, "moet-cache-part", where)
+        meta = d.get("metadata")
+        if meta is not None and not (isinstance(meta, dict) and all(
+                isinstance(k, str) and isinstance(v, str) for k, v in meta.items())):
+            raise _fail(where, "metadata must map strings to strings")
+        return cls(_hex(d, "build_key", where),
+                   tuple(FileEntry.parse(x, where) for x in _list(d, "files", where, 64)),
+                   tuple(TensorEntry.parse(x, where) for x in _list(d, "tensors", where, 1 << 20)), meta)

@@ -1,0 +1,126 @@
+"""Base and delta planes: the split of each FP4 code into its high 2 bits (base) and low 2 bits (delta).
+
+Bit order (the contract with the runtime, docs/FORMAT.md): a plane packs four 2-bit codes per byte,
+element 4k+j in bits 2j..2j+1, so the element with the lowest index sits in the lowest bits, the
+same convention as the FP4 nibbles. code = (base << 2) | delta, for each element.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .fp4 import BLOCK, E2M1_VALUES
+
+# Base code b stands for the FP4 codes 4b..4b+3: b=0 {0,.5,1,1.5}, b=1 {2,3,4,6}, b=2 and 3 negated.
+DEFAULT_TABLE = np.array(
+    [E2M1_VALUES[4 * b : 4 * b + 4].mean() for b in range(4)], dtype=np.float32
+)
+
+
+def _make_split_luts() -> tuple[np.ndarray, np.ndarray]:
+    """Lookup tables over a little-endian uint16 (two packed FP4 bytes = four codes)."""
+    v = np.arange(1 << 16, dtype=np.uint32)
+    codes = [(v >> (4 * j)) & 0xF for j in range(4)]
+    base = sum(((c >> 2) << (2 * j)) for j, c in enumerate(codes))
+    delta = sum(((c & 3) << (2 * j)) for j, c in enumerate(codes))
+    return base.astype(np.uint8), delta.astype(np.uint8)
+
+
+def _make_join_lut() -> np.ndarray:
+    """uint16 index (base byte | delta byte << 8) -> the two packed FP4 bytes as a uint16."""
+    v = np.arange(1 << 16, dtype=np.uint32)
+    b, d = v & 0xFF, v >> 8
+    out = np.zeros(1 << 16, dtype=np.uint32)
+    for j in range(4):
+        code = (((b >> (2 * j)) & 3) << 2) | ((d >> (2 * j)) & 3)
+        out |= code << (4 * j)
+    return out.astype(np.uint16)
+
+
+_BASE_LUT, _DELTA_LUT = _make_split_luts()
+_JOIN_LUT = _make_join_lut()
+
+
+def _as_u16(packed: np.ndarray) -> np.ndarray:
+    if packed.dtype != np.uint8 or packed.shape[-1] % 2:
+        raise ValueError("packed FP4 codes must be uint8 with an even last dimension")
+    return np.ascontiguousarray(packed).view("<u2")
+
+
+def split_planes(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """uint8 [..., n/2] packed FP4 -> (base, delta), each uint8 [..., n/4]."""
+    words = _as_u16(packed)
+    return np.take(_BASE_LUT, words), np.take(_DELTA_LUT, words)
+
+
+def join_planes(base: np.ndarray, delta: np.ndarray) -> np.ndarray:
+    """(base, delta) uint8 [..., n/4] -> packed FP4 uint8 [..., n/2]; the exact inverse of split_planes."""
+    idx = base.astype(np.uint16) | (delta.astype(np.uint16) << 8)
+    out = np.take(_JOIN_LUT, idx)
+    return out.view(np.uint8).reshape(base.shape[:-1] + (base.shape[-1] * 2,))
+
+
+def split_planes_reference(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The plain bit-by-bit split, kept as the reference the fast split is tested against."""
+    lo, hi = packed & 0xF, packed >> 4
+    codes = np.stack([lo, hi], axis=-1).reshape(packed.shape[:-1] + (-1, 4))
+    base = np.zeros(codes.shape[:-1], dtype=np.uint8)
+    delta = np.zeros(codes.shape[:-1], dtype=np.uint8)
+    for j in range(4):
+        base |= ((codes[..., j] >> 2) << (2 * j)).astype(np.uint8)
+        delta |= ((codes[..., j] & 3) << (2 * j)).astype(np.uint8)
+    return base, delta
+
+
+def code_histogram(packed: np.ndarray) -> np.ndarray:
+    """Counts of each of the 16 FP4 codes in a packed tensor (int64[16])."""
+    byte_counts = np.bincount(packed.reshape(-1), minlength=256).astype(np.int64)
+    grid = byte_counts.reshape(16, 16)  # [high nibble, low nibble]
+    return grid.sum(axis=0) + grid.sum(axis=1)
+
+
+def fit_table(hist: np.ndarray) -> np.ndarray:
+    """The 4-entry reconstruction table: the mean FP4 value each base code stands for.
+
+    A base code that never occurs gets the plain mean of its four values, so the table is always finite.
+    """
+    counts = hist.reshape(4, 4).astype(np.float64)
+    sums = (counts * E2M1_VALUES.reshape(4, 4)).sum(axis=1)
+    n = counts.sum(axis=1)
+    table = np.where(n > 0, sums / np.maximum(n, 1), DEFAULT_TABLE)
+    return table.astype(np.float32)
+
+
+def _word_sums(per_code: np.ndarray) -> np.ndarray:
+    """For each uint16 word (four codes), the sum of per_code over its codes."""
+    v = np.arange(1 << 16)
+    return sum(per_code[(v >> (4 * j)) & 0xF] for j in range(4)).astype(np.float32)
+
+
+def error_and_energy(packed: np.ndarray, block_scales: np.ndarray, table: np.ndarray) -> tuple[float, float]:
+    """(sum of (FP4 - table[base])^2 * s^2, sum of FP4^2 * s^2) over a tensor, before the global scale.
+
+    packed: uint8 [rows, n/2]; block_scales: float32 [rows, n/16].
+    """
+    per_code = np.stack([(E2M1_VALUES - np.repeat(table, 4)) ** 2, E2M1_VALUES**2], axis=-1)  # [16, 2]
+    lut = np.stack([_word_sums(per_code[:, 0]), _word_sums(per_code[:, 1])], axis=-1)  # [65536, 2]
+    rows = packed.shape[0]
+    per_word = np.take(lut, _as_u16(packed).reshape(-1), axis=0).reshape(rows, -1, BLOCK // 4, 2)
+    per_block = per_word.sum(axis=2, dtype=np.float64)  # [rows, n/16, 2]
+    s2 = block_scales.astype(np.float64) ** 2
+    return float((per_block[..., 0] * s2).sum()), float((per_block[..., 1] * s2).sum())
+
+
+def base_values(base: np.ndarray, table: np.ndarray) -> np.ndarray:
+    """Base plane uint8 [..., n/4] -> float32 [..., n] table values (before scales)."""
+    parts = [table[(base >> (2 * j)) & 3] for j in range(4)]
+    return np.stack(parts, axis=-1).reshape(base.shape[:-1] + (base.shape[-1] * 4,))
+
+
+def nearest_code_for_table(table: np.ndarray) -> np.ndarray:
+    """For each base code, the FP4 code (within its group of four) whose value is nearest the table's."""
+    out = np.zeros(4, dtype=np.uint8)
+    for b in range(4):
+        group = E2M1_VALUES[4 * b : 4 * b + 4]
+        out[b] = 4 * b + int(np.abs(group - table[b]).argmin())
+    return out

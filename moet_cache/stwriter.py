@@ -1,0 +1,162 @@
+"""A streaming safetensors writer: the header first, then each tensor's bytes in order, in bounded memory.
+
+The safetensors library writes whole dicts from memory; a layer of base planes is gigabytes, so we
+lay out the header ourselves (the format is a u64 length, a JSON header, a flat buffer) and every
+test reads our files back with the safetensors library.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .fsutil import fsync_dir, raise_if_disk_full, tmp_path_for
+from .hashing import new_hasher, xxh3_file_hex
+
+DTYPE_SIZES = {"U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "BOOL": 1, "F4_X2": 1,
+               "F16": 2, "BF16": 2, "I16": 2, "U16": 2, "F32": 4, "I32": 4, "U32": 4,
+               "F64": 8, "I64": 8, "U64": 8}
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        n = int(np.prod(self.shape, dtype=np.int64))
+        if self.dtype == "F4":  # safetensors counts FP4 elements, two to a byte
+            return (n + 1) // 2
+        if self.dtype not in DTYPE_SIZES:
+            raise ValueError(f"unknown safetensors dtype {self.dtype}")
+        return DTYPE_SIZES[self.dtype] * n
+
+
+@dataclass(frozen=True)
+class WrittenTensor:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int  # absolute byte offsets in the file
+    end: int
+    xxh3: str
+
+
+@dataclass(frozen=True)
+class WrittenFile:
+    size: int
+    xxh3: str
+    tensors: tuple[WrittenTensor, ...]
+
+
+def header_bytes(specs: list[TensorSpec], metadata: dict[str, str] | None) -> tuple[bytes, list[int]]:
+    """The length-prefixed, space-padded JSON header and each tensor's data offset."""
+    header: dict[str, object] = {}
+    if metadata:
+        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+    offsets, pos = [], 0
+    for s in specs:
+        header[s.name] = {"dtype": s.dtype, "shape": list(s.shape), "data_offsets": [pos, pos + s.nbytes]}
+        offsets.append(pos)
+        pos += s.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-(len(raw) + 8) % 8)
+    return len(raw).to_bytes(8, "little") + raw, offsets
+
+
+class SafetensorsWriter:
+    """Writes one safetensors file to a temp name; commit() fsyncs, hashes and renames it into place.
+
+    Each tensor's bytes must arrive in order (chunks appended), tensors in any interleaving.
+    """
+
+    def __init__(self, path: Path, specs: list[TensorSpec], metadata: dict[str, str] | None = None) -> None:
+        names = [s.name for s in specs]
+        if len(set(names)) != len(names):
+            raise ValueError("duplicate tensor names")
+        self.path = path
+        self.specs = {s.name: s for s in specs}
+        self._order = names
+        head, offsets = header_bytes(specs, metadata)
+        self._data_start = len(head)
+        self._begin = {s.name: self._data_start + o for s, o in zip(specs, offsets)}
+        self._filled = {n: 0 for n in names}
+        self._hashers = {n: new_hasher() for n in names}
+        self.size = self._data_start + sum(s.nbytes for s in specs)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._tmp = tmp_path_for(path)
+        self._fd = os.open(self._tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            if hasattr(os, "posix_fallocate") and self.size:
+                os.posix_fallocate(self._fd, 0, self.size)  # fail now, not half-way, when the disk is short
+            self._pwrite(head, 0)
+        except OSError as e:
+            self.abort()
+            raise_if_disk_full(e, self.size, path)
+            raise
+
+    def _pwrite(self, data: bytes | memoryview, pos: int) -> None:
+        view = memoryview(data).cast("B")
+        while view.nbytes:
+            n = os.pwrite(self._fd, view, pos)
+            view, pos = view[n:], pos + n
+
+    def write(self, name: str, data: np.ndarray | bytes | memoryview) -> None:
+        """Append the next chunk of tensor `name`."""
+        buf = memoryview(np.ascontiguousarray(data).reshape(-1).view(np.uint8)) \
+            if isinstance(data, np.ndarray) else memoryview(data).cast("B")
+        spec = self.specs[name]
+        filled = self._filled[name]
+        if filled + buf.nbytes > spec.nbytes:
+            raise ValueError(f"too many bytes for tensor {name}")
+        try:
+            self._pwrite(buf, self._begin[name] + filled)
+        except OSError as e:
+            self.abort()
+            raise_if_disk_full(e, self.size, self.path)
+            raise
+        self._hashers[name].update(buf)
+        self._filled[name] = filled + buf.nbytes
+
+    def commit(self) -> WrittenFile:
+        """Check every tensor is full, fsync, hash the file as written, rename it into place."""
+        short = [n for n in self._order if self._filled[n] != self.specs[n].nbytes]
+        if short:
+            self.abort()
+            raise ValueError(f"tensors not fully written: {short[:3]}")
+        try:
+            os.fsync(self._fd)
+        except OSError as e:
+            self.abort()
+            raise_if_disk_full(e, self.size, self.path)
+            raise
+        os.close(self._fd)
+        self._fd = -1
+        digest = xxh3_file_hex(self._tmp)
+        os.replace(self._tmp, self.path)
+        fsync_dir(self.path.parent)
+        tensors = []
+        for n in self._order:
+            s = self.specs[n]
+            b = self._begin[n]
+            tensors.append(WrittenTensor(n, s.dtype, s.shape, b, b + s.nbytes, self._hashers[n].hexdigest()))
+        return WrittenFile(self.size, digest, tuple(tensors))
+
+    def abort(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+        self._tmp.unlink(missing_ok=True)
+
+    def __enter__(self) -> SafetensorsWriter:
+        return self
+
+    def __exit__(self, exc_type: object, *rest: object) -> None:
+        if exc_type is not None:
+            self.abort()

@@ -1,0 +1,427 @@
+"""Verify a cache: the boot check (stats and small manifests only), a full re-hash, or against the source.
+
+Each check returns a frozen report and prints nothing; the CLI turns it into output and an exit code.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable
+
+import numpy as np
+import torch
+from safetensors import safe_open
+
+from . import layout as L
+from .errors import InputError
+from .fsutil import atomic_write_json, lock_is_held, read_json_file, resolve_inside
+from .hashing import xxh3_file_hex, xxh3_hex
+from .manifest import (CACHE_MANIFEST, COMMIT_RECORD, VERIFIED_STATE, CacheManifest, CommitRecord,
+                       DeltaIndex, FileEntry, LayerManifest, ManifestError, TensorEntry)
+from .progress import NullProgress, Progress
+
+# Boot-check states, most serious first.
+CORRUPT, INCOMPLETE, STALE, UNVERIFIED, VERIFIED = "corrupt", "incomplete", "stale", "unverified", "verified"
+_RANK = {CORRUPT: 0, INCOMPLETE: 1, STALE: 2, UNVERIFIED: 3, VERIFIED: 4}
+STATE_TEXT = {
+    VERIFIED: "complete and verified",
+    UNVERIFIED: "complete, not re-verified since a change",
+    INCOMPLETE: "incomplete",
+    STALE: "stale: the source changed since the build",
+    CORRUPT: "corrupt",
+}
+
+
+@dataclass(frozen=True)
+class Problem:
+    kind: str          # missing, size, digest, manifest, commit, coverage, stale, changed, mismatch, link
+    path: str
+    detail: str
+    layer: int | None = None
+    tensor: str | None = None
+
+    def describe(self) -> str:
+        where = self.path
+        if self.layer is not None:
+            where += f" (layer {self.layer}" + (f", tensor {self.tensor})" if self.tensor else ")")
+        return f"{where}: {self.detail}"
+
+
+@dataclass(frozen=True)
+class VerifyReport:
+    mode: str                        # boot, full, against
+    state: str
+    problems: tuple[Problem, ...]
+    files_checked: int
+    bytes_hashed: int = 0
+    seconds: float = 0.0
+    verified_by: str | None = None   # what the last recorded verification was ("build" or "full")
+    verified_at: str | None = None
+    source_present: bool | None = None
+    details: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return self.state == VERIFIED
+
+    @property
+    def complete(self) -> bool:
+        return self.state in (VERIFIED, UNVERIFIED)
+
+    @property
+    def state_text(self) -> str:
+        return STATE_TEXT[self.state]
+
+
+@dataclass(frozen=True)
+class CacheFiles:
+    """Everything a committed cache lists: the manifest, the layer manifests, every file."""
+
+    manifest: CacheManifest
+    manifest_xxh3: str
+    layers: dict[int, LayerManifest]
+    files: tuple[tuple[FileEntry, int | None], ...]  # (entry, layer or None)
+
+
+def read_committed_manifest(root: Path) -> CacheManifest | None:
+    """The manifest named by the commit record, or None when there is no commit record."""
+    commit_path = root / COMMIT_RECORD
+    if not commit_path.is_file():
+        return None
+    return _committed(root)[0]
+
+
+def _committed(root: Path) -> tuple[CacheManifest, str]:
+    commit = CommitRecord.parse(_read_json(root / COMMIT_RECORD), COMMIT_RECORD)
+    mpath = resolve_inside(root, commit.manifest, "commit record manifest")
+    data = mpath.read_bytes() if mpath.is_file() else b""
+    if len(data) != commit.manifest_size or xxh3_hex(data) != commit.manifest_xxh3:
+        raise ManifestError(f"{commit.manifest} does not match the commit record (edited or replaced after the build)",
+                            "run moet-cache build again")
+    import json
+    try:
+        doc = json.loads(data)
+    except ValueError:
+        raise ManifestError(f"{commit.manifest} is not valid JSON") from None
+    return CacheManifest.parse(doc, commit.manifest), commit.manifest_xxh3
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return read_json_file(path)
+    except InputError as e:
+        raise ManifestError(e.message, "run moet-cache build again") from None
+
+
+def _read_checked(root: Path, rel: str, size: int, digest: str) -> bytes | None:
+    p = resolve_inside(root, rel)
+    try:
+        data = p.read_bytes() if p.is_file() and p.stat().st_size == size else None
+    except OSError:
+        return None
+    return data if data is not None and xxh3_hex(data) == digest else None
+
+
+def load_cache_files(root: Path) -> CacheFiles:
+    """Read and check the commit record, cache.json and every layer manifest (all small files)."""
+    import json
+    if not (root / COMMIT_RECORD).is_file():
+        raise ManifestError(f"{root} has no commit record: the cache is incomplete",
+                            "run moet-cache build to finish it")
+    manifest, mdigest = _committed(root)
+    layers: dict[int, LayerManifest] = {}
+    files: list[tuple[FileEntry, int | None]] = [(f, None) for f in manifest.files]
+    for ref in manifest.layers:
+        data = _read_checked(root, ref.manifest, ref.size, ref.xxh3)
+        if data is None:
+            raise ManifestError(f"{ref.manifest} is missing or does not match cache.json",
+                                "run moet-cache build again")
+        lm = LayerManifest.parse(json.loads(data), ref.manifest)
+        if lm.layer != ref.layer:
+            raise ManifestError(f"{ref.manifest} describes layer {lm.layer}, cache.json says {ref.layer}")
+        layers[ref.layer] = lm
+        files.append((FileEntry(ref.manifest, ref.size, ref.xxh3, "layer-manifest"), ref.layer))
+        files.extend((f, ref.layer) for f in lm.files)
+    return CacheFiles(manifest, mdigest, layers, tuple(files))
+
+
+def _stat_key(st: os.stat_result) -> list[int]:
+    return [st.st_size, st.st_mtime_ns, st.st_ino]
+
+
+def record_verified_state(root: Path, manifest: CacheManifest, manifest_xxh3: str, by: str) -> None:
+    """Remember each file's (size, mtime_ns, inode) after a build or a full verify, for the boot check."""
+    cf = load_cache_files(root)
+    stats = {f.path: _stat_key((root / f.path).stat()) for f, _ in cf.files}
+    for name in (CACHE_MANIFEST, COMMIT_RECORD):
+        stats[name] = _stat_key((root / name).stat())
+    atomic_write_json(root / VERIFIED_STATE, {
+        "format": "moet-cache-verified", "format_version": 1, "manifest_xxh3": manifest_xxh3,
+        "by": by, "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "files": stats})
+
+
+def _verified_state(root: Path, manifest_xxh3: str) -> dict[str, Any] | None:
+    try:
+        doc = read_json_file(root / VERIFIED_STATE)
+    except InputError:
+        return None
+    if not isinstance(doc, dict) or doc.get("manifest_xxh3") != manifest_xxh3 or not isinstance(doc.get("files"), dict):
+        return None
+    return doc
+
+
+def _structure(root: Path, cf: CacheFiles) -> list[Problem]:
+    """Coverage: every served layer has its manifest, its base file and its delta-index entry."""
+    problems = []
+    for layer in cf.manifest.build.layers:
+        lm = cf.layers.get(layer)
+        if lm is None:
+            problems.append(Problem("coverage", CACHE_MANIFEST, "served layer has no layer manifest", layer))
+        elif not any(f.role == L.ROLE_BASE for f in lm.files):
+            problems.append(Problem("coverage", L.layer_manifest(layer), "no base-plane file", layer))
+    idx = cf.manifest.file(L.ROLE_DELTA_INDEX)
+    if idx is None or cf.manifest.file(L.ROLE_PACK) is None:
+        return problems + [Problem("coverage", L.DELTA_INDEX, "the cache lists no delta tier")]
+    data = _read_checked(root, idx.path, idx.size, idx.xxh3)
+    if data is None:
+        return problems  # reported as a file problem
+    import json
+    index = DeltaIndex.parse(json.loads(data), idx.path)
+    have = {layer for layer, _ in index.layers}
+    for layer in cf.manifest.build.layers:
+        if layer not in have:
+            problems.append(Problem("coverage", idx.path, "served layer has no delta-index entry", layer))
+    for layer, experts in index.layers:
+        n = cf.layers[layer].n_experts if layer in cf.layers else 0
+        if any(e >= n for e in experts):
+            problems.append(Problem("coverage", idx.path, f"delta index names an expert >= {n}", layer))
+    return problems
+
+
+def _source_changes(cf: CacheFiles) -> tuple[bool, list[Problem]]:
+    from .checkpoint import header_digest
+    src = Path(cf.manifest.source_path)
+    if not src.is_dir():
+        return False, []
+    problems = []
+    fp = cf.manifest.source_fingerprint
+    cfg = src / "config.json"
+    if cfg.is_file() and xxh3_file_hex(cfg) != fp.get("config_xxh3"):
+        problems.append(Problem("stale", "config.json", "the source's config.json changed"))
+    for shard in fp.get("shards", []):
+        if not isinstance(shard, dict):
+            continue
+        p = src / str(shard.get("name", ""))
+        try:
+            st = p.stat()
+        except OSError:
+            problems.append(Problem("stale", str(shard.get("name")), "the source shard is gone"))
+            continue
+        if st.st_size != shard.get("size"):
+            problems.append(Problem("stale", p.name, f"the source shard's size changed ({shard.get('size')} -> {st.st_size})"))
+        elif st.st_mtime_ns != shard.get("mtime_ns"):
+            same_header = header_digest(p) == shard.get("header_xxh3")
+            problems.append(Problem("stale", p.name, "the source shard was rewritten since the build"
+                                    + ("" if same_header else " (its header differs)")))
+    return True, problems
+
+
+def boot_check(root: str | os.PathLike[str], check_source: bool = True) -> VerifyReport:
+    """The cheap check for every boot: manifests, file stats, commit record, coverage, source staleness."""
+    t0 = time.perf_counter()
+    root = Path(root)
+    if not root.is_dir():
+        raise InputError(f"{root} is not a cache folder")
+    if not (root / COMMIT_RECORD).is_file():
+        detail = "a build is running" if lock_is_held(root) else "no commit record: the build did not finish"
+        return VerifyReport("boot", INCOMPLETE, (Problem("commit", COMMIT_RECORD, detail),), 0,
+                            seconds=time.perf_counter() - t0)
+    try:
+        cf = load_cache_files(root)
+    except ManifestError as e:
+        return VerifyReport("boot", CORRUPT, (Problem("manifest", CACHE_MANIFEST, e.message),), 0,
+                            seconds=time.perf_counter() - t0)
+    state = _verified_state(root, cf.manifest_xxh3)
+    recorded = state["files"] if state else {}
+    problems: list[Problem] = []
+    changed: list[Problem] = []
+    for f, layer in cf.files:
+        p = root / f.path
+        try:
+            st = os.lstat(p)
+        except OSError:
+            problems.append(Problem("missing", f.path, "file is missing", layer))
+            continue
+        if not os.path.isfile(p) or os.path.islink(p):
+            problems.append(Problem("link", f.path, "not a plain file", layer))
+        elif st.st_size != f.size:
+            problems.append(Problem("size", f.path, f"size is {st.st_size}, the manifest says {f.size}", layer))
+        elif recorded.get(f.path) != _stat_key(st):
+            changed.append(Problem("changed", f.path, "changed since the last verification", layer))
+    problems += _structure(root, cf)
+    present, stale = _source_changes(cf) if check_source else (None, [])
+    if any(p.kind == "missing" for p in problems) and not any(p.kind in ("size", "link") for p in problems):
+        verdict = INCOMPLETE
+    elif problems:
+        verdict = CORRUPT
+    elif stale:
+        verdict = STALE
+    elif changed or state is None:
+        verdict = UNVERIFIED
+    else:
+        verdict = VERIFIED
+    return VerifyReport("boot", verdict, tuple(problems + stale + changed), len(cf.files),
+                        seconds=time.perf_counter() - t0, verified_by=state.get("by") if state else None,
+                        verified_at=state.get("at") if state else None, source_present=present)
+
+
+def _hash_file(root: Path, f: FileEntry) -> tuple[FileEntry, str | None]:
+    p = root / f.path
+    try:
+        if p.is_symlink() or not p.is_file() or p.stat().st_size != f.size:
+            return f, None
+        return f, xxh3_file_hex(p)
+    except OSError:
+        return f, None
+
+
+def _bad_tensors(root: Path, f: FileEntry, tensors: Iterable[TensorEntry]) -> list[str]:
+    """Which tensors of a damaged file no longer match their digests."""
+    bad = []
+    with open(root / f.path, "rb") as fh:
+        for t in tensors:
+            if t.file != f.path:
+                continue
+            fh.seek(t.begin)
+            if xxh3_hex(fh.read(t.end - t.begin)) != t.xxh3:
+                bad.append(t.name)
+    return bad
+
+
+def full_verify(root: str | os.PathLike[str], workers: int | None = None,
+                progress: Progress | None = None) -> VerifyReport:
+    """Re-hash every byte of every listed file in parallel; on success, record it for the boot check."""
+    t0 = time.perf_counter()
+    root = Path(root)
+    progress = progress or NullProgress()
+    boot = boot_check(root)
+    if boot.state in (INCOMPLETE,) and not (root / COMMIT_RECORD).is_file() or boot.state == CORRUPT and \
+            any(p.kind == "manifest" for p in boot.problems):
+        return VerifyReport("full", boot.state, boot.problems, 0, seconds=time.perf_counter() - t0)
+    cf = load_cache_files(root)
+    total = sum(f.size for f, _ in cf.files)
+    progress.start(total, "verify")
+    problems = [p for p in boot.problems if p.kind not in ("changed",)]
+    hashed = 0
+    layer_of = {f.path: layer for f, layer in cf.files}
+    with ThreadPoolExecutor(max_workers=workers or min(8, (os.cpu_count() or 2))) as pool:
+        for f, digest in pool.map(lambda fe: _hash_file(root, fe[0]), cf.files):
+            progress.advance(f.size)
+            if digest is None:
+                continue  # missing or wrong size: already a boot-check problem
+            hashed += f.size
+            if digest != f.xxh3:
+                layer = layer_of.get(f.path)
+                tensors = cf.layers[layer].tensors if layer is not None else ()
+                bad = _bad_tensors(root, f, tensors) if tensors else []
+                detail = "contents differ from the manifest (xxh3-128 mismatch)"
+                if bad:
+                    problems.append(Problem("digest", f.path, detail, layer, ", ".join(bad)))
+                else:
+                    problems.append(Problem("digest", f.path, detail + ("; header or padding damaged" if tensors else ""), layer))
+    progress.finish()
+    if problems:
+        verdict = INCOMPLETE if all(p.kind in ("missing", "commit") for p in problems) else CORRUPT
+        if all(p.kind == "stale" for p in problems):
+            verdict = STALE
+    else:
+        verdict = VERIFIED
+        record_verified_state(root, cf.manifest, cf.manifest_xxh3, by="full")
+    return VerifyReport("full", verdict, tuple(problems), len(cf.files), bytes_hashed=hashed,
+                        seconds=time.perf_counter() - t0, verified_by="full" if verdict == VERIFIED else None,
+                        source_present=boot.source_present)
+
+
+def verify_against(root: str | os.PathLike[str], src: str | os.PathLike[str],
+                   progress: Progress | None = None) -> VerifyReport:
+    """Every base and delta plane equals the source's bits, the scales are equal; names the first mismatch."""
+    from .checkpoint import PROJECTIONS, open_checkpoint, tensor_bytes
+    from .planes import split_planes
+    t0 = time.perf_counter()
+    root = Path(root)
+    progress = progress or NullProgress()
+    cf = load_cache_files(root)
+    problems: list[Problem] = []
+    checked = {"experts": 0, "delta_planes": 0, "dense_tensors": 0}
+    with open_checkpoint(src) as ck:
+        if ck.layout != cf.manifest.source_layout:
+            raise InputError(f"the source is {ck.layout}, the cache was built from {cf.manifest.source_layout}")
+        index_fe = cf.manifest.file(L.ROLE_DELTA_INDEX)
+        import json
+        index = DeltaIndex.parse(json.loads((root / index_fe.path).read_bytes()), index_fe.path) if index_fe else None
+        pack = safe_open(str(resolve_inside(root, L.PACK)), framework="pt") if index else None
+        progress.start(sum(lm.source_bytes for lm in cf.layers.values()), "verify --against")
+        for layer, lm in sorted(cf.layers.items()):
+            base_fe = next(f for f in lm.files if f.role == L.ROLE_BASE)
+            all_fe = next((f for f in lm.files if f.role == L.ROLE_DELTA_ALL), None)
+            tier = list(index.experts_of(layer) or ()) if index else []
+            with safe_open(str(resolve_inside(root, base_fe.path)), framework="pt") as bf:
+                allf = safe_open(str(resolve_inside(root, all_fe.path)), framework="pt") if all_fe else None
+                for e in range(lm.n_experts):
+                    row = 0
+                    for proj in PROJECTIONS:
+                        x = ck.read_expert(layer, e, proj)
+                        base, delta = split_planes(x.codes)
+                        w13 = proj != "down_proj"
+                        rows = slice(row, row + base.shape[0]) if w13 else slice(None)
+                        got_base = tensor_bytes(bf.get_slice(L.W13_BASE if w13 else L.W2_BASE)[e])[rows]
+                        got_scale = tensor_bytes(bf.get_slice(L.W13_SCALE if w13 else L.W2_SCALE)[e])[rows]
+                        name = f"expert {e} {proj}"
+                        if not np.array_equal(got_base, base):
+                            problems.append(Problem("mismatch", base_fe.path, f"{name}: base plane differs from the source", layer, L.W13_BASE if w13 else L.W2_BASE))
+                        if not np.array_equal(got_scale, tensor_bytes(x.block_scale)):
+                            problems.append(Problem("mismatch", base_fe.path, f"{name}: block scales differ from the source", layer, L.W13_SCALE if w13 else L.W2_SCALE))
+                        deltas = []
+                        if allf is not None:
+                            deltas.append((all_fe.path, L.W13_DELTA if w13 else L.W2_DELTA,
+                                           tensor_bytes(allf.get_slice(L.W13_DELTA if w13 else L.W2_DELTA)[e])[rows]))
+                        if e in tier:
+                            which = L.pack_tensor(layer, L.W13_DELTA if w13 else L.W2_DELTA)
+                            deltas.append((L.PACK, which, tensor_bytes(pack.get_slice(which)[tier.index(e)])[rows]))
+                        for path, tname, got in deltas:
+                            checked["delta_planes"] += 1
+                            if not np.array_equal(got, delta):
+                                problems.append(Problem("mismatch", path, f"{name}: delta plane differs from the source", layer, tname))
+                        if w13:
+                            row += base.shape[0]
+                        progress.advance(x.codes.nbytes)
+                        if problems:
+                            break
+                    checked["experts"] += 1
+                    if problems:
+                        break
+            if problems:
+                break
+        if not problems:
+            for f, _ in cf.files:
+                if f.role != L.ROLE_DENSE:
+                    continue
+                with safe_open(str(resolve_inside(root, f.path)), framework="pt") as df:
+                    for name in df.keys():
+                        checked["dense_tensors"] += 1
+                        if name not in ck.tensors or not np.array_equal(tensor_bytes(df.get_tensor(name)), ck.get_raw(name)):
+                            problems.append(Problem("mismatch", f.path, f"dense tensor {name} differs from the source", None, name))
+                            break
+                if problems:
+                    break
+    progress.finish()
+    return VerifyReport("against", CORRUPT if problems else VERIFIED, tuple(problems[:1]), len(cf.files),
+                        seconds=time.perf_counter() - t0, details=checked)
+
+
+__all__ = ["boot_check", "full_verify", "verify_against", "VerifyReport", "Problem", "load_cache_files",
+           "record_verified_state", "read_committed_manifest", "torch"]
