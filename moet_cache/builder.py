@@ -400,9 +400,9 @@ class _Builder:
     # --- the tier --------------------------------------------------------------------------------
     def _tier(self, manifests: dict[int, tuple[LayerManifest, FileEntry]], budget: int) -> list[FileEntry]:
         layer_mans = {layer: lm for layer, (lm, _) in manifests.items()}
-        key = _key({"layers": {str(layer): fe.xxh3 for layer, (_, fe) in manifests.items()},
-                    "budget": budget, "profile": self.profile.digest if self.profile else None})
-        part_rel = "delta/tier.part.json"
+        key = tier_key({layer: fe.xxh3 for layer, (_, fe) in manifests.items()}, budget,
+                       self.profile.digest if self.profile else None)
+        part_rel = TIER_PART
         part = self._reusable_part(part_rel, key)
         if part is None:
             chosen = choose_tier(tier_candidates(layer_mans, self.profile), budget)
@@ -460,6 +460,15 @@ class _Builder:
         fsync_dir(self.root)
 
 
+TIER_PART = "delta/tier.part.json"
+
+
+def tier_key(layer_digests: dict[int, str], budget: int, profile_digest: str | None) -> str:
+    """What the tier's bytes depend on: the layer manifests, the budget and the profile."""
+    return _key({"layers": {str(k): v for k, v in sorted(layer_digests.items())}, "budget": budget,
+                 "profile": profile_digest})
+
+
 def tier_candidates(layers: dict[int, LayerManifest], profile: RoutingProfile | None) -> list[Candidate]:
     out = []
     for layer, lm in sorted(layers.items()):
@@ -511,4 +520,49 @@ def build_cache(src: str | os.PathLike[str], cache: str | os.PathLike[str],
             return _Builder(ckpt, root, opts, progress or NullProgress()).run()
 
 
-__all__ = ["BuildOptions", "BuildResult", "build_cache", "file_matches", "read_json_file"]
+@dataclass(frozen=True)
+class RetierResult:
+    cache: str
+    budget_bytes: int
+    tier_experts: int
+    tier_bytes: int
+    weighted_by_profile: bool
+
+
+def retier_cache(cache: str | os.PathLike[str], delta_budget: str, profile: str | None = None,
+                 wait: bool = False) -> RetierResult:
+    """Choose a new delta tier for a --lossless cache, without the source; recommits the cache."""
+    from dataclasses import replace
+
+    from .verifier import load_cache_files
+    root = Path(cache)
+    with CacheLock(root, wait=wait):
+        cf = load_cache_files(root)
+        m = cf.manifest
+        if not m.build.lossless:
+            raise InputError("only a --lossless cache keeps every delta plane, so only it can be re-tiered",
+                             "build again with the new --delta-budget (the source is needed)")
+        total = sum(lm.n_experts * lm.expert_delta_bytes for lm in cf.layers.values())
+        budget = parse_budget(delta_budget, total, what="delta budget")
+        prof = load_profile(profile) if profile else None
+        if prof:
+            check_profile(prof, {layer: lm.n_experts for layer, lm in cf.layers.items()})
+        chosen = choose_tier(tier_candidates(cf.layers, prof), budget)
+        commit = root / COMMIT_RECORD
+        commit.unlink()
+        fsync_dir(root)
+        sources = {layer: root / L.delta_file(layer) for layer, ex in chosen.items() if ex}
+        pack_fe, index_fe = write_delta_pack(root, cf.layers, chosen, sources, budget, prof is not None)
+        key = tier_key({r.layer: r.xxh3 for r in m.layers}, budget, prof.digest if prof else None)
+        part_fe = _write_json_entry(root, TIER_PART, PartManifest(key, (pack_fe, index_fe), ()), L.ROLE_PART)
+        keep = [f for f in m.files if f.role not in (L.ROLE_PACK, L.ROLE_DELTA_INDEX) and f.path != TIER_PART]
+        new = replace(m, created=_now(), files=(*keep, pack_fe, index_fe, part_fe),
+                      build=replace(m.build, delta_budget_bytes=budget, profile_xxh3=prof.digest if prof else None))
+        mdata = write_record(root / CACHE_MANIFEST, new)
+        write_record(commit, CommitRecord(CACHE_MANIFEST, len(mdata), xxh3_hex(mdata), _now()))
+        record_verified_state(root, new, xxh3_hex(mdata), by="build")
+        return RetierResult(str(root), budget, sum(len(ex) for ex in chosen.values()), pack_fe.size,
+                            prof is not None)
+
+
+__all__ = ["retier_cache", "RetierResult", "BuildOptions", "BuildResult", "build_cache", "file_matches", "read_json_file"]

@@ -341,8 +341,10 @@ def full_verify(root: str | os.PathLike[str], workers: int | None = None,
     else:
         verdict = VERIFIED
         record_verified_state(root, cf.manifest, cf.manifest_xxh3, by="full")
+    ok = verdict == VERIFIED
     return VerifyReport("full", verdict, tuple(problems), len(cf.files), bytes_hashed=hashed,
-                        seconds=time.perf_counter() - t0, verified_by="full" if verdict == VERIFIED else None,
+                        seconds=time.perf_counter() - t0, verified_by="full" if ok else None,
+                        verified_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()) if ok else None,
                         source_present=boot.source_present)
 
 

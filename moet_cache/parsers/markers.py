@@ -139,6 +139,8 @@ def _tag_end(window: str, start: int) -> int | object | None:
     limit = min(len(window), start + MAX_TAG_ATTRS)
     for k in range(start, limit):
         ch = window[k]
+        if ch == "<":
+            return None  # another marker starts inside: this is not a tag
         if ch == '"':
             in_quote = not in_quote
         elif ch == ">" and not in_quote:

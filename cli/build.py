@@ -1,0 +1,63 @@
+"""moet-cache build / retier."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from moet_cache import BuildOptions, build_cache, retier_cache
+from moet_cache.tiering import DEFAULT_DELTA_BUDGET
+from moet_cache.units import fmt_bytes
+
+from ._common import JsonOpt, QuietOpt
+from ._output import Output
+from ._progress import progress_for
+
+
+def build(
+    src: Annotated[Path, typer.Argument(help="The NVFP4 checkpoint folder (config.json, shards).")],
+    cache: Annotated[Path, typer.Argument(help="The cache folder to build or resume.")],
+    delta_budget: Annotated[str, typer.Option(help="Bytes of FP4 delta planes to keep (4.5GB, 2GiB, 25%).")] = DEFAULT_DELTA_BUDGET,
+    profile: Annotated[Optional[Path], typer.Option(help="Routing profile JSON (per-layer per-expert token counts).")] = None,
+    lossless: Annotated[bool, typer.Option(help="Also keep every expert's delta planes: export and retier without the source.")] = False,
+    layers: Annotated[Optional[str], typer.Option(help="Served MoE layers, e.g. 3-60 or 3,5,7-9 (default: all).")] = None,
+    include_mtp: Annotated[bool, typer.Option(help="Also build planes for the MTP (speculative) layers.")] = False,
+    wait: Annotated[bool, typer.Option(help="Wait for another build of this cache instead of failing.")] = False,
+    json_: JsonOpt = False,
+    quiet: QuietOpt = False,
+) -> None:
+    """Build the cache once; a rerun resumes a killed build, or confirms a complete one."""
+    out = Output(json_, quiet)
+    opts = BuildOptions(delta_budget=delta_budget, profile=str(profile) if profile else None,
+                        lossless=lossless, layers=layers, include_mtp=include_mtp, wait=wait)
+    r = build_cache(src, cache, opts, progress_for(out))
+    if out.json_mode:
+        out.json({"command": "build", **r.__dict__})
+        return
+    if r.already_complete:
+        out.print(f"{cache}: already complete and verified for this source and these settings; nothing to do")
+        return
+    rate = r.source_bytes / r.seconds / 1e9 if r.seconds > 0 else 0.0
+    out.print(f"built {cache}: {len(r.layers)} layers ({len(r.layers_built)} built, {len(r.layers_reused)} reused), "
+              f"{fmt_bytes(r.cache_bytes)} in {r.seconds:.1f} s ({rate:.2f} GB/s of source)")
+    out.print(f"delta tier: {r.tier_experts} experts, {fmt_bytes(r.tier_bytes)} (budget {fmt_bytes(r.budget_bytes)})")
+
+
+def retier(
+    cache: Annotated[Path, typer.Argument(help="A cache built with --lossless.")],
+    delta_budget: Annotated[str, typer.Option(help="New tier budget (4.5GB, 2GiB, 25%).")] = DEFAULT_DELTA_BUDGET,
+    profile: Annotated[Optional[Path], typer.Option(help="Routing profile JSON.")] = None,
+    wait: Annotated[bool, typer.Option(help="Wait for a running build instead of failing.")] = False,
+    json_: JsonOpt = False,
+    quiet: QuietOpt = False,
+) -> None:
+    """Choose a new FP4 delta tier for a --lossless cache, without the source."""
+    out = Output(json_, quiet)
+    r = retier_cache(cache, delta_budget, str(profile) if profile else None, wait)
+    if out.json_mode:
+        out.json({"command": "retier", **r.__dict__})
+    else:
+        out.print(f"re-tiered {cache}: {r.tier_experts} experts, {fmt_bytes(r.tier_bytes)} "
+                  f"(budget {fmt_bytes(r.budget_bytes)}{', weighted by the profile' if r.weighted_by_profile else ''})")

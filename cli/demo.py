@@ -1,0 +1,59 @@
+"""moet-cache demo: the embedded default, end to end."""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from moet_cache import BuildOptions, boot_check, build_cache, full_verify, inspect_cache, make_checkpoint, \
+    small_spec, verify_against
+from moet_cache.checkpoint import COMPRESSED_TENSORS, MODELOPT
+
+from ._common import JsonOpt, QuietOpt
+from ._errors import EXIT_OK, EXIT_PROBLEM
+from ._output import Output
+from ._progress import progress_for
+
+
+def demo(
+    workdir: Annotated[Optional[Path], typer.Option(help="Where to write the checkpoint and cache (default: a temp folder, removed after).")] = None,
+    layout: Annotated[str, typer.Option(help="modelopt or compressed-tensors.")] = MODELOPT,
+    json_: JsonOpt = False,
+    quiet: QuietOpt = False,
+) -> None:
+    """Make a synthetic DeepSeek-style NVFP4 checkpoint, build its cache, verify it three ways, inspect it."""
+    out = Output(json_, quiet)
+    if layout not in (MODELOPT, COMPRESSED_TENSORS):
+        raise typer.BadParameter(f"layout must be {MODELOPT} or {COMPRESSED_TENSORS}", param_hint="--layout")
+    with tempfile.TemporaryDirectory(prefix="moet-demo-") as tmp:
+        base = workdir or Path(tmp)
+        src, cache = base / "checkpoint", base / "cache"
+        t0 = time.perf_counter()
+        make_checkpoint(src, small_spec(layout))
+        out.info(f"synthetic {layout} checkpoint: {src}")
+        built = build_cache(src, cache, BuildOptions(delta_budget="25%"), progress_for(out))
+        boot = boot_check(cache)
+        full = full_verify(cache)
+        against = verify_against(cache, src)
+        info = inspect_cache(cache)
+        ok = boot.ok and full.ok and against.ok
+        doc = {"command": "demo", "ok": ok, "checkpoint": str(src), "cache": str(cache),
+               "kept": workdir is not None, "build": built.__dict__, "boot_check": boot.state,
+               "verify_full": full.state, "verify_against": against.state, "inspect": info.__dict__,
+               "seconds": time.perf_counter() - t0}
+        if out.json_mode:
+            out.json(doc)
+        else:
+            out.print(f"build: {len(built.layers)} layers, {built.tier_experts} tier experts, {built.seconds:.2f} s")
+            out.print(f"verify (boot check): {boot.state_text} in {boot.seconds * 1000:.1f} ms")
+            out.print(f"verify --full: {full.state_text}, {full.bytes_hashed} bytes hashed")
+            out.print(f"verify --against source: {against.state_text} ({against.details})")
+            from .inspect_cmd import inspect as show
+            show(cache, json_=False, quiet=quiet)
+            out.print(f"[{'green' if ok else 'red'}]demo {'passed' if ok else 'FAILED'}[/] in {doc['seconds']:.1f} s"
+                      + ("" if workdir else " (temporary files removed; pass --workdir to keep them)"))
+    raise typer.Exit(EXIT_OK if ok else EXIT_PROBLEM)

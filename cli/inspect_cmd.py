@@ -1,0 +1,40 @@
+"""moet-cache inspect."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from moet_cache import inspect_cache
+from moet_cache.units import fmt_bytes
+
+from ._common import JsonOpt, QuietOpt
+from ._output import Output
+
+
+def inspect(
+    cache: Annotated[Path, typer.Argument(help="The cache folder.")],
+    json_: JsonOpt = False,
+    quiet: QuietOpt = False,
+) -> None:
+    """Per layer: experts, base bytes, delta experts and bytes, base-only relative error; totals; source."""
+    out = Output(json_, quiet)
+    info = inspect_cache(cache)
+    if out.json_mode:
+        out.json({"command": "inspect", **info.__dict__})
+        return
+    rows = [[i.layer, i.kind, i.experts, fmt_bytes(i.base_bytes), i.delta_experts, fmt_bytes(i.delta_bytes),
+             f"{i.rel_error_mean:.4f}", f"{i.rel_error_worst:.4f} (#{i.worst_expert})", f"{i.rel_error_served:.4f}"]
+            for i in info.layers]
+    out.table(f"{cache}", ["layer", "kind", "experts", "base", "delta experts", "delta", "base-only rel. err",
+                           "worst expert", "served rel. err"], rows)
+    b = info.build
+    out.print(f"source: {info.source_path} ({info.source_layout}); built {info.created} by moet-cache {info.tool_version}")
+    out.print(f"build: layers {b.layers[0]}-{b.layers[-1]} ({len(b.layers)}), lossless={b.lossless}, "
+              f"include_mtp={b.include_mtp}, delta budget {fmt_bytes(b.delta_budget_bytes)}, "
+              f"profile {'yes' if b.profile_xxh3 else 'none'}")
+    out.print(f"totals: base {fmt_bytes(info.base_bytes)}, delta tier {fmt_bytes(info.delta_tier_bytes)} "
+              f"({info.tier_experts}/{info.total_experts} experts), lossless deltas {fmt_bytes(info.delta_all_bytes)}, "
+              f"dense {fmt_bytes(info.dense_bytes)}, all files {fmt_bytes(info.total_bytes)}")
