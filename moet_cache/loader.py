@@ -1,0 +1,601 @@
+"""The runtime's loader: a verified cache into CPU or GPU memory at disk speed (docs/LOADER.md).
+
+    cache = open_cache(path)                       # refuses an incomplete, stale or corrupt cache
+    for layer in cache.load(device="cuda:0"):      # LoadedLayer(index, tensors, nbytes)
+        ...
+    for name, tensor in cache.load_dense(device="cuda:0"):
+        ...
+
+A bounded pipeline, not batches: worker threads read tensor byte ranges (absolute offsets from the
+manifests, checked against the file size and dtype x shape) straight into preallocated tensors
+(CPU) or into a shared pool of pinned staging slots that each worker copies to the GPU on its own
+CUDA stream. Bytes in flight are bounded by `max_inflight`; a layer is yielded as soon as it is
+complete; an error, a closed generator or Ctrl-C stops every worker and frees what they hold.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import threading
+from collections import deque
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator, Sequence
+
+import numpy as np
+import torch
+
+from . import layout as L
+from .errors import InputError, VerificationError
+from .expand import expand_projection
+from .fsutil import resolve_inside
+from .hashing import xxh3_file_hex, xxh3_hex
+from .manifest import DeltaIndex, FileEntry, LayerManifest, PartManifest, TensorEntry
+from .progress import NullProgress, Progress
+from .units import parse_size
+from .verifier import (CORRUPT, INCOMPLETE, STALE, VERIFIED, CacheFiles, Problem, VerifyReport,
+                       boot_check, load_cache_files)
+
+DELTA_MODES = ("tier", "none", "all")
+VERIFY_MODES = ("boot", "hash", "none")
+CHUNK = 8 << 20                 # one read (and one staging slot): big enough for disk speed, small for cache
+DELTA_EXPERTS = "delta_experts"  # int64 [n]: which experts the w13_delta / w2_delta rows belong to
+MAX_HEADER = 100 << 20
+
+_TORCH_DTYPES: dict[str, torch.dtype] = {
+    "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "I32": torch.int32, "I64": torch.int64,
+    "F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64,
+    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+    "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64,
+}
+
+
+@dataclass(frozen=True)
+class LoadedLayer:
+    """One served MoE layer in memory: `index` is the model's layer number (docs/LOADER.md names)."""
+
+    index: int
+    tensors: dict[str, torch.Tensor]
+    nbytes: int                      # bytes read from the cache for this layer
+
+
+@dataclass(frozen=True)
+class _Read:
+    """One tensor's byte range in one cache file, and what it must be."""
+
+    name: str
+    path: str
+    begin: int
+    end: int
+    dtype: str
+    shape: tuple[int, ...]
+    xxh3: str | None                 # None: the file has no per-tensor digest (the tier pack)
+    where: str                       # for errors: "layer 7" or "dense"
+
+
+@dataclass(frozen=True)
+class _Job:
+    key: int | str
+    reads: tuple[_Read, ...]
+    nbytes: int
+    uses_pack: bool = False
+
+
+class _Stopped(Exception):
+    """A worker saw the stop flag (another worker failed, or the consumer went away)."""
+
+
+def _storage(dtype: str, shape: tuple[int, ...]) -> tuple[torch.dtype, tuple[int, ...], int]:
+    """(torch dtype, storage shape, bytes) of a safetensors dtype and header shape."""
+    if dtype == "F4":  # packed FP4 pairs: the header counts elements; we hand out the packed bytes
+        if not shape or shape[-1] % 2:
+            raise InputError(f"an F4 tensor needs an even last dimension, found {list(shape)}")
+        shape = (*shape[:-1], shape[-1] // 2)
+        tdt = torch.uint8
+    else:
+        tdt = _TORCH_DTYPES.get(dtype)  # type: ignore[assignment]
+        if tdt is None:
+            raise InputError(f"the loader cannot read dtype {dtype}")
+    n = int(np.prod(shape, dtype=np.int64)) * torch.empty((), dtype=tdt).element_size()
+    return tdt, tuple(shape), n
+
+
+def _check_read(r: _Read, file_size: int) -> None:
+    _, _, n = _storage(r.dtype, r.shape)
+    if r.end - r.begin != n:
+        raise VerificationError(f"{r.path}: tensor {r.name} ({r.where}) spans {r.end - r.begin} bytes, "
+                                f"its dtype {r.dtype} and shape {list(r.shape)} need {n}",
+                                "the manifest is damaged; run moet-cache build again")
+    if r.end > file_size:
+        raise VerificationError(f"{r.path}: tensor {r.name} ({r.where}) ends at byte {r.end}, "
+                                f"the file has {file_size}", "the file is truncated; run moet-cache build again")
+
+
+def parse_header(path: Path, rel: str) -> tuple[int, dict[str, tuple[str, tuple[int, ...], int, int]]]:
+    """A safetensors file's tensors as name -> (dtype, shape, absolute begin, end), strictly checked."""
+    with open(path, "rb") as f:
+        head = f.read(8)
+        size = os.fstat(f.fileno()).st_size
+        n = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if n < 2 or n > MAX_HEADER or 8 + n > size:
+            raise VerificationError(f"{rel}: not a valid safetensors file (header length {n})",
+                                    "run moet-cache build again")
+        try:
+            doc = json.loads(f.read(n))
+        except ValueError:
+            raise VerificationError(f"{rel}: the safetensors header is not valid JSON") from None
+    if not isinstance(doc, dict):
+        raise VerificationError(f"{rel}: the safetensors header is not an object")
+    out = {}
+    for name, spec in doc.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype, shape, (b, e) = spec["dtype"], tuple(spec["shape"]), spec["data_offsets"]
+            if not (isinstance(b, int) and isinstance(e, int) and 0 <= b <= e) \
+                    or not all(isinstance(x, int) and x >= 0 for x in shape):
+                raise ValueError
+        except (KeyError, TypeError, ValueError):
+            raise VerificationError(f"{rel}: tensor {name} has a malformed header entry") from None
+        out[name] = (str(dtype), shape, 8 + n + b, 8 + n + e)
+    return size, out
+
+
+# --- the pipeline --------------------------------------------------------------------------------
+class _Files:
+    """Open file descriptors of one load (pread is safe from many threads on one descriptor)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self._fds: dict[str, tuple[int, int]] = {}
+        self._lock = threading.Lock()
+
+    def fd(self, rel: str) -> tuple[int, int]:
+        with self._lock:
+            got = self._fds.get(rel)
+            if got is None:
+                fd = os.open(resolve_inside(self.root, rel), os.O_RDONLY)
+                got = (fd, os.fstat(fd).st_size)
+                self._fds[rel] = got
+            return got
+
+    def close(self) -> None:
+        with self._lock:
+            for fd, _ in self._fds.values():
+                os.close(fd)
+            self._fds.clear()
+
+
+class _Slots:
+    """The pinned staging buffers a GPU load shares among its workers (bytes in flight = their total)."""
+
+    def __init__(self, count: int, size: int) -> None:
+        self.q: queue.Queue[tuple[torch.Tensor, torch.cuda.Event | None]] = queue.Queue()
+        for _ in range(count):
+            self.q.put((torch.empty(size, dtype=torch.uint8, pin_memory=True), None))
+
+    def take(self, stop: threading.Event) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        while True:
+            if stop.is_set():
+                raise _Stopped
+            try:
+                return self.q.get(timeout=0.05)
+            except queue.Empty:
+                continue
+
+    def give(self, buf: torch.Tensor, event: torch.cuda.Event | None) -> None:
+        self.q.put((buf, event))
+
+    def drain(self) -> None:
+        while True:
+            try:
+                _, ev = self.q.get_nowait()
+            except queue.Empty:
+                return
+            if ev is not None:
+                ev.synchronize()
+
+
+def _mismatch(r: _Read) -> VerificationError:
+    return VerificationError(
+        f"{r.path}: tensor {r.name} ({r.where}) does not match its xxh3-128 digest",
+        "the cache is corrupt: run moet-cache verify --full, then moet-cache build to repair it",
+        [Problem("digest", r.path, "contents differ from the manifest (xxh3-128 mismatch)",
+                 int(r.where.split()[1]) if r.where.startswith("layer ") else None, r.name)])
+
+
+def _short(r: _Read) -> VerificationError:
+    return VerificationError(f"{r.path}: file ended inside tensor {r.name} ({r.where})",
+                             "the file was truncated while loading; run moet-cache build again")
+
+
+class _Pipeline:
+    """Runs jobs on `workers` threads with at most `max_inflight` bytes read but not yet handed over."""
+
+    def __init__(self, root: Path, device: torch.device, verify_hash: bool, workers: int,
+                 max_inflight: int, finish: Callable[[_Job, dict[str, torch.Tensor], Any], dict[str, torch.Tensor]]) -> None:
+        self.files = _Files(root)
+        self.device = device
+        self.hash = verify_hash
+        self.workers = workers
+        self.max_inflight = max_inflight
+        self.finish = finish
+        self.stop = threading.Event()
+        self.local = threading.local()
+        self.slots: _Slots | None = None
+        if device.type == "cuda":
+            chunk = max(1 << 20, min(CHUNK, max_inflight // (2 * workers)))
+            self.chunk = chunk
+            self.slots = _Slots(max(2 * workers, max_inflight // chunk), chunk)
+        else:
+            self.chunk = CHUNK
+
+    # each worker ---------------------------------------------------------------------------
+    def _read_cpu(self, r: _Read, fd: int, mv: memoryview) -> None:
+        h = xxh3_128() if self.hash and r.xxh3 else None
+        pos, n = 0, len(mv)
+        while pos < n:
+            if self.stop.is_set():
+                raise _Stopped
+            k = min(self.chunk, n - pos)
+            got = os.preadv(fd, [mv[pos:pos + k]], r.begin + pos)
+            if got <= 0:
+                raise _short(r)
+            if h is not None:
+                h.update(mv[pos:pos + got])  # xxhash releases the GIL on large buffers
+            pos += got
+        if h is not None and h.hexdigest() != r.xxh3:
+            raise _mismatch(r)
+
+    def _read_gpu(self, r: _Read, fd: int, dst: torch.Tensor, stream: torch.cuda.Stream) -> None:
+        assert self.slots is not None
+        h = xxh3_128() if self.hash and r.xxh3 else None
+        pos, n = 0, dst.numel()
+        while pos < n:
+            buf, ev = self.slots.take(self.stop)
+            try:
+                if ev is not None:
+                    ev.synchronize()  # the slot's last copy to the GPU is done (releases the GIL)
+                k = min(buf.numel(), n - pos)
+                mv = memoryview(buf.numpy())[:k]
+                done = 0
+                while done < k:
+                    got = os.preadv(fd, [mv[done:]], r.begin + pos + done)
+                    if got <= 0:
+                        raise _short(r)
+                    done += got
+                if h is not None:
+                    h.update(mv)
+                with torch.cuda.stream(stream):
+                    dst[pos:pos + k].copy_(buf[:k], non_blocking=True)
+                    ev = torch.cuda.Event()
+                    ev.record(stream)
+            finally:
+                self.slots.give(buf, ev)
+            pos += k
+        if h is not None and h.hexdigest() != r.xxh3:
+            raise _mismatch(r)
+
+    def run_job(self, job: _Job) -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
+        stream = None
+        if self.device.type == "cuda":
+            stream = getattr(self.local, "stream", None)
+            if stream is None:
+                stream = self.local.stream = torch.cuda.Stream(device=self.device)
+            # Memory from the caching allocator may still be in use by the default stream.
+            stream.wait_stream(torch.cuda.default_stream(self.device))
+        for r in job.reads:
+            fd, size = self.files.fd(r.path)
+            _check_read(r, size)
+            tdt, shape, n = _storage(r.dtype, r.shape)
+            flat = torch.empty(n, dtype=torch.uint8, device=self.device)
+            if stream is None:
+                self._read_cpu(r, fd, memoryview(flat.numpy()))
+            else:
+                self._read_gpu(r, fd, flat, stream)
+            out[r.name] = flat.view(tdt).reshape(shape)
+        if stream is not None:
+            with torch.cuda.stream(stream):
+                result = self.finish(job, out, stream)
+            stream.synchronize()
+            return result
+        return self.finish(job, out, None)
+
+    # the consumer side -----------------------------------------------------------------------
+    def run(self, jobs: Sequence[_Job], progress: Progress, what: str,
+            before_yield: Callable[[_Job], None] | None = None) -> Iterator[tuple[_Job, dict[str, torch.Tensor]]]:
+        pending = deque(jobs)
+        running: dict[Future[dict[str, torch.Tensor]], _Job] = {}
+        inflight = 0
+        # CPU: the budget bounds bytes read but not yet yielded. GPU: the pinned slots bound
+        # the staging bytes; jobs on the device are bounded by the workers.
+        budget = self.max_inflight if self.slots is None else 1 << 62
+        pool = ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="moet-load")
+        progress.start(sum(j.nbytes for j in jobs), what)
+        try:
+            while pending or running:
+                while pending and len(running) < 2 * self.workers and \
+                        (not running or inflight + pending[0].nbytes <= budget):
+                    job = pending.popleft()
+                    inflight += job.nbytes
+                    running[pool.submit(self.run_job, job)] = job
+                done, _ = wait(list(running), timeout=0.25, return_when=FIRST_COMPLETED)
+                for fut in done:
+                    job = running.pop(fut)
+                    tensors = fut.result()  # a worker's error ends the load here
+                    inflight -= job.nbytes
+                    if before_yield is not None:
+                        before_yield(job)
+                    progress.advance(job.nbytes)
+                    if isinstance(job.key, int):
+                        progress.layer_done(job.key)
+                    yield job, tensors
+        finally:
+            # Error, Ctrl-C or an abandoned generator: stop every worker, drop what they hold.
+            self.stop.set()
+            for fut in running:
+                fut.cancel()
+            pool.shutdown(wait=True, cancel_futures=True)
+            running.clear()
+            if self.slots is not None:
+                self.slots.drain()
+                self.slots = None
+            self.files.close()
+            progress.finish()
+
+
+def xxh3_128() -> Any:
+    import xxhash
+    return xxhash.xxh3_128()
+
+
+# --- the cache --------------------------------------------------------------------------------
+def _refuse(report: VerifyReport, root: Path) -> VerificationError:
+    first = "; ".join(p.describe() for p in report.problems[:3])
+    more = f" (and {len(report.problems) - 3} more)" if len(report.problems) > 3 else ""
+    return VerificationError(f"the cache at {root} is {report.state_text}: {first}{more}",
+                             "run moet-cache verify for the details, then moet-cache build to repair it",
+                             list(report.problems))
+
+
+def _check_small(root: Path, fe: FileEntry) -> bytes:
+    """A small file listed in cache.json, read and checked against its size and digest."""
+    data = resolve_inside(root, fe.path).read_bytes()
+    if len(data) != fe.size or xxh3_hex(data) != fe.xxh3:
+        raise VerificationError(f"{fe.path} does not match cache.json", "run moet-cache build again")
+    return data
+
+
+class Cache:
+    """An opened cache: its checked manifests; `load` and `load_dense` read it into memory."""
+
+    def __init__(self, root: Path, files: CacheFiles, report: VerifyReport, index: DeltaIndex | None) -> None:
+        self.root = root
+        self.files = files
+        self.report = report
+        self.delta_index = index
+
+    @property
+    def layers(self) -> tuple[int, ...]:
+        return tuple(sorted(self.files.layers))
+
+    @property
+    def lossless(self) -> bool:
+        return self.files.manifest.build.lossless
+
+    # planning --------------------------------------------------------------------------------
+    def _layer_job(self, lm: LayerManifest, delta: str, pack: dict[str, tuple[str, tuple[int, ...], int, int]]) -> _Job:
+        where = f"layer {lm.layer}"
+        roles = {f.path: f.role for f in lm.files}
+        reads = [_Read(t.name, t.file, t.begin, t.end, t.dtype, t.shape, t.xxh3, where)
+                 for t in lm.tensors if roles[t.file] == L.ROLE_BASE]
+        E, H, I = lm.n_experts, lm.hidden_size, lm.intermediate_size
+        want = {L.W13_BASE: (E, 2 * I, H // 4), L.W2_BASE: (E, H, I // 4),
+                L.W13_SCALE: (E, 2 * I, H // 16), L.W2_SCALE: (E, H, I // 16),
+                L.W13_TABLE: (E, 2, 4), L.W2_TABLE: (E, 4)}
+        have = {r.name: r.shape for r in reads}
+        for name, shape in want.items():
+            if have.get(name) != shape:
+                raise VerificationError(f"layer {lm.layer}: tensor {name} has shape {have.get(name)}, "
+                                        f"the layer needs {list(shape)}", "run moet-cache build again")
+        uses_pack = False
+        if delta == "all":
+            reads += [_Read(t.name, t.file, t.begin, t.end, t.dtype, t.shape, t.xxh3, where)
+                      for t in lm.tensors if roles[t.file] == L.ROLE_DELTA_ALL and t.name in (L.W13_DELTA, L.W2_DELTA)]
+            if sum(r.name in (L.W13_DELTA, L.W2_DELTA) for r in reads) != 2:
+                raise VerificationError(f"layer {lm.layer} lists no delta planes", "run moet-cache build again")
+        elif delta == "tier":
+            experts = (self.delta_index.experts_of(lm.layer) if self.delta_index else None) or ()
+            for which, shape in ((L.W13_DELTA, (len(experts), 2 * I, H // 4)), (L.W2_DELTA, (len(experts), H, I // 4))):
+                if not experts:
+                    continue
+                name = L.pack_tensor(lm.layer, which)
+                got = pack.get(name)
+                if got is None or got[0] != "U8" or got[1] != shape:
+                    raise VerificationError(f"{L.PACK}: tensor {name} is missing or has the wrong shape "
+                                            f"(the index names {len(experts)} experts)", "run moet-cache build again")
+                reads.append(_Read(which, L.PACK, got[2], got[3], "U8", shape, None, where))
+                uses_pack = True
+        nbytes = sum(r.end - r.begin for r in reads)
+        return _Job(lm.layer, tuple(reads), nbytes, uses_pack)
+
+    def _finish_layer(self, delta: str, expand: bool) -> Callable[[_Job, dict[str, torch.Tensor], Any], dict[str, torch.Tensor]]:
+        def finish(job: _Job, t: dict[str, torch.Tensor], stream: Any) -> dict[str, torch.Tensor]:
+            lm = self.files.layers[int(job.key)]
+            dev = t[L.W13_BASE].device
+            if delta == "all":
+                experts: tuple[int, ...] = tuple(range(lm.n_experts))
+            elif delta == "tier":
+                experts = (self.delta_index.experts_of(lm.layer) if self.delta_index else None) or ()
+                if not experts:  # the same names for every layer: empty delta planes
+                    E, H, I = lm.n_experts, lm.hidden_size, lm.intermediate_size
+                    t[L.W13_DELTA] = torch.empty((0, 2 * I, H // 4), dtype=torch.uint8, device=dev)
+                    t[L.W2_DELTA] = torch.empty((0, H, I // 4), dtype=torch.uint8, device=dev)
+            else:
+                experts = ()
+            if delta != "none":
+                t[DELTA_EXPERTS] = torch.tensor(experts, dtype=torch.int64, device=dev)
+            if expand:
+                t = _expand_layer(lm, t, experts, delta != "none")
+            if stream is not None:  # made on the worker's stream, used on the consumer's
+                for v in t.values():
+                    v.record_stream(torch.cuda.default_stream(dev))
+            return t
+        return finish
+
+    # the API ---------------------------------------------------------------------------------
+    def _check_verify(self, verify: str) -> None:
+        if verify not in VERIFY_MODES:
+            raise InputError(f"verify must be one of {', '.join(VERIFY_MODES)}, got {verify!r}")
+        if verify == "boot":
+            report = boot_check(self.root)
+            if report.state != VERIFIED:
+                if report.state in (CORRUPT, INCOMPLETE, STALE):
+                    raise _refuse(report, self.root)
+                raise VerificationError(
+                    f"the cache at {self.root} changed since its last verification "
+                    f"({report.problems[0].describe() if report.problems else 'no verification recorded'})",
+                    "run moet-cache verify --full once, or load with verify='hash'", list(report.problems))
+
+    def load(self, device: str | torch.device = "cpu", delta: str = "tier", verify: str = "boot",
+             workers: int = 4, max_inflight: str | int = "2GiB", progress: Progress | None = None,
+             expand: bool = False, layers: Sequence[int] | None = None) -> Iterator[LoadedLayer]:
+        """Yield every served layer (or those in `layers`) as it completes; see docs/LOADER.md."""
+        if delta not in DELTA_MODES:
+            raise InputError(f"delta must be one of {', '.join(DELTA_MODES)}, got {delta!r}")
+        if delta == "all" and not self.lossless:
+            raise InputError("delta='all' needs a --lossless cache (this one keeps only the tier's planes)",
+                             "use delta='tier', or build with --lossless")
+        if workers < 1:
+            raise InputError(f"workers must be at least 1, got {workers}")
+        dev = _device(device)
+        budget = parse_size(max_inflight, what="max_inflight")
+        if budget < 1 << 20:
+            raise InputError(f"max_inflight must be at least 1 MiB, got {budget} bytes")
+        self._check_verify(verify)
+        sel = self.layers if layers is None else tuple(layers)
+        missing = [x for x in sel if x not in self.files.layers]
+        if missing:
+            raise InputError(f"the cache has no layer {missing[0]}", f"its layers are {list(self.layers)}")
+        pack: dict[str, tuple[str, tuple[int, ...], int, int]] = {}
+        pack_fe = self.files.manifest.file(L.ROLE_PACK)
+        need_pack = delta == "tier" and any(self.delta_index and self.delta_index.experts_of(x) for x in sel)
+        if need_pack:
+            assert pack_fe is not None
+            size, pack = parse_header(resolve_inside(self.root, pack_fe.path), pack_fe.path)
+            if size != pack_fe.size:
+                raise VerificationError(f"{pack_fe.path} is {size} bytes, cache.json says {pack_fe.size}",
+                                        "run moet-cache build again")
+        jobs = [self._layer_job(self.files.layers[x], delta, pack) for x in sel]
+        return self._run_layers(jobs, dev, delta, verify, workers, budget, progress, expand, pack_fe if need_pack else None)
+
+    def _run_layers(self, jobs: list[_Job], dev: torch.device, delta: str, verify: str, workers: int,
+                    budget: int, progress: Progress | None, expand: bool, pack_fe: FileEntry | None) -> Iterator[LoadedLayer]:
+        pipe = _Pipeline(self.root, dev, verify == "hash", workers, budget, self._finish_layer(delta, expand))
+        pack_check: list[Future[str]] = []
+        side = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moet-pack") if verify == "hash" and pack_fe else None
+        try:
+            if side is not None and pack_fe is not None:
+                # The pack has one digest for the whole file: hash it beside the loads, and let no
+                # layer that uses it out before that digest matched.
+                pack_check.append(side.submit(xxh3_file_hex, resolve_inside(self.root, pack_fe.path)))
+
+            def before_yield(job: _Job) -> None:
+                if job.uses_pack and pack_check and pack_fe is not None:
+                    if pack_check[0].result() != pack_fe.xxh3:
+                        raise VerificationError(f"{pack_fe.path} does not match its xxh3-128 digest",
+                                                "the delta pack is corrupt: run moet-cache build again",
+                                                [Problem("digest", pack_fe.path, "contents differ from cache.json")])
+            for job, tensors in pipe.run(jobs, progress or NullProgress(), "load", before_yield):
+                yield LoadedLayer(int(job.key), tensors, job.nbytes)
+        finally:
+            if side is not None:
+                side.shutdown(wait=True, cancel_futures=True)
+
+    def dense_entries(self) -> list[TensorEntry]:
+        """Every dense tensor the cache holds (from the dense part manifests, digests checked)."""
+        out: list[TensorEntry] = []
+        dense_files = {f.path for f in self.files.manifest.files if f.role == L.ROLE_DENSE}
+        for fe in self.files.manifest.files:
+            if fe.role != L.ROLE_PART or not fe.path.startswith(L.DENSE_DIR + "/"):
+                continue
+            try:
+                part = PartManifest.parse(json.loads(_check_small(self.root, fe)), fe.path)
+            except ValueError:
+                raise VerificationError(f"{fe.path} is not valid JSON", "run moet-cache build again") from None
+            for t in part.tensors:
+                if t.file not in dense_files:
+                    raise VerificationError(f"{fe.path}: tensor {t.name} is in {t.file}, which cache.json does not list")
+                out.append(t)
+        return out
+
+    def load_dense(self, device: str | torch.device = "cpu", verify: str = "boot", workers: int = 4,
+                   max_inflight: str | int = "2GiB", progress: Progress | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield (source name, tensor) for every dense tensor, with the checks of `load`."""
+        dev = _device(device)
+        budget = parse_size(max_inflight, what="max_inflight")
+        self._check_verify(verify)
+        entries = self.dense_entries()
+        jobs: list[_Job] = []
+        group: list[_Read] = []
+        for t in entries:  # group small tensors: one job is ~64 MiB or one big tensor
+            group.append(_Read(t.name, t.file, t.begin, t.end, t.dtype, t.shape, t.xxh3, "dense"))
+            if sum(r.end - r.begin for r in group) >= 64 << 20:
+                jobs.append(_Job(f"dense-{len(jobs)}", tuple(group), sum(r.end - r.begin for r in group)))
+                group = []
+        if group:
+            jobs.append(_Job(f"dense-{len(jobs)}", tuple(group), sum(r.end - r.begin for r in group)))
+        pipe = _Pipeline(self.root, dev, verify == "hash", workers, max(budget, 1 << 20), lambda j, t, s: t)
+        for _, tensors in pipe.run(jobs, progress or NullProgress(), "load dense"):
+            yield from tensors.items()
+
+
+def _device(device: str | torch.device) -> torch.device:
+    dev = torch.device(device)
+    if dev.type not in ("cpu", "cuda"):
+        raise InputError(f"device must be 'cpu' or a CUDA device, got {device!r}")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise InputError(f"device {device!r} asked for, but this machine has no CUDA device")
+        if dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
+
+
+def _expand_layer(lm: LayerManifest, t: dict[str, torch.Tensor], experts: tuple[int, ...],
+                  with_delta: bool) -> dict[str, torch.Tensor]:
+    """Planes -> the stock fused-MoE names (w13_weight, w2_weight, scales), for `expand=True`."""
+    I, H = lm.intermediate_size, lm.hidden_size
+    out = {k: v for k, v in t.items() if k not in (L.W13_BASE, L.W2_BASE, L.W13_DELTA, L.W2_DELTA,
+                                                   L.W13_TABLE, L.W2_TABLE, DELTA_EXPERTS)}
+    tables13 = t[L.W13_TABLE].cpu().numpy()
+    tables2 = t[L.W2_TABLE].cpu().numpy().reshape(lm.n_experts, 1, 4)
+    rows13 = {e: t[L.W13_DELTA][k] for k, e in enumerate(experts)} if with_delta else {}
+    rows2 = {e: t[L.W2_DELTA][k] for k, e in enumerate(experts)} if with_delta else {}
+    out["w13_weight"] = expand_projection(t[L.W13_BASE], tables13, rows13, I)
+    out["w2_weight"] = expand_projection(t[L.W2_BASE], tables2, rows2, H)
+    return out
+
+
+def open_cache(path: str | os.PathLike[str], check_source: bool = True) -> Cache:
+    """Open a cache for loading: manifests read and checked; incomplete, stale or corrupt is refused."""
+    root = Path(path)
+    report = boot_check(root, check_source=check_source)
+    if report.state in (CORRUPT, INCOMPLETE, STALE):
+        raise _refuse(report, root)
+    files = load_cache_files(root)
+    index = None
+    idx_fe = files.manifest.file(L.ROLE_DELTA_INDEX)
+    if idx_fe is not None:
+        try:
+            index = DeltaIndex.parse(json.loads(_check_small(root, idx_fe)), idx_fe.path)
+        except ValueError:
+            raise VerificationError(f"{idx_fe.path} is not valid JSON", "run moet-cache build again") from None
+    return Cache(root, files, report, index)
+
+
+__all__ = ["open_cache", "Cache", "LoadedLayer", "DELTA_EXPERTS", "DELTA_MODES", "VERIFY_MODES", "parse_header"]
