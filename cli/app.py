@@ -11,6 +11,7 @@ import typer
 from moet_cache.version import __version__
 
 from . import build, demo, export, inspect_cmd, verify
+from . import plan, serve
 from ._errors import EXIT_USAGE, exit_code_for, message_for
 
 HELP = """Turn an NVFP4 MoE checkpoint into a verified 2-bit base-plane + FP4 delta-tier cache, and serve it.
@@ -26,6 +27,8 @@ app.command("inspect")(inspect_cmd.inspect)
 app.command("export")(export.export)
 app.command("retier")(build.retier)
 app.command("demo")(demo.demo)
+app.command("plan")(plan.plan)
+app.command("serve")(serve.serve)
 
 
 def _version_callback(value: bool) -> None:

@@ -1,0 +1,127 @@
+"""moet-cache plan: what a cache (or a checkpoint's future cache) takes on a GPU, and what fits."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from moet_cache import vram
+from moet_cache.units import GIB, parse_size
+
+from ._common import JsonOpt, QuietOpt
+from ._errors import EXIT_OK, EXIT_PROBLEM
+from ._output import Output
+
+
+def _g(n: float) -> str:
+    """GiB with two decimals, more for small figures (a synthetic cache is a few MiB)."""
+    return f"{n / GIB:.2f}" if abs(n) >= GIB / 100 or n == 0 else f"{n / GIB:.5f}"
+
+
+def plan_document(p: vram.Plan) -> dict:
+    """The plan as one JSON document: every figure in bytes and in GiB."""
+    fp, s = p.footprint, p.settings
+    terms = {"base_planes": p.base, "delta_tier": p.delta, "dense": p.dense, "mtp_weights": p.mtp_weights,
+             "cudagraph_reserve": p.cudagraph, "activation_reserve": p.activations, "kv_cache": p.kv}
+    return {
+        "command": "plan", "path": fp.path, "source": fp.source, "exact": fp.exact,
+        "gpu": {"name": s.gpu.name, "total_bytes": s.gpu.total_bytes, "total_gib": s.gpu.total_bytes / GIB},
+        "settings": {"gpu_memory_utilization": s.utilization, "max_model_len": s.max_model_len,
+                     "kv_cache_dtype": s.kv_cache_dtype, "max_num_seqs": s.max_num_seqs,
+                     "cudagraph_capture_sizes": list(s.cudagraph_sizes), "speculative": s.speculative,
+                     "block_size": s.block_size, "kv_bytes_per_token": s.kv_bytes_per_token},
+        "budget_bytes": p.budget, "budget_gib": p.budget / GIB,
+        "terms_bytes": terms, "terms_gib": {k: v / GIB for k, v in terms.items()},
+        "kv_bytes_per_token_per_layer": p.kv_per_token_layer, "kv_layers": p.kv_layers,
+        "kv_bytes_per_token": p.kv_per_token_layer * p.kv_layers, "kv_tokens": p.kv_tokens,
+        "need_bytes": p.need, "need_gib": p.need / GIB, "fits": p.fits,
+        "margin_bytes": p.margin, "margin_gib": p.margin / GIB, "deciding": p.deciding,
+        "kv_room_bytes": p.kv_room,
+        "max_kv_bytes_per_token_per_layer": p.max_kv_per_token_layer, "longest_context": p.longest_context,
+        "buys": {"extra_full_length_sequences": p.extra_full_seqs, "extra_delta_experts": p.extra_delta_experts,
+                 "delta_experts": [fp.tier_experts, fp.total_experts],
+                 "mtp_bytes": p.mtp_need, "mtp_fits": p.mtp_fits},
+        "suggestions": [{"change": x.change, "setting": x.setting, "margin_bytes": x.margin} for x in p.suggestions],
+        "notes": list(p.notes),
+    }
+
+
+def show_plan(out: Output, p: vram.Plan) -> None:
+    fp, s = p.footprint, p.settings
+    how = "exact bytes from the cache's manifests" if fp.exact else "computed from config.json and the shard headers"
+    out.print(f"{fp.path}: {fp.served_layers} served MoE layers ({how})")
+    out.print(f"GPU {s.gpu.name}: {_g(s.gpu.total_bytes)} GiB x {s.utilization} = {_g(p.budget)} GiB usable. "
+              "All figures in GiB (2^30 bytes); 1 GB = 0.931 GiB.")
+    per_token = p.kv_per_token_layer * p.kv_layers
+    rows = [
+        ["base planes", _g(p.base), f"{fp.served_layers} layers, 2-bit codes + FP8 block scales"],
+        ["delta tier", _g(p.delta), f"{fp.tier_experts} of {fp.total_experts} experts at FP4"],
+        ["dense weights", _g(p.dense), "attention, shared experts, embeddings, copied unchanged"],
+    ]
+    if p.mtp_weights:
+        rows.append(["MTP layer", _g(p.mtp_weights), "speculative decoding" + ("" if fp.mtp_exact else " (estimate)")])
+    rows += [
+        ["CUDA graphs", _g(p.cudagraph), f"{len(s.cudagraph_sizes)} capture sizes"
+         + (" (given)" if s.cudagraph_reserve is not None else " (estimate)")],
+        ["activations", _g(p.activations), "given" if s.activation_reserve is not None
+         else f"estimate for {s.batched_tokens} batched tokens"],
+        ["KV cache", _g(p.kv), f"{p.kv_tokens} tokens x {per_token} B ({p.kv_per_token_layer} B x {p.kv_layers} "
+         f"layers, {s.kv_cache_dtype if s.kv_bytes_per_token is None else 'given'})"],
+        ["total", _g(p.need), f"of {_g(p.budget)} usable"],
+    ]
+    out.table(None, ["Term", "size in GiB", "What"], rows)
+    if p.fits:
+        out.print(f"[green]fits[/green], with {_g(p.margin)} GiB to spare ({p.deciding})")
+        out.print("the free bytes would buy one of:")
+        out.print(f"  {p.extra_full_seqs} more concurrent {s.max_model_len}-token sequences")
+        out.print(f"  a context of {p.longest_context} tokens for {s.max_num_seqs} sequence(s)")
+        out.print(f"  {p.extra_delta_experts} more delta-tier experts "
+                  f"({fp.tier_experts + p.extra_delta_experts} of {fp.total_experts})")
+    else:
+        out.print(f"[red]does not fit[/red]: short by {_g(-p.margin)} GiB. Deciding term: {p.deciding}")
+        out.print("nearest settings that fit:")
+        for x in p.suggestions:
+            out.print(f"  {x.change}: {x.setting} (leaves {_g(x.margin)} GiB)")
+    if p.mtp_need:
+        verdict = "fits" if p.mtp_fits else "does not fit"
+        out.print(f"speculative decoding (MTP layer + its KV, {_g(p.mtp_need)} GiB): {verdict}")
+    out.print(f"largest KV per token per layer that fits: {p.max_kv_per_token_layer} B; "
+              f"longest context that fits: {p.longest_context} tokens")
+    for n in p.notes:
+        out.info(f"note: {n}")
+
+
+def plan(
+    path: Annotated[Path, typer.Argument(help="A cache folder (exact bytes) or an NVFP4 checkpoint (computed).")],
+    gpu: Annotated[str, typer.Option(help=f"GPU preset ({', '.join(vram.GPU_PRESETS)}) or its memory, e.g. 96GB, 95.6GiB.")] = vram.DEFAULT_GPU,
+    gpu_memory_utilization: Annotated[float, typer.Option(help="vLLM's share of the GPU's memory.")] = vram.DEFAULT_UTILIZATION,
+    max_model_len: Annotated[int, typer.Option(min=1, help="Context length in tokens.")] = vram.DEFAULT_MAX_MODEL_LEN,
+    kv_cache_dtype: Annotated[str, typer.Option(help=f"One of {', '.join(vram.KV_DTYPES)}.")] = vram.DEFAULT_KV_DTYPE,
+    max_num_seqs: Annotated[int, typer.Option(min=1, help="Full-length sequences the KV cache must hold at once.")] = 1,
+    cudagraph_capture_sizes: Annotated[str, typer.Option(help="CUDA-graph batch sizes, e.g. 1,2,4,8; none for eager.")] = "1,2,4,8",
+    delta_budget: Annotated[Optional[str], typer.Option(help="Plan with this delta tier (4.5GB, 2GiB, 25%, 0) instead of the built one.")] = None,
+    speculative: Annotated[str, typer.Option(help="mtp: count the MTP layer and its KV; none.")] = "none",
+    kv_bytes_per_token: Annotated[Optional[int], typer.Option(min=1, help="KV bytes per token per layer, for attention moet-cache does not know.")] = None,
+    block_size: Annotated[int, typer.Option(min=1, help="KV-cache block size in tokens.")] = vram.DEFAULT_BLOCK_SIZE,
+    cudagraph_reserve: Annotated[Optional[str], typer.Option(help="Override the CUDA-graph estimate (e.g. 1GiB).")] = None,
+    activation_reserve: Annotated[Optional[str], typer.Option(help="Override the activation estimate (e.g. 2GiB).")] = None,
+    json_: JsonOpt = False,
+    quiet: QuietOpt = False,
+) -> None:
+    """Plan the VRAM: weights, KV cache, reserves, headroom; exit 0 when it fits, 1 when it does not."""
+    out = Output(json_, quiet)
+    settings = vram.PlanSettings(
+        gpu=vram.resolve_gpu(gpu), utilization=gpu_memory_utilization, max_model_len=max_model_len,
+        kv_cache_dtype=kv_cache_dtype, max_num_seqs=max_num_seqs,
+        cudagraph_sizes=vram.parse_sizes_list(cudagraph_capture_sizes), speculative=speculative,
+        block_size=block_size, kv_bytes_per_token=kv_bytes_per_token,
+        cudagraph_reserve=parse_size(cudagraph_reserve, what="--cudagraph-reserve") if cudagraph_reserve else None,
+        activation_reserve=parse_size(activation_reserve, what="--activation-reserve") if activation_reserve else None)
+    p = vram.plan_for(path, settings, delta_budget)
+    if out.json_mode:
+        out.json(plan_document(p))
+    else:
+        show_plan(out, p)
+    raise typer.Exit(EXIT_OK if p.fits else EXIT_PROBLEM)

@@ -1,0 +1,57 @@
+"""moet-cache serve: boot-check the cache, build the `vllm serve` command from a profile, exec vLLM."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.text import Text
+
+from moet_cache import serving
+from moet_cache.units import GIB
+
+from ._common import JsonOpt, QuietOpt
+from ._output import Output
+
+
+def serve(
+    cache: Annotated[Path, typer.Argument(help="The cache folder.")],
+    vllm_args: Annotated[Optional[list[str]], typer.Argument(
+        help="After --: any `vllm serve` flags; they replace the profile's.", show_default=False)] = None,
+    settings: Annotated[str, typer.Option(help=f"Settings profile: {', '.join(serving.PROFILES)}.")] = serving.DEFAULT_PROFILE,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the command and environment; do not start vLLM.")] = False,
+    force: Annotated[bool, typer.Option("--force", help="Serve an incomplete, stale or corrupt cache anyway (warns).")] = False,
+    skip_flag_check: Annotated[bool, typer.Option("--skip-flag-check", help="Do not check the flags with vLLM's own parser.")] = False,
+    json_: JsonOpt = False,
+    quiet: QuietOpt = False,
+) -> None:
+    """Start vLLM on a verified cache (it replaces this process); `--dry-run` only prints the command."""
+    out = Output(json_, quiet)
+    cmd = serving.build_serve_command(cache, settings, list(vllm_args or []), force=force,
+                                      skip_flag_check=skip_flag_check, require_vllm=not dry_run)
+    for w in cmd.warnings:
+        out.warn(w)
+    for n in cmd.notes:
+        out.info(f"note: {n}")
+    pre = serving.preflight_plan(cmd) if cmd.boot_state != "corrupt" else None
+    if pre is None:
+        out.info("no GPU seen (nvidia-smi): the VRAM plan was skipped; run `moet-cache plan` for a card")
+    elif not pre.fits:
+        out.warn(f"these settings do not fit {pre.gpu}: short by {-pre.margin / GIB:.2f} GiB ({pre.deciding}); "
+                 + ("nearest: " + "; ".join(pre.suggestions) if pre.suggestions else "see `moet-cache plan`"))
+    else:
+        out.info(f"plan: fits {pre.gpu} with {pre.margin / GIB:.2f} GiB to spare")
+    if dry_run:
+        if out.json_mode:
+            out.json({"command": "serve", "dry_run": True, "argv": list(cmd.argv), "shell": cmd.shell(),
+                      "env_added": dict(cmd.env_added), "cache": cmd.cache, "profile": cmd.profile,
+                      "boot_state": cmd.boot_state, "vllm": cmd.vllm, "vllm_version": cmd.vllm_version,
+                      "flags_checked": cmd.flags_checked, "warnings": list(cmd.warnings), "notes": list(cmd.notes),
+                      "plan": None if pre is None else pre.__dict__})
+        else:
+            env = "\n".join(f"  {k}={v}" for k, v in cmd.env_added) or "  (inherited unchanged)"
+            out.print(Text(f"environment added:\n{env}"))
+            out.print(Text(cmd.shell()))  # plain text: no rich markup in paths and JSON
+        return
+    serving.exec_vllm(cmd)
