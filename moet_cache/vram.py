@@ -472,6 +472,12 @@ def _suggestions(fp: Footprint, s: PlanSettings, budget: int, static: int, per_t
             out.append(Suggestion("tier", f"--delta-budget {keep / GIB:.3f}GiB ({keep // fp.expert_delta_bytes} experts)",
                                   budget - (static - fp.delta_tier_bytes + keep + kv)))
         out.append(Suggestion("base-only", "--delta-budget 0", budget - (static - fp.delta_tier_bytes + kv)))
+    elif fp.delta_tier_bytes:  # dropping the tier is not enough alone: base-only and a shorter context
+        room0 = room + fp.delta_tier_bytes
+        longest = (room0 // (per_token * s.max_num_seqs)) // s.block_size * s.block_size if per_token else 0
+        if longest >= s.block_size:
+            out.append(Suggestion("base-only+context", f"--delta-budget 0 --max-model-len {longest}",
+                                  room0 - longest * s.max_num_seqs * per_token))
     if s.kv_bytes_per_token is None and fp.attention.kind == "mla":
         for dtype in ("nvfp4_ds_mla", "fp8_ds_mla", "fp8"):
             p = kv_bytes_per_token_layer(fp.attention, dtype)
