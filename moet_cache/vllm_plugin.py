@@ -1,0 +1,175 @@
+"""vLLM model-loader plugin: `vllm serve MODEL --load-format moet --model-loader-extra-config '{"cache": DIR}'`.
+
+Registered through the `vllm.general_plugins` entry point (pyproject.toml). This module imports
+without vLLM: the weight mapping (`load_into_model`) is plain torch and is tested against a fake
+model; the BaseModelLoader subclass is only defined when `register()` finds vLLM.
+
+Mapping (docs/LOADER.md): each served layer's tensors go into
+`model.layers.{L}.mlp.experts.<name>`. A stock NVFP4 model (it has `w13_weight`) gets the expanded
+FP4 codes (expand=True); a plane-aware runtime (it has `w13_base`) gets the planes, and tensors
+whose shapes depend on the tier (w13_delta, w2_delta, delta_experts) become buffers of the experts
+module where the model declares no parameter for them. Dense tensors go through the model's own
+`load_weights` (vLLM's name mapping: stacking of q/kv, gate/up, ...), or by name when it has none.
+Only tensor parallelism 1 without expert parallelism: shapes are checked and a mismatch is refused.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+
+from .errors import InputError
+from .loader import DELTA_EXPERTS, DELTA_MODES, VERIFY_MODES, open_cache
+
+LOAD_FORMAT = "moet"
+_TIER_SHAPED = ("w13_delta", "w2_delta", DELTA_EXPERTS)
+
+
+@dataclass(frozen=True)
+class PluginOptions:
+    """`--model-loader-extra-config` keys. expand: None = decide from the model's parameter names."""
+
+    cache: str
+    delta: str = "tier"
+    verify: str = "boot"
+    workers: int = 4
+    max_inflight: str = "2GiB"
+    expand: bool | None = None
+
+    @classmethod
+    def from_extra(cls, extra: Any) -> PluginOptions:
+        if not isinstance(extra, dict) or not isinstance(extra.get("cache"), str) or not extra["cache"]:
+            raise InputError("--load-format moet needs the cache folder",
+                             """pass --model-loader-extra-config '{"cache": "/path/to/cache"}'""")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(extra) - known)
+        if unknown:
+            raise InputError(f"unknown moet loader option {unknown[0]!r}", f"known options: {', '.join(sorted(known))}")
+        opts = cls(**extra)
+        if opts.delta not in DELTA_MODES or opts.verify not in VERIFY_MODES:
+            raise InputError(f"delta must be one of {DELTA_MODES} and verify one of {VERIFY_MODES}")
+        if not isinstance(opts.workers, int) or isinstance(opts.workers, bool) or opts.workers < 1:
+            raise InputError(f"workers must be a positive integer, got {opts.workers!r}")
+        if opts.expand not in (None, True, False):
+            raise InputError(f"expand must be true, false or absent, got {opts.expand!r}")
+        return opts
+
+
+@dataclass(frozen=True)
+class LoadSummary:
+    layers: tuple[int, ...]
+    expanded: bool
+    moe_bytes: int
+    dense_tensors: int
+    seconds: float
+
+
+def experts_prefix(layer: int) -> str:
+    """Where vLLM's DeepSeek models keep a layer's fused-MoE parameters."""
+    return f"model.layers.{layer}.mlp.experts."
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
+    if tuple(dst.shape) != tuple(src.shape) or dst.dtype != src.dtype:
+        raise InputError(f"{name}: the model wants {dst.dtype} {list(dst.shape)}, the cache has "
+                         f"{src.dtype} {list(src.shape)}",
+                         "the cache was built for another model, or tensor/expert parallelism is on (the moet loader needs TP=1)")
+    with torch.no_grad():
+        dst.copy_(src, non_blocking=False)
+
+
+def load_into_model(model: torch.nn.Module, opts: PluginOptions) -> LoadSummary:
+    """Fill a model's fused-MoE parameters and dense weights from the cache (the plugin's work)."""
+    t0 = time.perf_counter()
+    cache = open_cache(opts.cache)
+    params = dict(model.named_parameters())
+    params.update(dict(model.named_buffers()))
+    first = experts_prefix(cache.layers[0])
+    if opts.expand is None:
+        if first + "w13_base" in params:
+            expand = False
+        elif first + "w13_weight" in params:
+            expand = True
+        else:
+            raise InputError(f"the model has no fused-MoE parameters under {first}",
+                             "the moet loader serves DeepSeek-style MoE models")
+    else:
+        expand = opts.expand
+    device = params[first + ("w13_weight" if expand else "w13_base")].device
+    modules = dict(model.named_modules())
+    moe_bytes = 0
+    for layer in cache.load(device=device, delta=opts.delta, verify=opts.verify, workers=opts.workers,
+                            max_inflight=opts.max_inflight, expand=expand):
+        prefix = experts_prefix(layer.index)
+        wanted = {n for n in params if n.startswith(prefix) and "." not in n[len(prefix):]}
+        for name, t in layer.tensors.items():
+            p = params.get(prefix + name)
+            if p is None:
+                if name in _TIER_SHAPED and not expand:
+                    modules[prefix[:-1]].register_buffer(name, t, persistent=False)
+                    continue
+                raise InputError(f"the model has no parameter {prefix + name} for the cache's tensor",
+                                 "the cache was built for another model")
+            _copy(p.data, t, prefix + name)
+            wanted.discard(prefix + name)
+        left = sorted(n for n in wanted if n.rsplit(".", 1)[1].startswith(("w13_", "w2_")))
+        if left:
+            raise InputError(f"the cache gives no value for {left[0]}",
+                             "the model expects tensors the cache does not hold (e.g. input scales)")
+        moe_bytes += layer.nbytes
+    dense = 0
+    loader = getattr(model, "load_weights", None)
+
+    def counted(it: Any) -> Any:
+        nonlocal dense
+        for item in it:
+            dense += 1
+            yield item
+    weights = counted(cache.load_dense(device="cpu", verify="none" if opts.verify == "boot" else opts.verify,
+                                       workers=opts.workers, max_inflight=opts.max_inflight))
+    if callable(loader):
+        loader(weights)
+    else:
+        for name, t in weights:
+            p = params.get(name)
+            if p is None:
+                raise InputError(f"the model has no parameter {name} (and no load_weights to map it)")
+            _copy(p.data, t.to(p.device), name)
+    return LoadSummary(cache.layers, expand, moe_bytes, dense, time.perf_counter() - t0)
+
+
+@functools.lru_cache(maxsize=1)
+def _loader_class() -> type:
+    """Define and register the vLLM loader class (once; needs vLLM)."""
+    from vllm.model_executor.model_loader import BaseModelLoader, register_model_loader
+
+    class MoetModelLoader(BaseModelLoader):  # type: ignore[misc, valid-type]
+        """Loads a model's weights from a moet-cache folder instead of the checkpoint."""
+
+        def __init__(self, load_config: Any) -> None:
+            super().__init__(load_config)
+            self.options = PluginOptions.from_extra(load_config.model_loader_extra_config)
+
+        def download_model(self, model_config: Any) -> None:
+            open_cache(self.options.cache)  # nothing to download: check the cache early instead
+
+        def load_weights(self, model: torch.nn.Module, model_config: Any) -> None:
+            load_into_model(model, self.options)
+
+    return register_model_loader(LOAD_FORMAT)(MoetModelLoader)
+
+
+def register() -> type | None:
+    """The `vllm.general_plugins` entry point: registers `--load-format moet`; None without vLLM."""
+    try:
+        import vllm.model_executor.model_loader  # noqa: F401
+    except ImportError:
+        return None
+    return _loader_class()
+
+
+__all__ = ["register", "load_into_model", "PluginOptions", "LoadSummary", "LOAD_FORMAT", "experts_prefix"]
