@@ -11,6 +11,8 @@ import json
 import os
 import shutil
 import time
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -19,8 +21,8 @@ import torch
 from safetensors import safe_open
 
 from . import layout as L
-from .checkpoint import COMPRESSED_TENSORS, INDEX_NAME, PROJECTIONS, Checkpoint, expert_layer_of, \
-    layer_of, open_checkpoint, tensor_bytes
+from .checkpoint import COMPRESSED_TENSORS, INDEX_NAME, PROJECTIONS, Checkpoint, ExpertTensors, \
+    expert_layer_of, layer_of, open_checkpoint, tensor_bytes
 from .errors import InputError
 from .fsutil import CacheLock, atomic_write_bytes, check_free_space, fsync_dir, read_json_file
 from .hashing import xxh3_file_hex, xxh3_hex
@@ -93,6 +95,36 @@ def _entries(path: str, written: WrittenFile, role: str) -> tuple[FileEntry, lis
 def _write_json_entry(root: Path, rel: str, record: object, role: str) -> FileEntry:
     data = write_record(root / rel, record)
     return FileEntry(rel, len(data), xxh3_hex(data), role)
+
+
+@dataclass(frozen=True)
+class _Planes:
+    """One projection of one expert, split and measured by a worker thread."""
+    x: ExpertTensors
+    base: np.ndarray
+    delta: np.ndarray
+    table: np.ndarray
+    error: float   # before the global scale
+    energy: float
+
+
+def _plane_work(xs: list[ExpertTensors]) -> list[_Planes]:
+    out = []
+    for x in xs:
+        base, delta = split_planes(x.codes)
+        table = fit_table(code_histogram(x.codes))
+        er, eg = error_and_energy(x.codes, x.block_scale.to(torch.float32).numpy(), table)
+        out.append(_Planes(x, base, delta, table, er, eg))
+    return out
+
+
+def _plane_workers() -> int:
+    """Threads for the split: the cores this process may run on (taskset and cgroups narrow it), at most 8."""
+    try:
+        n = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        n = os.cpu_count() or 1
+    return max(1, min(8, n))
 
 
 @dataclass
@@ -342,17 +374,24 @@ class _Builder:
         raw_scalars: dict[tuple[str, str], list[np.ndarray]] = {}
         sq_error, energy = [], []
         source_bytes = 0
+        # A pipeline in bounded memory: this thread reads expert e + 2*workers and writes expert e, while
+        # worker threads split and measure the experts in between (numpy releases the GIL in them).
+        workers = _plane_workers()
+        pending: deque[Future[list[_Planes]]] = deque()
+        ahead = 0
         with SafetensorsWriter(self.root / L.base_file(layer), base_specs) as bw, \
-                SafetensorsWriter(self.root / delta_rel, delta_specs) as dw:
+                SafetensorsWriter(self.root / delta_rel, delta_specs) as dw, \
+                ThreadPoolExecutor(max_workers=workers, thread_name_prefix="moet-planes") as pool:
             for e in range(E):
+                while ahead < E and len(pending) < 2 * workers:
+                    pending.append(pool.submit(_plane_work, [ck.read_expert(layer, ahead, p) for p in PROJECTIONS]))
+                    ahead += 1
+                work = pending.popleft().result()
                 err = en = 0.0
                 for j, proj in enumerate(PROJECTIONS):
-                    x = ck.read_expert(layer, e, proj)
-                    base, delta = split_planes(x.codes)
-                    table = fit_table(code_histogram(x.codes))
+                    x, base, delta, table = work[j].x, work[j].base, work[j].delta, work[j].table
                     g = ck.multiply_global_scale(x.global_scale)
-                    er, eg = error_and_energy(x.codes, x.block_scale.to(torch.float32).numpy(), table)
-                    err, en = err + er * g * g, en + eg * g * g
+                    err, en = err + work[j].error * g * g, en + work[j].energy * g * g
                     w13 = proj != "down_proj"
                     bw.write(L.W13_BASE if w13 else L.W2_BASE, base)
                     dw.write(L.W13_DELTA if w13 else L.W2_DELTA, delta)
