@@ -7,9 +7,14 @@ same convention as the FP4 nibbles. code = (base << 2) | delta, for each element
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
 from .fp4 import BLOCK, E2M1_VALUES
+
+if TYPE_CHECKING:
+    import torch
 
 # Base code b stands for the FP4 codes 4b..4b+3: b=0 {0,.5,1,1.5}, b=1 {2,3,4,6}, b=2 and 3 negated.
 DEFAULT_TABLE = np.array(
@@ -215,3 +220,29 @@ def nearest_code_for_table(table: np.ndarray) -> np.ndarray:
         group = E2M1_VALUES[4 * b : 4 * b + 4]
         out[b] = 4 * b + int(np.abs(group - table[b]).argmin())
     return out
+
+
+_TORCH_M33 = 0x3333333333333333
+_TORCH_M0F = 0x0F0F0F0F0F0F0F0F
+_TORCH_M00FF = 0x00FF00FF00FF00FF
+
+
+def split_planes_torch(packed: "torch.Tensor") -> tuple["torch.Tensor", "torch.Tensor"]:
+    """split_planes for a torch uint8 tensor on any device (the GPU split); bit-identical to split_planes.
+
+    The same uint64-word bit ops as the numpy split, on int64 views: a right shift of a negative int64
+    fills the top bits with ones, but every shift here is followed by a mask whose top bits are zero.
+    """
+    import torch
+    if packed.dtype != torch.uint8 or packed.shape[-1] % 8:
+        raise ValueError("packed FP4 codes must be uint8 with a last dimension divisible by 8")
+    w = packed.contiguous().view(torch.int64)
+
+    def compact(a: "torch.Tensor") -> "torch.Tensor":
+        a = (a | (a >> 2)) & _TORCH_M0F
+        a = (a | (a >> 4)) & _TORCH_M00FF
+        return a.view(torch.uint8)[..., 0::2].contiguous()  # the low byte of each 16-bit lane
+
+    delta = compact(w & _TORCH_M33)
+    base = compact((w >> 2) & _TORCH_M33)
+    return base, delta

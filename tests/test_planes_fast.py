@@ -122,3 +122,25 @@ def test_fast_kernels_on_a_real_sized_tensor() -> None:
     assert np.array_equal(table, P.fit_table(P.code_histogram_reference(packed)))
     got, want = P.error_and_energy(packed, scales, table), P.error_and_energy_reference(packed, scales, table)
     assert got == pytest.approx(want, rel=1e-6)
+
+
+@settings(max_examples=60, deadline=None)
+@given(blocked)
+def test_torch_split_on_the_cpu_matches_reference(packed: np.ndarray) -> None:
+    torch = pytest.importorskip("torch")
+    base, delta = P.split_planes_torch(torch.from_numpy(packed))
+    rbase, rdelta = P.split_planes_reference(packed)
+    assert np.array_equal(base.numpy(), rbase) and np.array_equal(delta.numpy(), rdelta)
+
+
+@pytest.mark.gpu
+def test_gpu_split_is_bit_identical_to_the_cpu_split() -> None:
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    rng = np.random.default_rng(11)
+    for shape in [(1, 8), (7, 24), (2048, 3584)]:
+        packed = rng.integers(0, 256, shape, dtype=np.uint8)
+        base, delta = P.split_planes_torch(torch.from_numpy(packed).cuda())
+        cbase, cdelta = P.split_planes(packed)
+        assert np.array_equal(base.cpu().numpy(), cbase) and np.array_equal(delta.cpu().numpy(), cdelta)
