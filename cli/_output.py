@@ -48,9 +48,9 @@ class Output:
     def table(self, title: str | None, columns: list[str], rows: list[list[Any]]) -> None:
         if self.json_mode:
             return
-        t = Table(title=title, show_lines=False)
-        for c in columns:
-            t.add_column(c, justify="right" if c and c[0].isupper() is False else "left")
+        t = Table(title=title, show_lines=False, pad_edge=False)
+        for i, c in enumerate(columns):
+            t.add_column(c, justify="left" if i == 0 else "right", overflow="fold")
         for r in rows:
             t.add_row(*[str(x) for x in r])
         self.out.print(t)

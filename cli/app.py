@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import traceback
+from types import FrameType
 
 import typer
 
+from moet_cache.errors import Interrupted
 from moet_cache.version import __version__
 
 from . import build, demo, export, inspect_cmd, verify
@@ -50,8 +53,17 @@ def _split_debug(args: list[str]) -> tuple[list[str], bool]:
     return head + args[cut:], len(head) != cut
 
 
+def _interrupt(signum: int, frame: FrameType | None) -> None:
+    # typer turns KeyboardInterrupt into a silent exit 130; our own error goes through the table (exit 3)
+    raise Interrupted(f"interrupted by {signal.Signals(signum).name}",
+                      "nothing is lost: run the same command again to resume")
+
+
 def main(argv: list[str] | None = None) -> int:
     args, debug = _split_debug(list(sys.argv[1:] if argv is None else argv))
+    if argv is None:  # the console script, not an in-process call
+        signal.signal(signal.SIGINT, _interrupt)
+        signal.signal(signal.SIGTERM, _interrupt)
     debug = debug or os.environ.get("MOET_CACHE_DEBUG", "") not in ("", "0")
     try:
         rv = app(args=args, prog_name="moet-cache", standalone_mode=False)

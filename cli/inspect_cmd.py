@@ -26,10 +26,10 @@ def inspect(
         out.json({"command": "inspect", **info.__dict__})
         return
     rows = [[i.layer, i.kind, i.experts, fmt_bytes(i.base_bytes), i.delta_experts, fmt_bytes(i.delta_bytes),
-             f"{i.rel_error_mean:.4f}", f"{i.rel_error_worst:.4f} (#{i.worst_expert})", f"{i.rel_error_served:.4f}"]
+             f"{i.rel_error_mean:.4f}", f"{i.rel_error_worst:.4f} #{i.worst_expert}", f"{i.rel_error_served:.4f}"]
             for i in info.layers]
-    out.table(f"{cache}", ["layer", "kind", "experts", "base", "delta experts", "delta", "base-only rel. err",
-                           "worst expert", "served rel. err"], rows)
+    out.table(f"{cache} (rel. err = relative weight error; served = with the tier at FP4)",
+              ["layer", "kind", "experts", "base", "tier", "tier bytes", "rel. err", "worst", "served"], rows)
     b = info.build
     out.print(f"source: {info.source_path} ({info.source_layout}); built {info.created} by moet-cache {info.tool_version}")
     out.print(f"build: layers {b.layers[0]}-{b.layers[-1]} ({len(b.layers)}), lossless={b.lossless}, "

@@ -49,3 +49,7 @@ class DiskFullError(EnvironmentProblem):
 
 class MissingDependencyError(InputError):
     """An optional program or package (e.g. vLLM) is needed and absent (exit 2: install it)."""
+
+
+class Interrupted(EnvironmentProblem):
+    """The user pressed Ctrl-C (or the process got SIGINT/SIGTERM); work stopped cleanly."""

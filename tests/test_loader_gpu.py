@@ -43,7 +43,8 @@ def test_gpu_dense_equals_cpu(built) -> None:
     gpu = dict(cache.load_dense(device="cuda:0", verify="hash"))
     assert set(cpu) == set(gpu)
     for k in cpu:
-        assert torch.equal(gpu[k].cpu().view(torch.uint8), cpu[k].view(torch.uint8))
+        assert gpu[k].device.type == "cuda" and gpu[k].dtype == cpu[k].dtype and gpu[k].shape == cpu[k].shape
+        assert torch.equal(gpu[k].cpu().reshape(-1).view(torch.uint8), cpu[k].reshape(-1).view(torch.uint8)), k
 
 
 def test_gpu_hash_names_flipped_tensor(built, tmp_path) -> None:

@@ -185,6 +185,23 @@ CASES = [
         M("I will call it.", None, ("f", '{"k": "v"}')),
     ),
     ("other-tool-marker-in-reasoning-dropped", "a" + SEP + "b</think>c", True, True, M("ab", "c")),
+    ("think-open-in-content-dropped", "a<think>b", False, True, M(None, "ab")),
+    (
+        "dsml-mixed-bars",
+        '<|DSML｜function_calls><｜DSML|invoke name="f">'
+        '<|DSML|parameter name="k" string="false">[1]</｜DSML|parameter>'
+        "</|DSML｜invoke></｜DSML｜function_calls>",
+        False,
+        True,
+        M(None, None, ("f", '{"k": [1]}')),
+    ),
+    (
+        "block-in-reasoning-then-late-think-close",
+        "r" + v31(("f", "{}")) + "</think>c",
+        True,
+        True,
+        M("r", "c", ("f", "{}")),
+    ),
     (
         "fenced-marker-is-a-block",
         "Example:\n```\n" + v31(("f", "{}")) + "\n```",

@@ -29,7 +29,7 @@ def norm(s: str) -> str:
 # the scanner: fixed markers as substrings, tags as prefix + space/`>` with a
 # later `>` (conservative: it may reject text the scanner would not call a tag).
 _TAG_RE = re.compile(
-    "(" + "|".join(re.escape(p) for p in TAGGED) + r")[\s>][^<]*>", re.DOTALL
+    "(" + "|".join(re.escape(p) for p in TAGGED) + r")(>|\s[^<]*>)", re.DOTALL
 )
 
 
@@ -46,6 +46,12 @@ def is_marker_prefix(text: str) -> bool:
     if any(m.startswith(n) and len(n) < len(m) for m in FIXED):
         return True
     return any(p.startswith(n) or (n.startswith(p) and ">" not in n) for p in TAGGED)
+
+
+def may_hold(rest: str) -> bool:
+    """What a stream may still hold back: whitespace, then a possible marker."""
+    body = rest.lstrip()
+    return body == "" or is_marker_prefix(body)
 
 
 def run(chunks: Iterable[str], **kw) -> list[Event]:

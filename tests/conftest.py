@@ -1,0 +1,48 @@
+"""Shared fixtures: small synthetic checkpoints in both layouts (read-only), and fresh caches."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from moet_cache import BuildOptions, build_cache, make_checkpoint, small_spec
+from moet_cache.checkpoint import COMPRESSED_TENSORS, MODELOPT
+
+
+@pytest.fixture(scope="session")
+def ckpt_modelopt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_checkpoint(tmp_path_factory.mktemp("src") / "modelopt", small_spec(MODELOPT))
+
+
+@pytest.fixture(scope="session")
+def ckpt_ct(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_checkpoint(tmp_path_factory.mktemp("src") / "ct", small_spec(COMPRESSED_TENSORS, seed=1))
+
+
+@pytest.fixture(params=[MODELOPT, COMPRESSED_TENSORS])
+def ckpt(request: pytest.FixtureRequest, ckpt_modelopt: Path, ckpt_ct: Path) -> Path:
+    return ckpt_modelopt if request.param == MODELOPT else ckpt_ct
+
+
+@pytest.fixture
+def src_copy(tmp_path: Path, ckpt_modelopt: Path) -> Path:
+    """A private copy of the checkpoint, for tests that alter it."""
+    return Path(shutil.copytree(ckpt_modelopt, tmp_path / "src"))
+
+
+@pytest.fixture
+def cache(tmp_path: Path, ckpt_modelopt: Path) -> Path:
+    """A freshly built cache (25% tier) of the ModelOpt checkpoint."""
+    out = tmp_path / "cache"
+    build_cache(ckpt_modelopt, out, BuildOptions(delta_budget="25%"))
+    return out
+
+
+@pytest.fixture(scope="session")
+def built_cache(tmp_path_factory: pytest.TempPathFactory, ckpt_modelopt: Path) -> Path:
+    """A cache built once per session: read it, never change it."""
+    out = tmp_path_factory.mktemp("built") / "cache"
+    build_cache(ckpt_modelopt, out, BuildOptions(delta_budget="25%"))
+    return out

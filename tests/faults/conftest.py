@@ -1,0 +1,36 @@
+"""Fixtures of the fault campaign: a work folder on a RAM filesystem where there is one (fsync is free there)."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+
+@pytest.fixture
+def work(tmp_path: Path) -> Iterator[Path]:
+    """A scratch folder; on /dev/shm when it is writable, because the campaign's cost is mostly fsync."""
+    shm = Path("/dev/shm")
+    if shm.is_dir():
+        try:
+            d = Path(tempfile.mkdtemp(prefix="moet-faults-", dir=shm))
+        except OSError:
+            d = None
+        if d is not None:
+            try:
+                yield d
+            finally:
+                shutil.rmtree(d, ignore_errors=True)
+            return
+    yield tmp_path
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Everything under tests/faults/ carries the `faults` marker."""
+    here = Path(__file__).parent
+    for item in items:
+        if here in Path(str(item.fspath)).parents:
+            item.add_marker(pytest.mark.faults)

@@ -1,0 +1,54 @@
+"""Fuzzed inputs (hypothesis): configs, indexes, safetensors headers, routing profiles, manifests, links.
+
+Counts: tracebacks and exit codes other than 0/1/2 (must be 0), files created or changed outside the
+cache (must be 0). Most cases call the library and map errors with the CLI's table; one in four runs
+moet_cache.cli.app.main; a sample runs the real console script.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from .campaign import FUZZ_CASES, FUZZ_CI_EXAMPLES, FuzzEnv, fuzz, recommit, rewrite_json, run_console, \
+    tree_snapshot
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory: pytest.TempPathFactory) -> FuzzEnv:
+    return FuzzEnv(tmp_path_factory.mktemp("fuzz"))
+
+
+@pytest.mark.parametrize("kind", sorted(FUZZ_CASES))
+def test_fuzz(env: FuzzEnv, kind: str) -> None:
+    env.failures.clear()
+    before = env.counts["cases"]
+    fuzz(kind, env, FUZZ_CI_EXAMPLES[kind])
+    assert env.counts["cases"] - before == FUZZ_CI_EXAMPLES[kind]
+    assert env.failures == []
+    assert env.counts["crashes"] == env.counts["bad_exit_codes"] == env.counts["written_outside"] == 0
+
+
+def test_ci_share_is_at_least_2000_cases() -> None:
+    assert sum(FUZZ_CI_EXAMPLES.values()) >= 2000
+
+
+def test_real_processes_refuse_bad_input(env: FuzzEnv) -> None:
+    """The console script itself: a manifest path that climbs out (re-sealed), a linked folder, a broken config."""
+    case = env.case(with_cache=True)
+    cache = case / "cache"
+    lm = json.loads((cache / "layers/layer-001.json").read_bytes())
+    lm["files"][0]["path"] = "../outside/sentinel.bin"
+    rewrite_json(cache / "layers/layer-001.json", lm)
+    recommit(cache, "layers/layer-001.json")
+    os.symlink(case / "outside", cache / "staging")
+    (case / "src" / "config.json").write_text('{"num_hidden_layers": "many"}')
+    before = tree_snapshot(case, (cache,))
+    for argv in (["verify", cache, "--full"], ["build", case / "src", cache], ["export", cache, case / "export"]):
+        rc, out, err = run_console(argv)
+        assert rc in (1, 2), (argv, rc, err)
+        assert "Traceback" not in err and err.startswith("Error:"), err
+    assert tree_snapshot(case, (cache, case / "export")) == {k: v for k, v in before.items() if not k.startswith("export")}

@@ -1,0 +1,101 @@
+"""Two builds on one cache, a boot check during a build, two loaders at once."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from moet_cache import BuildOptions, boot_check, build_cache, full_verify
+from moet_cache.fsutil import CacheLock
+
+from .campaign import ForkServer, _commit_digest, make_tiny, run_console, run_main
+
+
+def test_second_build_refuses_with_exit_3(work: Path) -> None:
+    src = make_tiny(work / "src")
+    cache = work / "cache"
+    cache.mkdir()
+    with CacheLock(cache):  # a real flock, held as a running build holds it
+        rc, out, err = run_console(["build", src, cache])
+        assert rc == 3 and "another process" in err, err
+        assert boot_check(cache).state == "incomplete"
+        assert "a build is running" in boot_check(cache).problems[0].detail
+
+
+def test_second_build_waits_with_wait(work: Path) -> None:
+    src = make_tiny(work / "src")
+    cache = work / "cache"
+    cache.mkdir()
+    result: list[int] = []
+    lock = CacheLock(cache).__enter__()
+    t = threading.Thread(target=lambda: result.append(run_main(["build", src, cache, "--wait", "--quiet"])[0]))
+    t.start()
+    time.sleep(0.5)
+    assert t.is_alive() and not result  # blocked on the lock
+    lock.__exit__(None, None, None)
+    t.join(60)
+    assert result == [0]
+    assert full_verify(cache).ok
+
+
+def test_boot_check_during_build_never_says_complete(work: Path) -> None:
+    """Poll the boot check as fast as it runs while a real process builds; only the final commit may read complete."""
+    src = make_tiny(work / "src", num_hidden_layers=5)
+    observed: list[tuple[str, str | None]] = []
+    with ForkServer() as fs:
+        for i in range(3):
+            cache = work / f"cache{i}"
+            fs.start(["build", src, cache, "--quiet"])
+            done = threading.Event()
+            res: list[dict] = []
+
+            def wait() -> None:
+                res.append(fs.finish())
+                done.set()
+            threading.Thread(target=wait).start()
+            while not done.is_set():
+                if cache.is_dir():
+                    rep = boot_check(cache)
+                    observed.append((rep.state, _commit_digest(cache) if rep.complete else None))
+            assert res[0]["rc"] == 0
+            final = _commit_digest(cache)
+            assert all(d == final for s, d in observed if s in ("verified", "unverified")), observed
+    assert len(observed) > 10  # the check really ran during the builds
+
+
+def test_two_loaders_at_once(built: Path) -> None:
+    loader = pytest.importorskip("moet_cache.loader")
+    out: list[dict[int, dict[str, np.ndarray]]] = [{}, {}]
+    errors: list[BaseException] = []
+
+    def load(k: int) -> None:
+        try:
+            cache = loader.open_cache(built)
+            for layer in cache.load(device="cpu", workers=2):
+                out[k][layer.index] = {n: t.numpy().copy() for n, t in layer.tensors.items()}
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+    threads = [threading.Thread(target=load, args=(k,)) for k in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+    assert out[0].keys() == out[1].keys() and out[0]
+    for layer in out[0]:
+        assert out[0][layer].keys() == out[1][layer].keys()
+        for name in out[0][layer]:
+            assert np.array_equal(out[0][layer][name].view(np.uint8), out[1][layer][name].view(np.uint8))
+    assert full_verify(built).ok
+
+
+@pytest.fixture
+def built(work: Path) -> Path:
+    src = make_tiny(work / "src")
+    cache = work / "cache"
+    build_cache(src, cache, BuildOptions(delta_budget="30%"))
+    return cache

@@ -1,0 +1,195 @@
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from moet_cache import BuildOptions, build_cache, export_checkpoint, full_verify, retier_cache, verify_against
+from moet_cache.builder import tier_candidates
+from moet_cache.checkpoint import PROJECTIONS, open_checkpoint
+from moet_cache.errors import DiskFullError, InputError, LockHeldError
+from moet_cache.fsutil import CacheLock
+from moet_cache.planes import join_planes
+from moet_cache.verifier import boot_check, load_cache_files
+
+
+def _raw(t: torch.Tensor) -> np.ndarray:
+    return t.contiguous().reshape(-1).view(torch.uint8).numpy()
+
+
+def test_lossless_round_trip_bit_for_bit(ckpt: Path, tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    r = build_cache(ckpt, cache, BuildOptions(lossless=True, delta_budget="10%"))
+    assert r.layers == (1, 2, 3) and r.layers_built == (1, 2, 3)
+    ck = open_checkpoint(ckpt)
+    I = ck.model.moe_intermediate_size
+    # base + delta gives every routed expert's FP4 codes back, read straight from the cache files
+    for layer in r.layers:
+        with safe_open(str(cache / f"layers/layer-{layer:03d}.base.safetensors"), "pt") as b, \
+                safe_open(str(cache / f"layers/layer-{layer:03d}.delta.safetensors"), "pt") as d:
+            w13 = join_planes(b.get_tensor("w13_base").numpy(), d.get_tensor("w13_delta").numpy())
+            w2 = join_planes(b.get_tensor("w2_base").numpy(), d.get_tensor("w2_delta").numpy())
+            for e in range(ck.model.n_routed_experts):
+                assert np.array_equal(w13[e, :I], ck.read_expert(layer, e, "gate_proj").codes)
+                assert np.array_equal(w13[e, I:], ck.read_expert(layer, e, "up_proj").codes)
+                assert np.array_equal(w2[e], ck.read_expert(layer, e, "down_proj").codes)
+    # export gives every source tensor back, bit for bit, in the source's shards
+    out = tmp_path / "export"
+    export_checkpoint(cache, out)
+    for shard in sorted(ckpt.glob("*.safetensors")):
+        a, b = load_file(str(shard)), load_file(str(out / shard.name))
+        assert a.keys() == b.keys()
+        for name in a:
+            assert a[name].dtype == b[name].dtype and a[name].shape == b[name].shape
+            assert np.array_equal(_raw(a[name]), _raw(b[name])), name
+    assert json.loads((out / "model.safetensors.index.json").read_text())["weight_map"] == \
+        json.loads((ckpt / "model.safetensors.index.json").read_text())["weight_map"]
+    assert (out / "config.json").read_bytes() == (ckpt / "config.json").read_bytes()
+    open_checkpoint(out).validate_experts([1, 2, 3, 4])
+
+
+def test_tier_pack_holds_the_source_deltas_of_the_chosen_experts(ckpt: Path, tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    build_cache(ckpt, cache, BuildOptions(delta_budget="30%"))
+    index = json.loads((cache / "delta/tier.json").read_text())
+    assert [x["layer"] for x in index["layers"]] == [1, 2, 3]  # full layer coverage
+    assert 0 < index["used_bytes"] <= index["budget_bytes"]
+    assert not (cache / "staging").exists() and not list(cache.glob("layers/*.delta.safetensors"))
+    rep = verify_against(cache, ckpt)
+    assert rep.ok and rep.details["delta_planes"] == 3 * sum(len(x["experts"]) for x in index["layers"])
+
+
+def test_greedy_tier_takes_the_largest_errors(built_cache: Path) -> None:
+    cf = load_cache_files(built_cache)
+    index = json.loads((built_cache / "delta/tier.json").read_text())
+    chosen = {(x["layer"], e) for x in index["layers"] for e in x["experts"]}
+    cands = tier_candidates(cf.layers, None)
+    worst_left = max(c.sq_error for c in cands if (c.layer, c.expert) not in chosen)
+    least_taken = min(c.sq_error for c in cands if (c.layer, c.expert) in chosen)
+    assert least_taken >= worst_left
+
+
+def test_routing_profile_weights_the_choice(ckpt_modelopt: Path, tmp_path: Path) -> None:
+    profile = tmp_path / "profile.json"
+    counts = [0] * 16
+    counts[5] = 1000
+    profile.write_text(json.dumps({"format": "moet-cache-routing-profile", "format_version": 1,
+                                   "layers": [{"layer": 2, "counts": counts}]}))
+    one_expert = (3 * 128 * 256) // 4
+    r = build_cache(ckpt_modelopt, tmp_path / "c", BuildOptions(delta_budget=str(one_expert), profile=str(profile)))
+    index = json.loads((tmp_path / "c/delta/tier.json").read_text())
+    assert r.tier_experts == 1 and index["weighted_by_profile"]
+    assert {x["layer"]: x["experts"] for x in index["layers"]} == {1: [], 2: [5], 3: []}
+
+
+@pytest.mark.parametrize("doc,match", [
+    ({"format": "x"}, "format must be"),
+    ({"format": "moet-cache-routing-profile", "format_version": 1, "layers": [{"layer": 9, "counts": [1] * 16}]}, "layer 9, which this cache does not serve"),
+    ({"format": "moet-cache-routing-profile", "format_version": 1, "layers": [{"layer": 1, "counts": [1] * 3}]}, "3 counts for layer 1"),
+    ({"format": "moet-cache-routing-profile", "format_version": 1, "layers": [{"layer": 1, "counts": [-1] * 16}]}, "non-negative"),
+])
+def test_bad_profiles(ckpt_modelopt: Path, tmp_path: Path, doc: dict, match: str) -> None:
+    p = tmp_path / "p.json"
+    p.write_text(json.dumps(doc))
+    with pytest.raises(InputError, match=match):
+        build_cache(ckpt_modelopt, tmp_path / "c", BuildOptions(profile=str(p)))
+
+
+def test_resume_rebuilds_only_damaged_layers(ckpt_modelopt: Path, tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    build_cache(ckpt_modelopt, cache, BuildOptions(delta_budget="25%"))
+    (cache / "COMMIT.json").unlink()
+    with open(cache / "layers/layer-002.base.safetensors", "r+b") as f:
+        f.seek(4000)
+        b = f.read(1)
+        f.seek(4000)
+        f.write(bytes([b[0] ^ 0x10]))
+    r = build_cache(ckpt_modelopt, cache, BuildOptions(delta_budget="25%"))
+    assert r.layers_built == (2,) and set(r.layers_reused) == {1, 3}
+    assert full_verify(cache).ok
+
+
+def test_complete_cache_is_confirmed_not_rebuilt(ckpt_modelopt: Path, cache: Path) -> None:
+    r = build_cache(ckpt_modelopt, cache, BuildOptions(delta_budget="25%"))
+    assert r.already_complete and r.layers_built == ()
+    # a new budget needs the delta planes again: without --lossless they come from the source
+    r2 = build_cache(ckpt_modelopt, cache, BuildOptions(delta_budget="50%"))
+    assert not r2.already_complete and r2.layers_built == (1, 2, 3) and r2.tier_experts == 24
+    assert json.loads((cache / "cache.json").read_text())["build"]["delta_budget_bytes"] == r2.budget_bytes
+    assert boot_check(cache).ok
+
+
+def test_layer_selection_and_mtp(ckpt_modelopt: Path, tmp_path: Path) -> None:
+    r = build_cache(ckpt_modelopt, tmp_path / "a", BuildOptions(layers="0-2"))
+    assert r.layers == (1, 2)
+    # layer 3's experts are carried unchanged as dense tensors
+    cf = load_cache_files(tmp_path / "a")
+    dense_names = set()
+    for f, _ in cf.files:
+        if f.role == "dense":
+            with safe_open(str(tmp_path / "a" / f.path), "pt") as h:
+                dense_names.update(h.keys())
+    assert "model.layers.3.mlp.experts.0.gate_proj.weight" in dense_names
+    assert not any(n.startswith("model.layers.4.") for n in dense_names)  # MTP left out
+    r = build_cache(ckpt_modelopt, tmp_path / "b", BuildOptions(include_mtp=True))
+    assert r.layers == (1, 2, 3, 4) and load_cache_files(tmp_path / "b").layers[4].kind == "mtp"
+    with pytest.raises(InputError, match="the model has layers 0-4"):
+        build_cache(ckpt_modelopt, tmp_path / "c", BuildOptions(layers="9"))
+    with pytest.raises(InputError, match="add --include-mtp"):
+        build_cache(ckpt_modelopt, tmp_path / "c", BuildOptions(layers="4"))
+    with pytest.raises(InputError, match="selects no MoE layer"):
+        build_cache(ckpt_modelopt, tmp_path / "c", BuildOptions(layers="0"))
+
+
+def test_retier_needs_lossless_and_works_without_source(ckpt_modelopt: Path, tmp_path: Path) -> None:
+    src = Path(shutil.copytree(ckpt_modelopt, tmp_path / "src"))
+    cache = tmp_path / "cache"
+    build_cache(src, cache, BuildOptions(lossless=True, delta_budget="0%"))
+    shutil.rmtree(src)
+    r = retier_cache(cache, "50%")
+    assert r.tier_experts == 24 and full_verify(cache).ok
+    build_cache(ckpt_modelopt, tmp_path / "plain")
+    with pytest.raises(InputError, match="only a --lossless cache"):
+        retier_cache(tmp_path / "plain", "50%")
+    with pytest.raises(InputError, match="build it with --lossless"):
+        export_checkpoint(tmp_path / "plain", tmp_path / "x")
+
+
+def test_lock_keeps_a_second_build_out(ckpt_modelopt: Path, tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    with CacheLock(cache):
+        with pytest.raises(LockHeldError, match="another process is building"):
+            build_cache(ckpt_modelopt, cache)
+    assert not (cache / "COMMIT.json").exists()
+
+
+def test_free_space_is_checked_first(ckpt_modelopt: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import collections
+    import shutil as sh
+    usage = collections.namedtuple("usage", "total used free")
+    monkeypatch.setattr(sh, "disk_usage", lambda p: usage(10**6, 10**6 - 1000, 1000))
+    with pytest.raises(DiskFullError, match="bytes free, the build needs"):
+        build_cache(ckpt_modelopt, tmp_path / "cache")
+    assert not list((tmp_path / "cache").glob("layers/*"))
+
+
+def test_cache_must_not_be_inside_the_source(src_copy: Path) -> None:
+    with pytest.raises(InputError, match="must not be the checkpoint folder or inside it"):
+        build_cache(src_copy, src_copy / "cache")
+
+
+def test_aux_files_and_scales(built_cache: Path, ckpt_modelopt: Path) -> None:
+    assert (built_cache / "model/config.json").read_bytes() == (ckpt_modelopt / "config.json").read_bytes()
+    ck = open_checkpoint(ckpt_modelopt)
+    with safe_open(str(built_cache / "layers/layer-001.base.safetensors"), "pt") as b:
+        s2 = b.get_tensor("w13_weight_scale_2")
+        table = b.get_tensor("w2_table")
+        assert s2.shape == (16, 2) and table.shape == (16, 4)
+        for e in (0, 7):
+            assert float(s2[e, 1]) == float(ck.read_expert(1, e, "up_proj").global_scale)
+        assert (table[:, 0] > 0).all() and (table[:, 1] > table[:, 0]).all() and (table[:, 3] < table[:, 2]).all()
+    assert PROJECTIONS == ("gate_proj", "up_proj", "down_proj")
