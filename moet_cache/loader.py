@@ -170,12 +170,17 @@ class _Files:
 
 
 class _Slots:
-    """The pinned staging buffers a GPU load shares among its workers (bytes in flight = their total)."""
+    """Pinned staging slots shared by a GPU load's workers: one pinned buffer cut into `count` slots.
 
-    def __init__(self, count: int, size: int) -> None:
+    Each slot carries the event of its last copy to the GPU; a worker waits on it only when it
+    takes the slot again (FIFO, so the oldest copy), so reading, hashing and copying overlap.
+    """
+
+    def __init__(self, buffer: torch.Tensor, count: int, size: int) -> None:
+        self.buffer = buffer
         self.q: queue.Queue[tuple[torch.Tensor, torch.cuda.Event | None]] = queue.Queue()
-        for _ in range(count):
-            self.q.put((torch.empty(size, dtype=torch.uint8, pin_memory=True), None))
+        for i in range(count):
+            self.q.put((buffer[i * size:(i + 1) * size], None))
 
     def take(self, stop: threading.Event) -> tuple[torch.Tensor, torch.cuda.Event | None]:
         while True:
@@ -190,6 +195,7 @@ class _Slots:
         self.q.put((buf, event))
 
     def drain(self) -> None:
+        """Wait for every copy still reading a slot, so the pinned buffer can be reused or freed."""
         while True:
             try:
                 _, ev = self.q.get_nowait()
@@ -197,6 +203,30 @@ class _Slots:
                 return
             if ev is not None:
                 ev.synchronize()
+
+
+class _PinnedPool:
+    """Pinned host buffers kept by one Cache between its loads: pinning is slow (~0.5 s per GiB
+    measured on the H200 machine), so a second load reuses the first one's staging buffer."""
+
+    def __init__(self) -> None:
+        self._free: list[torch.Tensor] = []
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        with self._lock:
+            for i, b in enumerate(self._free):
+                if b.numel() == nbytes:
+                    return self._free.pop(i)
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+    def give(self, buf: torch.Tensor) -> None:
+        with self._lock:
+            self._free = [buf]  # keep one: the most recent size
+
+    def clear(self) -> None:
+        with self._lock:
+            self._free.clear()
 
 
 def _mismatch(r: _Read) -> VerificationError:
@@ -216,7 +246,8 @@ class _Pipeline:
     """Runs jobs on `workers` threads with at most `max_inflight` bytes read but not yet handed over."""
 
     def __init__(self, root: Path, device: torch.device, verify_hash: bool, workers: int,
-                 max_inflight: int, finish: Callable[[_Job, dict[str, torch.Tensor], Any], dict[str, torch.Tensor]]) -> None:
+                 max_inflight: int, finish: Callable[[_Job, dict[str, torch.Tensor], Any], dict[str, torch.Tensor]],
+                 pinned: _PinnedPool | None = None) -> None:
         self.files = _Files(root)
         self.device = device
         self.hash = verify_hash
@@ -226,10 +257,13 @@ class _Pipeline:
         self.stop = threading.Event()
         self.local = threading.local()
         self.slots: _Slots | None = None
+        self.pinned = pinned or _PinnedPool()
         if device.type == "cuda":
+            # Staging = bytes in flight: 2-4 slots a worker, never more than max_inflight.
             chunk = max(1 << 20, min(CHUNK, max_inflight // (2 * workers)))
+            count = max(2 * workers, min(4 * workers, max_inflight // chunk))
             self.chunk = chunk
-            self.slots = _Slots(max(2 * workers, max_inflight // chunk), chunk)
+            self.slots = _Slots(self.pinned.take(count * chunk), count, chunk)
         else:
             self.chunk = CHUNK
 
@@ -342,7 +376,8 @@ class _Pipeline:
             pool.shutdown(wait=True, cancel_futures=True)
             running.clear()
             if self.slots is not None:
-                self.slots.drain()
+                self.slots.drain()  # the workers are gone and every copy from staging is done
+                self.pinned.give(self.slots.buffer)
                 self.slots = None
             self.files.close()
             progress.finish()
@@ -378,6 +413,11 @@ class Cache:
         self.files = files
         self.report = report
         self.delta_index = index
+        self._pinned = _PinnedPool()  # staging reused by this cache's GPU loads
+
+    def release(self) -> None:
+        """Free the pinned staging memory kept for the next GPU load."""
+        self._pinned.clear()
 
     @property
     def layers(self) -> tuple[int, ...]:
@@ -495,7 +535,8 @@ class Cache:
 
     def _run_layers(self, jobs: list[_Job], dev: torch.device, delta: str, verify: str, workers: int,
                     budget: int, progress: Progress | None, expand: bool, pack_fe: FileEntry | None) -> Iterator[LoadedLayer]:
-        pipe = _Pipeline(self.root, dev, verify == "hash", workers, budget, self._finish_layer(delta, expand))
+        pipe = _Pipeline(self.root, dev, verify == "hash", workers, budget, self._finish_layer(delta, expand),
+                         self._pinned)
         pack_check: list[Future[str]] = []
         side = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moet-pack") if verify == "hash" and pack_fe else None
         try:
@@ -549,7 +590,8 @@ class Cache:
                 group = []
         if group:
             jobs.append(_Job(f"dense-{len(jobs)}", tuple(group), sum(r.end - r.begin for r in group)))
-        pipe = _Pipeline(self.root, dev, verify == "hash", workers, max(budget, 1 << 20), lambda j, t, s: t)
+        pipe = _Pipeline(self.root, dev, verify == "hash", workers, max(budget, 1 << 20), lambda j, t, s: t,
+                         self._pinned)
         for _, tensors in pipe.run(jobs, progress or NullProgress(), "load dense"):
             yield from tensors.items()
 
