@@ -48,7 +48,7 @@ def test_vllms_own_parser_accepts_the_command_and_names_what_it_refuses(
     assert argv[0] == str(Path(folder) / "vllm")
     assert argv[argv.index("--cudagraph-capture-sizes") + 1:][:2] == ["1", "2"]
     assert "--cuda-graph-sizes" not in argv and "--tensor-parallel-size" not in argv  # -tp replaced it
-    # One probe answers both: an unknown flag is named, a bad value is vLLM's own message.
+    # An unknown flag is named; a bad value gets vLLM's own message.
     assert main(["serve", "--dry-run", str(cache), "--", "--no-such-flag", "3"]) == 2
     assert "has no flag --no-such-flag" in capsys.readouterr().err
     assert main(["serve", "--dry-run", str(cache), "--", "--tensor-parallel-size", "two"]) == 2
