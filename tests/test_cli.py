@@ -154,3 +154,21 @@ def test_interrupt_exits_3(tmp_path: Path, sig: signal.Signals) -> None:
     _, err = p.communicate(timeout=60)
     assert p.returncode == 3 and "interrupted" in err and "Traceback" not in err
     assert not boot_check(tmp_path / "cache").complete
+
+
+@pytest.mark.parametrize("bad_path", ["../../etc/passwd", "/etc/passwd"])
+def test_manifest_path_leaving_the_cache_is_refused(tmp_path: Path, ckpt_modelopt: Path, bad_path: str) -> None:
+    import xxhash
+    cache = tmp_path / "cache"
+    assert main(["build", str(ckpt_modelopt), str(cache), "-q"]) == 0
+    doc = json.loads((cache / "cache.json").read_text())
+    doc["files"][0]["path"] = bad_path
+    data = json.dumps(doc).encode()
+    (cache / "cache.json").write_bytes(data)
+    commit = json.loads((cache / "COMMIT.json").read_text())
+    commit.update(manifest_size=len(data), manifest_xxh3=xxhash.xxh3_128_hexdigest(data))
+    (cache / "COMMIT.json").write_text(json.dumps(commit))  # a consistent but hostile manifest
+    r = run("verify", str(cache), "--full")
+    assert r.returncode == 1 and "absolute or leaves the cache" in r.stdout and "Traceback" not in r.stderr
+    r = run("inspect", str(cache))
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "absolute or leaves the cache" in r.stderr
