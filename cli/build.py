@@ -7,7 +7,6 @@ from typing import Annotated, Optional
 
 import typer
 
-from moet_cache import BuildOptions, build_cache, retier_cache
 from moet_cache.tiering import DEFAULT_DELTA_BUDGET
 from moet_cache.units import fmt_bytes
 
@@ -29,6 +28,7 @@ def build(
     quiet: QuietOpt = False,
 ) -> None:
     """Build the cache once; a rerun resumes a killed build, or confirms a complete one."""
+    from moet_cache import BuildOptions, build_cache  # here, not at the top: it imports torch (seconds)
     out = Output(json_, quiet)
     opts = BuildOptions(delta_budget=delta_budget, profile=str(profile) if profile else None,
                         lossless=lossless, layers=layers, include_mtp=include_mtp, wait=wait)
@@ -54,6 +54,7 @@ def retier(
     quiet: QuietOpt = False,
 ) -> None:
     """Choose a new FP4 delta tier for a --lossless cache, without the source."""
+    from moet_cache import retier_cache  # here, not at the top: it imports torch (seconds)
     out = Output(json_, quiet)
     r = retier_cache(cache, delta_budget, str(profile) if profile else None, wait)
     if out.json_mode:

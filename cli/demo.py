@@ -9,9 +9,9 @@ from typing import Annotated, Optional
 
 import typer
 
-from moet_cache import BuildOptions, boot_check, build_cache, full_verify, inspect_cache, make_checkpoint, \
-    small_spec, verify_against
-from moet_cache.checkpoint import COMPRESSED_TENSORS, MODELOPT
+# moet_cache.checkpoint's names for the two layouts, spelled here so that loading the CLI does not
+# import it (and torch, seconds); tests/test_bench.py checks they stay equal.
+MODELOPT, COMPRESSED_TENSORS = "modelopt", "compressed-tensors"
 
 from ._common import JsonOpt, QuietOpt
 from ._errors import EXIT_OK, EXIT_PROBLEM
@@ -26,6 +26,8 @@ def demo(
     quiet: QuietOpt = False,
 ) -> None:
     """Make a synthetic DeepSeek-style NVFP4 checkpoint, build its cache, verify it three ways, inspect it."""
+    from moet_cache import BuildOptions, boot_check, build_cache, full_verify, inspect_cache, make_checkpoint, \
+        small_spec, verify_against
     out = Output(json_, quiet)
     if layout not in (MODELOPT, COMPRESSED_TENSORS):
         raise typer.BadParameter(f"layout must be {MODELOPT} or {COMPRESSED_TENSORS}", param_hint="--layout")

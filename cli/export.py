@@ -7,7 +7,6 @@ from typing import Annotated
 
 import typer
 
-from moet_cache import export_checkpoint
 from moet_cache.units import fmt_bytes
 
 from ._common import JsonOpt, QuietOpt
@@ -22,6 +21,7 @@ def export(
     quiet: QuietOpt = False,
 ) -> None:
     """Write an NVFP4 checkpoint again, in the source's layout, every tensor bit for bit."""
+    from moet_cache import export_checkpoint  # here, not at the top: it imports torch (seconds)
     out = Output(json_, quiet)
     r = export_checkpoint(cache, out_dir, progress_for(out))
     if out.json_mode:

@@ -3,14 +3,37 @@
 The public API; the CLI (moet_cache.cli) is a thin layer over these functions.
 """
 
-from .builder import BuildOptions, BuildResult, RetierResult, build_cache, retier_cache
+from typing import TYPE_CHECKING, Any
+
 from .errors import (DiskFullError, EnvironmentProblem, InputError, LockHeldError, MoetError,
                      UnsupportedCheckpointError, VerificationError)
-from .exporter import ExportResult, export_checkpoint
-from .inspection import CacheInfo, inspect_cache
-from .synthetic import SyntheticSpec, make_checkpoint, small_spec
-from .verifier import VerifyReport, boot_check, full_verify, verify_against
 from .version import __version__
+
+if TYPE_CHECKING:
+    from .builder import BuildOptions, BuildResult, RetierResult, build_cache, retier_cache
+    from .exporter import ExportResult, export_checkpoint
+    from .inspection import CacheInfo, inspect_cache
+    from .synthetic import SyntheticSpec, make_checkpoint, small_spec
+    from .verifier import VerifyReport, boot_check, full_verify, verify_against
+
+# The API's modules load on first use (PEP 562): builder, exporter and synthetic import torch, which
+# costs seconds, and `moet-cache verify` (the boot check, run at every start) needs none of it.
+_LAZY = {
+    "builder": ("BuildOptions", "BuildResult", "RetierResult", "build_cache", "retier_cache"),
+    "exporter": ("ExportResult", "export_checkpoint"),
+    "inspection": ("CacheInfo", "inspect_cache"),
+    "synthetic": ("SyntheticSpec", "make_checkpoint", "small_spec"),
+    "verifier": ("VerifyReport", "boot_check", "full_verify", "verify_against"),
+}
+_WHERE = {name: module for module, names in _LAZY.items() for name in names}
+
+
+def __getattr__(name: str) -> Any:
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module 'moet_cache' has no attribute {name!r}")
+    import importlib
+    return getattr(importlib.import_module(f".{module}", __name__), name)
 
 __all__ = [
     "BuildOptions", "BuildResult", "RetierResult", "build_cache", "retier_cache",

@@ -12,10 +12,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
-import numpy as np
-import torch
-from safetensors import safe_open
-
 from . import layout as L
 from .errors import InputError
 from .fsutil import atomic_write_json, lock_is_held, read_json_file, resolve_inside
@@ -351,6 +347,11 @@ def full_verify(root: str | os.PathLike[str], workers: int | None = None,
 def verify_against(root: str | os.PathLike[str], src: str | os.PathLike[str],
                    progress: Progress | None = None) -> VerifyReport:
     """Every base and delta plane equals the source's bits, the scales are equal; names the first mismatch."""
+    # numpy, torch and safetensors are imported here, not at the top: the boot check (every start of
+    # `moet-cache verify`) needs none of them, and torch alone costs seconds of import time.
+    import numpy as np
+    from safetensors import safe_open
+
     from .checkpoint import PROJECTIONS, open_checkpoint, tensor_bytes
     from .planes import split_planes
     t0 = time.perf_counter()
@@ -426,4 +427,4 @@ def verify_against(root: str | os.PathLike[str], src: str | os.PathLike[str],
 
 
 __all__ = ["boot_check", "full_verify", "verify_against", "VerifyReport", "Problem", "load_cache_files",
-           "record_verified_state", "read_committed_manifest", "torch"]
+           "record_verified_state", "read_committed_manifest"]
