@@ -41,7 +41,8 @@ from .verifier import (CORRUPT, INCOMPLETE, STALE, VERIFIED, CacheFiles, Problem
 
 DELTA_MODES = ("tier", "none", "all")
 VERIFY_MODES = ("boot", "hash", "none")
-CHUNK = 8 << 20                 # one read (and one staging slot): big enough for disk speed, small for cache
+CHUNK = 8 << 20                 # one read on the CPU path: big enough for disk speed, small for the cache
+GPU_SLOT = 16 << 20             # one pinned staging slot = one host-to-device copy
 DELTA_EXPERTS = "delta_experts"  # int64 [n]: which experts the w13_delta / w2_delta rows belong to
 MAX_HEADER = 100 << 20
 
@@ -178,11 +179,11 @@ class _Slots:
 
     def __init__(self, buffer: torch.Tensor, count: int, size: int) -> None:
         self.buffer = buffer
-        self.q: queue.Queue[tuple[torch.Tensor, torch.cuda.Event | None]] = queue.Queue()
+        self.q: queue.Queue[tuple[torch.Tensor, torch.cuda.Event]] = queue.Queue()
         for i in range(count):
-            self.q.put((buffer[i * size:(i + 1) * size], None))
+            self.q.put((buffer[i * size:(i + 1) * size], torch.cuda.Event()))
 
-    def take(self, stop: threading.Event) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+    def take(self, stop: threading.Event) -> tuple[torch.Tensor, torch.cuda.Event]:
         while True:
             if stop.is_set():
                 raise _Stopped
@@ -191,7 +192,7 @@ class _Slots:
             except queue.Empty:
                 continue
 
-    def give(self, buf: torch.Tensor, event: torch.cuda.Event | None) -> None:
+    def give(self, buf: torch.Tensor, event: torch.cuda.Event) -> None:
         self.q.put((buf, event))
 
     def drain(self) -> None:
@@ -201,8 +202,7 @@ class _Slots:
                 _, ev = self.q.get_nowait()
             except queue.Empty:
                 return
-            if ev is not None:
-                ev.synchronize()
+            ev.synchronize()
 
 
 class _PinnedPool:
@@ -260,8 +260,8 @@ class _Pipeline:
         self.pinned = pinned or _PinnedPool()
         if device.type == "cuda":
             # Staging = bytes in flight: 2-4 slots a worker, never more than max_inflight.
-            chunk = max(1 << 20, min(CHUNK, max_inflight // (2 * workers)))
-            count = max(2 * workers, min(4 * workers, max_inflight // chunk))
+            chunk = max(1 << 20, min(GPU_SLOT, max_inflight // (2 * workers)))
+            count = max(2 * workers, min(3 * workers, max_inflight // chunk))
             self.chunk = chunk
             self.slots = _Slots(self.pinned.take(count * chunk), count, chunk)
         else:
@@ -284,59 +284,84 @@ class _Pipeline:
         if h is not None and h.hexdigest() != r.xxh3:
             raise _mismatch(r)
 
-    def _read_gpu(self, r: _Read, fd: int, dst: torch.Tensor, stream: torch.cuda.Stream) -> None:
+    def _gpu_job(self, job: _Job, stream: torch.cuda.Stream) -> dict[str, torch.Tensor]:
+        """A job's tensors laid out (256-byte aligned) in ONE device buffer, streamed through the
+        pinned slots window by window: one copy and one event per window, whatever the tensor
+        count, because each CUDA call costs tens of microseconds on the virtual machines we run on."""
         assert self.slots is not None
-        h = xxh3_128() if self.hash and r.xxh3 else None
-        pos, n = 0, dst.numel()
-        while pos < n:
+        reads, offs, sizes, pos = job.reads, [], [], 0
+        for r in reads:
+            fd_size = self.files.fd(r.path)[1]
+            _check_read(r, fd_size)
+            n = _storage(r.dtype, r.shape)[2]
+            pos = (pos + 255) // 256 * 256
+            offs.append(pos)
+            sizes.append(n)
+            pos += n
+        total = pos
+        flat = torch.empty(total, dtype=torch.uint8, device=self.device)
+        stream.wait_stream(torch.cuda.default_stream(self.device))  # flat may be in use there until now
+        hashers = [xxh3_128() if self.hash and r.xxh3 else None for r in reads]
+        ri, rpos, win = 0, 0, 0
+        while win < total:
             buf, ev = self.slots.take(self.stop)
             try:
-                if ev is not None:
-                    ev.synchronize()  # the slot's last copy to the GPU is done (releases the GIL)
-                k = min(buf.numel(), n - pos)
-                mv = memoryview(buf.numpy())[:k]
-                done = 0
-                while done < k:
-                    got = os.preadv(fd, [mv[done:]], r.begin + pos + done)
-                    if got <= 0:
-                        raise _short(r)
-                    done += got
-                if h is not None:
-                    h.update(mv)
+                ev.synchronize()  # the slot's previous copy to the GPU has finished (releases the GIL)
+                wend = min(win + buf.numel(), total)
+                arr = buf.numpy()
+                while ri < len(reads) and offs[ri] + rpos < wend:
+                    if sizes[ri] == 0:
+                        ri += 1
+                        continue
+                    r, fd = reads[ri], self.files.fd(reads[ri].path)[0]
+                    start = offs[ri] + rpos
+                    k = min(sizes[ri] - rpos, wend - start)
+                    mv = memoryview(arr[start - win:start - win + k])
+                    done = 0
+                    while done < k:
+                        if self.stop.is_set():
+                            raise _Stopped
+                        got = os.preadv(fd, [mv[done:]], r.begin + rpos + done)
+                        if got <= 0:
+                            raise _short(r)
+                        done += got
+                    if hashers[ri] is not None:
+                        hashers[ri].update(mv)
+                    rpos += k
+                    if rpos == sizes[ri]:
+                        ri, rpos = ri + 1, 0
                 with torch.cuda.stream(stream):
-                    dst[pos:pos + k].copy_(buf[:k], non_blocking=True)
-                    ev = torch.cuda.Event()
+                    flat[win:wend].copy_(buf[:wend - win], non_blocking=True)
                     ev.record(stream)
             finally:
                 self.slots.give(buf, ev)
-            pos += k
-        if h is not None and h.hexdigest() != r.xxh3:
-            raise _mismatch(r)
+            win = wend
+        out: dict[str, torch.Tensor] = {}
+        for r, h, o, n in zip(reads, hashers, offs, sizes):
+            if h is not None and h.hexdigest() != r.xxh3:
+                raise _mismatch(r)
+            tdt, shape, _ = _storage(r.dtype, r.shape)
+            out[r.name] = flat[o:o + n].view(tdt).reshape(shape)
+        return out
 
     def run_job(self, job: _Job) -> dict[str, torch.Tensor]:
-        out: dict[str, torch.Tensor] = {}
-        stream = None
         if self.device.type == "cuda":
             stream = getattr(self.local, "stream", None)
             if stream is None:
                 stream = self.local.stream = torch.cuda.Stream(device=self.device)
-            # Memory from the caching allocator may still be in use by the default stream.
-            stream.wait_stream(torch.cuda.default_stream(self.device))
-        for r in job.reads:
-            fd, size = self.files.fd(r.path)
-            _check_read(r, size)
-            tdt, shape, n = _storage(r.dtype, r.shape)
-            flat = torch.empty(n, dtype=torch.uint8, device=self.device)
-            if stream is None:
-                self._read_cpu(r, fd, memoryview(flat.numpy()))
-            else:
-                self._read_gpu(r, fd, flat, stream)
-            out[r.name] = flat.view(tdt).reshape(shape)
-        if stream is not None:
+            out = self._gpu_job(job, stream)
             with torch.cuda.stream(stream):
                 result = self.finish(job, out, stream)
             stream.synchronize()
             return result
+        out = {}
+        for r in job.reads:
+            fd, size = self.files.fd(r.path)
+            _check_read(r, size)
+            tdt, shape, n = _storage(r.dtype, r.shape)
+            flat = torch.empty(n, dtype=torch.uint8)
+            self._read_cpu(r, fd, memoryview(flat.numpy()))
+            out[r.name] = flat.view(tdt).reshape(shape)
         return self.finish(job, out, None)
 
     # the consumer side -----------------------------------------------------------------------
@@ -612,8 +637,9 @@ def _expand_layer(lm: LayerManifest, t: dict[str, torch.Tensor], experts: tuple[
                   with_delta: bool) -> dict[str, torch.Tensor]:
     """Planes -> the stock fused-MoE names (w13_weight, w2_weight, scales), for `expand=True`."""
     I, H = lm.intermediate_size, lm.hidden_size
-    out = {k: v for k, v in t.items() if k not in (L.W13_BASE, L.W2_BASE, L.W13_DELTA, L.W2_DELTA,
-                                                   L.W13_TABLE, L.W2_TABLE, DELTA_EXPERTS)}
+    # On a GPU the planes share one buffer with the scales: copy the scales out so it can go.
+    out = {k: (v.clone() if v.is_cuda else v) for k, v in t.items()
+           if k not in (L.W13_BASE, L.W2_BASE, L.W13_DELTA, L.W2_DELTA, L.W13_TABLE, L.W2_TABLE, DELTA_EXPERTS)}
     tables13 = t[L.W13_TABLE].cpu().numpy()
     tables2 = t[L.W2_TABLE].cpu().numpy().reshape(lm.n_experts, 1, 4)
     rows13 = {e: t[L.W13_DELTA][k] for k, e in enumerate(experts)} if with_delta else {}
