@@ -469,7 +469,9 @@ def _suggestions(fp: Footprint, s: PlanSettings, budget: int, static: int, per_t
     if fp.delta_tier_bytes and short <= fp.delta_tier_bytes:
         keep = (fp.delta_tier_bytes - short) // fp.expert_delta_bytes * fp.expert_delta_bytes
         if keep > 0:
-            out.append(Suggestion("tier", f"--delta-budget {keep / GIB:.3f}GiB ({keep // fp.expert_delta_bytes} experts)",
+            # Exact bytes: a rounded GiB figure could round up past what fits.
+            out.append(Suggestion("tier", f"--delta-budget {keep} ({keep // fp.expert_delta_bytes} experts, "
+                                          f"{keep / GIB:.3f} GiB)",
                                   budget - (static - fp.delta_tier_bytes + keep + kv)))
         out.append(Suggestion("base-only", "--delta-budget 0", budget - (static - fp.delta_tier_bytes + kv)))
     elif fp.delta_tier_bytes:  # dropping the tier is not enough alone: base-only and a shorter context

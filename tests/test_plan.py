@@ -21,7 +21,7 @@ BIN = Path(sys.executable).parent
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     d = tmp_path_factory.mktemp("plan")
-    src = make_checkpoint(d / "src", small_spec(seed=7))
+    src = make_checkpoint(d / "src", small_spec(seed=7, n_routed_experts=8, num_hidden_layers=3))
     build_cache(src, d / "cache", BuildOptions(delta_budget="25%"))
     return src, d / "cache"
 
@@ -37,18 +37,18 @@ def test_plan_json_of_a_cache_adds_up_and_fits(pair: tuple[Path, Path]) -> None:
     assert doc["margin_bytes"] == doc["budget_bytes"] - doc["need_bytes"]
     assert doc["margin_gib"] == pytest.approx(doc["margin_bytes"] / GIB)
     assert doc["kv_bytes_per_token_per_layer"] == 128 + 4 + 128     # kv_lora_rank 128, rope 64, fp8_ds_mla
-    assert doc["buys"]["delta_experts"] == [12, 48] and doc["buys"]["extra_delta_experts"] == 36
+    assert doc["buys"]["delta_experts"] == [4, 16] and doc["buys"]["extra_delta_experts"] == 12
     assert doc["suggestions"] == []
 
 
 def test_plan_that_does_not_fit_exits_1_and_says_what_would(pair: tuple[Path, Path],
                                                             capsys: pytest.CaptureFixture[str]) -> None:
     _, cache = pair
-    code = main(["plan", str(cache), "--gpu", "1GiB", "--max-num-seqs", "3"])
+    code = main(["plan", str(cache), "--gpu", "1GiB", "--max-num-seqs", "5"])
     out = capsys.readouterr().out
     assert code == 1
     assert "does not fit" in out and "All figures in GiB" in out and "Deciding term: KV cache" in out
-    assert "--max-model-len " in out and "--max-num-seqs 2" in out
+    assert "--max-model-len " in out and "--max-num-seqs 3" in out
     assert main(["plan", str(cache), "--gpu", "a-big-one"]) == 2
     assert "unknown GPU" in capsys.readouterr().err
 
@@ -75,4 +75,4 @@ def test_unknown_attention_needs_kv_bytes_per_token(pair: tuple[Path, Path], tmp
     assert "--kv-bytes-per-token" in capsys.readouterr().err
     assert main(["plan", str(src), "--kv-bytes-per-token", "100", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
-    assert doc["kv_bytes_per_token_per_layer"] == 100 and doc["kv_bytes_per_token"] == 100 * 4
+    assert doc["kv_bytes_per_token_per_layer"] == 100 and doc["kv_bytes_per_token"] == 100 * 3

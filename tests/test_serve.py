@@ -24,7 +24,7 @@ MOET = shutil.which("moet-cache", path=str(BIN)) or str(BIN / "moet-cache")
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Path:
     d = tmp_path_factory.mktemp("serve")
-    src = make_checkpoint(d / "DeepSeek-Tiny-NVFP4", small_spec())
+    src = make_checkpoint(d / "DeepSeek-Tiny-NVFP4", small_spec(n_routed_experts=8, num_hidden_layers=3))
     build_cache(src, d / "cache", BuildOptions(delta_budget="25%"))
     return d / "cache"
 

@@ -31,7 +31,7 @@ def _vllm_bin() -> str:
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     d = tmp_path_factory.mktemp("vllm")
-    src = make_checkpoint(d / "src", small_spec())
+    src = make_checkpoint(d / "src", small_spec(n_routed_experts=8, num_hidden_layers=3))
     build_cache(src, d / "cache", BuildOptions(delta_budget="25%"))
     return d / "cache"
 

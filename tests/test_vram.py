@@ -23,7 +23,7 @@ V3 = {"num_hidden_layers": 61, "kv_lora_rank": 512, "qk_rope_head_dim": 64, "num
 @pytest.fixture(scope="module", params=[MODELOPT, COMPRESSED_TENSORS])
 def built(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     d = tmp_path_factory.mktemp(f"vram-{request.param}")
-    src = make_checkpoint(d / "src", small_spec(request.param, seed=3))
+    src = make_checkpoint(d / "src", small_spec(request.param, seed=3, n_routed_experts=8, num_hidden_layers=3))
     build_cache(src, d / "cache", BuildOptions(delta_budget="25%"))
     return src, d / "cache"
 
