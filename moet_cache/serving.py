@@ -18,18 +18,19 @@ import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import layout as L
 from .errors import EnvironmentProblem, InputError, MissingDependencyError, VerificationError
-from .verifier import CORRUPT, INCOMPLETE, STALE, UNVERIFIED, VerifyReport, boot_check
+
+if TYPE_CHECKING:
+    from .verifier import VerifyReport
 
 VLLM_PIN = "0.34.0"
 INSTALL_HINT = f"install it with: pip install vllm=={VLLM_PIN}"
 PARSER_NAME = "moet_deepseek"
 PARSER_MODULE = "moet_cache.vllm_parsers"
 LOAD_FORMAT = "moet"
-REFUSED_STATES = (INCOMPLETE, STALE, CORRUPT)
 PROBE_MARK = "MOET_CACHE_PROBE "
 PROBE_TIMEOUT_S = 300
 
@@ -385,8 +386,11 @@ def _env_added(profile: Profile) -> list[tuple[str, str]]:
 
 
 def check_boot(cache: Path, force: bool, warnings: list[str]) -> VerifyReport:
+    """Refuse an incomplete, stale or corrupt cache (unless forced); warn about an unverified one."""
+    # Imported here: the verifier pulls in safetensors, and `moet-cache --help` should not.
+    from .verifier import CORRUPT, INCOMPLETE, STALE, UNVERIFIED, boot_check
     r = boot_check(cache)
-    if r.state in REFUSED_STATES:
+    if r.state in (INCOMPLETE, STALE, CORRUPT):
         what = "; ".join(p.describe() for p in r.problems[:3])
         if not force:
             raise VerificationError(f"{cache}: the cache is {r.state_text} ({what})",
@@ -410,6 +414,7 @@ def build_serve_command(cache: str | os.PathLike[str], profile_name: str = DEFAU
     warnings: list[str] = []
     notes: list[str] = []
     report = check_boot(root, force, warnings)
+    unverified = report.state == "unverified"
     model_dir = (root / L.AUX_DIR).resolve()
     if not (model_dir / "config.json").is_file():
         raise InputError(f"{root} has no {L.AUX_DIR}/config.json for vLLM to read", "rebuild the cache")
@@ -423,7 +428,7 @@ def build_serve_command(cache: str | os.PathLike[str], profile_name: str = DEFAU
     try:
         if probe is not None:
             table = probe.table()
-        base = [Flag(o, v) for o, v in profile.flags] + integration_flags(root, report.state == UNVERIFIED, warnings)
+        base = [Flag(o, v) for o, v in profile.flags] + integration_flags(root, unverified, warnings)
         user = split_flags(list(user_args or []), table)
         base, n1 = adapt_renames(base, table)
         user, n2 = adapt_renames(user, table)

@@ -16,7 +16,7 @@ from typing import Any
 
 from . import layout as L
 from .errors import InputError
-from .manifest import CACHE_MANIFEST, COMMIT_RECORD, DeltaIndex, PartManifest, load_record
+from .manifest import CACHE_MANIFEST, COMMIT_RECORD, DeltaIndex, PartManifest
 from .modelconfig import ModelConfig
 from .units import GIB, parse_budget, parse_size
 
