@@ -232,3 +232,29 @@ def test_split_merge_and_renames_with_an_option_table() -> None:
     assert merged[0] == Flag("-tp", ("2",)) and len(merged) == 4   # same dest: replaced, not repeated
     with pytest.raises(Exception, match="unexpected value"):
         split_flags(["/some/model", "--enforce-eager"], table)
+
+
+# --- the plan before the exec, on the GPU that nvidia-smi reports ----------------------------------------
+
+FAKE_SMI = """#!/bin/sh
+echo "$@" > {record}
+echo "NVIDIA RTX PRO 6000 Blackwell Workstation Edition, 97887"
+"""
+
+
+def test_serve_plans_for_the_gpu_it_sees_and_warns_when_it_does_not_fit(
+        served: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    d = tmp_path / "smi"
+    d.mkdir()
+    record = tmp_path / "smi-args"
+    (d / "nvidia-smi").write_text(FAKE_SMI.format(record=record))
+    (d / "nvidia-smi").chmod(0o755)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1,0")
+    code, _, err = _main(["serve", "--dry-run", str(served)], monkeypatch, capsys, d)
+    assert code == 0 and "plan: fits NVIDIA RTX PRO 6000 Blackwell Workstation Edition" in err
+    assert record.read_text().split()[-2:] == ["-i", "1"]        # the first visible GPU
+    # 10M tokens x 3 layers x 260 B = 7.3 GiB of KV against 0.05 x 95.59 GiB: warned, with what would fit.
+    code, out, err = _main(["serve", "--dry-run", str(served), "--", "--gpu-memory-utilization", "0.05",
+                            "--max-model-len", "10000000"], monkeypatch, capsys, d)
+    assert code == 0 and "vllm serve" in out
+    assert "do not fit NVIDIA RTX PRO 6000" in err and "nearest: --max-model-len" in err
