@@ -160,6 +160,11 @@ def test_a_changed_file_makes_the_loader_hash_every_tensor(cache_copy: Path, mon
     assert doc["boot_state"] == "unverified"
     extra = json.loads(_flags(doc["argv"])["--model-loader-extra-config"][0])
     assert extra == {"cache": str(cache_copy.resolve()), "verify": "hash"}
+    # The contract with the loader plugin: it takes this extra config as it stands.
+    from moet_cache.vllm_plugin import LOAD_FORMAT, PluginOptions
+    opts = PluginOptions.from_extra(extra)
+    assert opts.verify == "hash" and opts.cache == str(cache_copy.resolve())
+    assert _flags(doc["argv"])["--load-format"] == [LOAD_FORMAT]
     assert any("hash every tensor" in w for w in doc["warnings"])
 
 
