@@ -30,7 +30,8 @@ from .manifest import (CACHE_MANIFEST, COMMIT_RECORD, FORMAT_VERSION, BuildParam
                        CommitRecord, DeltaIndex, FileEntry, LayerManifest, LayerRef, ManifestError,
                        PartManifest, TensorEntry, load_record, write_record)
 from .modelconfig import parse_layer_selection
-from .planes import code_histogram, error_and_energy, fit_table, split_planes
+from .planes import code_histogram, code_histogram_torch, error_and_energy, error_and_energy_torch, fit_table, \
+    split_planes, split_planes_torch
 from .progress import NullProgress, Progress
 from .stwriter import SafetensorsWriter, TensorSpec, WrittenFile
 from .tiering import DEFAULT_DELTA_BUDGET, Candidate, RoutingProfile, check_profile, choose_tier, \
@@ -108,14 +109,37 @@ class _Planes:
     energy: float
 
 
-def _plane_work(xs: list[ExpertTensors]) -> list[_Planes]:
+def _plane_work(xs: list[ExpertTensors], device: str | None = None) -> list[_Planes]:
     out = []
     for x in xs:
-        base, delta = split_planes(x.codes)
-        table = fit_table(code_histogram(x.codes))
-        er, eg = error_and_energy(x.codes, x.block_scale.to(torch.float32).numpy(), table)
+        if device is None:
+            base, delta = split_planes(x.codes)
+            table = fit_table(code_histogram(x.codes))
+            er, eg = error_and_energy(x.codes, x.block_scale.to(torch.float32).numpy(), table)
+        else:  # the same maths in torch on the device; the planes and table are bit-identical
+            codes = torch.from_numpy(x.codes).to(device)
+            tbase, tdelta = split_planes_torch(codes)
+            table = fit_table(code_histogram_torch(codes))
+            er, eg = error_and_energy_torch(codes, x.block_scale.to(device).to(torch.float32), table)
+            base, delta = tbase.cpu().numpy(), tdelta.cpu().numpy()
         out.append(_Planes(x, base, delta, table, er, eg))
     return out
+
+
+def _plane_device() -> str | None:
+    """Where the split runs: None for the numpy kernels, else a torch device ("cuda" when one is present).
+
+    MOET_CACHE_SPLIT_DEVICE=cpu keeps it on the numpy kernels, =torch-cpu runs the torch kernels on
+    the host (how the tests check the GPU path's maths without a GPU), =cuda asks for the GPU.
+    """
+    want = os.environ.get("MOET_CACHE_SPLIT_DEVICE", "auto")
+    if want == "cpu":
+        return None
+    if want == "torch-cpu":
+        return "cpu"
+    if want == "cuda" or torch.cuda.is_available():
+        return "cuda"
+    return None
 
 
 def _plane_workers() -> int:
@@ -376,7 +400,7 @@ class _Builder:
         source_bytes = 0
         # A pipeline in bounded memory: this thread reads expert e + 2*workers and writes expert e, while
         # worker threads split and measure the experts in between (numpy releases the GIL in them).
-        workers = _plane_workers()
+        workers, device = _plane_workers(), _plane_device()
         pending: deque[Future[list[_Planes]]] = deque()
         ahead = 0
         with SafetensorsWriter(self.root / L.base_file(layer), base_specs) as bw, \
@@ -384,7 +408,8 @@ class _Builder:
                 ThreadPoolExecutor(max_workers=workers, thread_name_prefix="moet-planes") as pool:
             for e in range(E):
                 while ahead < E and len(pending) < 2 * workers:
-                    pending.append(pool.submit(_plane_work, [ck.read_expert(layer, ahead, p) for p in PROJECTIONS]))
+                    xs = [ck.read_expert(layer, ahead, p) for p in PROJECTIONS]
+                    pending.append(pool.submit(_plane_work, xs, device))
                     ahead += 1
                 work = pending.popleft().result()
                 err = en = 0.0

@@ -246,3 +246,33 @@ def split_planes_torch(packed: "torch.Tensor") -> tuple["torch.Tensor", "torch.T
     delta = compact(w & _TORCH_M33)
     base = compact((w >> 2) & _TORCH_M33)
     return base, delta
+
+
+def code_histogram_torch(packed: "torch.Tensor") -> np.ndarray:
+    """code_histogram for a torch uint8 tensor on any device; exact (integer counts), int64[16] on the host."""
+    import torch
+    if packed.dtype != torch.uint8 or packed.numel() % 2:
+        raise ValueError("packed FP4 codes must be uint8 with an even number of bytes")
+    pairs = packed.reshape(-1, 2).to(torch.int32)
+    counts = torch.bincount(pairs[:, 0] | (pairs[:, 1] << 8), minlength=1 << 16)
+    grid = counts.view(256, 256)  # [high byte, low byte]
+    nibbles = (grid.sum(dim=0) + grid.sum(dim=1)).view(16, 16)  # [high nibble, low nibble]
+    return (nibbles.sum(dim=0) + nibbles.sum(dim=1)).cpu().numpy().astype(np.int64)
+
+
+def error_and_energy_torch(packed: "torch.Tensor", block_scales: "torch.Tensor",
+                           table: np.ndarray) -> tuple[float, float]:
+    """error_and_energy for torch tensors on any device (float64 sums); block_scales: [rows, n/16], any float."""
+    import torch
+    rows = packed.shape[0]
+    if packed.dim() != 2 or packed.shape[1] % (BLOCK // 2) or tuple(block_scales.shape) != (rows, packed.shape[1] * 2 // BLOCK):
+        raise ValueError("packed must be [rows, n/2] and block_scales [rows, n/16]")
+    values = E2M1_VALUES.astype(np.float64)
+    per_err = (values - np.repeat(table.astype(np.float64), 4)) ** 2
+    lut = torch.from_numpy(np.stack([_word_table(per_err), _word_table(values**2)], axis=-1)).to(packed.device)
+    pairs = packed.reshape(-1, 2).to(torch.int64)
+    per_word = lut[pairs[:, 0] | (pairs[:, 1] << 8)]  # [words, 2]
+    per_block = per_word.view(-1, BLOCK // 4, 2).sum(dim=1)  # four words make one block
+    s2 = block_scales.reshape(-1).to(torch.float64) ** 2
+    total = (per_block * s2[:, None]).sum(dim=0).cpu()
+    return float(total[0]), float(total[1])

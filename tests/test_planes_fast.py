@@ -144,3 +144,33 @@ def test_gpu_split_is_bit_identical_to_the_cpu_split() -> None:
         base, delta = P.split_planes_torch(torch.from_numpy(packed).cuda())
         cbase, cdelta = P.split_planes(packed)
         assert np.array_equal(base.cpu().numpy(), cbase) and np.array_equal(delta.cpu().numpy(), cdelta)
+
+
+@settings(max_examples=60, deadline=None)
+@given(blocked, st.integers(0, 2**32 - 1))
+def test_torch_histogram_and_error_on_the_cpu_match_reference(packed: np.ndarray, seed: int) -> None:
+    torch = pytest.importorskip("torch")
+    scales = _scales(np.random.default_rng(seed), packed)
+    t = torch.from_numpy(packed)
+    hist = P.code_histogram_torch(t)
+    assert hist.dtype == np.int64 and hist.tolist() == P.code_histogram_reference(packed).tolist()
+    table = P.fit_table(hist)
+    got = P.error_and_energy_torch(t, torch.from_numpy(scales), table)
+    want = P.error_and_energy_reference(packed, scales, table)
+    assert got == pytest.approx(want, rel=1e-6, abs=1e-9)  # the reference sums float32 per-code terms
+
+
+@pytest.mark.gpu
+def test_gpu_histogram_and_error_match_the_cpu() -> None:
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    rng = np.random.default_rng(12)
+    packed = rng.integers(0, 256, (1024, 2048), dtype=np.uint8)
+    scales = _scales(rng, packed)
+    t = torch.from_numpy(packed).cuda()
+    hist = P.code_histogram_torch(t)
+    assert hist.tolist() == P.code_histogram(packed).tolist()
+    table = P.fit_table(hist)
+    got = P.error_and_energy_torch(t, torch.from_numpy(scales).cuda(), table)
+    assert got == pytest.approx(P.error_and_energy_reference(packed, scales, table), rel=1e-6)

@@ -1,0 +1,46 @@
+"""The build's plane pipeline: the torch kernels (the GPU path) write the same planes as the numpy kernels."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from moet_cache import BuildOptions, build_cache, full_verify, verify_against
+
+
+def _build(src: Path, dest: Path, device: str, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("MOET_CACHE_SPLIT_DEVICE", device)
+    build_cache(src, dest, BuildOptions(delta_budget="25%"))
+    return dest
+
+
+def _same_planes(a: Path, b: Path) -> None:
+    files = sorted(p.relative_to(a) for p in a.rglob("*.safetensors"))
+    assert files and files == sorted(p.relative_to(b) for p in b.rglob("*.safetensors"))
+    for rel in files:
+        assert (a / rel).read_bytes() == (b / rel).read_bytes(), rel
+    for lm_path in sorted((a / "layers").glob("layer-*.json")):
+        la, lb = json.loads(lm_path.read_text()), json.loads((b / "layers" / lm_path.name).read_text())
+        assert la["sq_error"] == pytest.approx(lb["sq_error"], rel=1e-6)
+        assert la["energy"] == pytest.approx(lb["energy"], rel=1e-6)
+
+
+def test_torch_kernels_build_the_same_cache(tmp_path: Path, ckpt_modelopt: Path,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    ref = _build(ckpt_modelopt, tmp_path / "numpy", "cpu", monkeypatch)
+    got = _build(ckpt_modelopt, tmp_path / "torch", "torch-cpu", monkeypatch)
+    _same_planes(ref, got)
+    assert full_verify(got).ok and verify_against(got, ckpt_modelopt).ok
+
+
+@pytest.mark.gpu
+def test_gpu_build_writes_the_cpu_planes(tmp_path: Path, ckpt_modelopt: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    ref = _build(ckpt_modelopt, tmp_path / "numpy", "cpu", monkeypatch)
+    got = _build(ckpt_modelopt, tmp_path / "gpu", "cuda", monkeypatch)
+    _same_planes(ref, got)
+    assert full_verify(got).ok and verify_against(got, ckpt_modelopt).ok
