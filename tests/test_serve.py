@@ -263,3 +263,15 @@ def test_serve_plans_for_the_gpu_it_sees_and_warns_when_it_does_not_fit(
                             "--max-model-len", "10000000"], monkeypatch, capsys, d)
     assert code == 0 and "vllm serve" in out
     assert "do not fit NVIDIA RTX PRO 6000" in err and "nearest: --max-model-len" in err
+
+
+def test_a_stale_cache_is_refused(served: Path, monkeypatch: pytest.MonkeyPatch,
+                                  capsys: pytest.CaptureFixture[str]) -> None:
+    shard = sorted((served.parent / "DeepSeek-Tiny-NVFP4").glob("*.safetensors"))[0]
+    st = shard.stat()
+    os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # the source "rewritten" after the build
+    try:
+        code, _, err = _main(["serve", "--dry-run", str(served)], monkeypatch, capsys)
+    finally:
+        os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert code == 1 and "stale" in err and shard.name in err
