@@ -259,7 +259,8 @@ def footprint_from_cache(root: str | os.PathLike[str], delta_budget: str | None 
     aux = next((f for f in cf.manifest.files if f.role == L.ROLE_AUX and f.path == f"{L.AUX_DIR}/config.json"), None)
     if aux is not None:
         cfg = _verified_json(root, aux.path, aux.size, aux.xxh3)
-    mtp_exact = bool(mtp_base) and bool(mtp_dense)
+    # MTP tensors are in the cache with --include-mtp (planes + the rest) or --lossless (all at FP4).
+    mtp_exact = bool(mtp_dense)
     mtp = mtp_base + mtp_dense if mtp_exact else 0
     if not mtp_exact and m.num_nextn_predict_layers:
         mtp = _mtp_estimate(m, dense // max(1, m.num_hidden_layers))

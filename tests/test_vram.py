@@ -204,3 +204,18 @@ def test_speculative_mtp_counts_the_mtp_layer_and_its_kv(built: tuple[Path, Path
     off, on = make_plan(fp, s), make_plan(fp, replace(s, speculative="mtp"))
     assert on.kv_layers == off.kv_layers + 1 and on.mtp_weights == fp.mtp_bytes
     assert on.need - off.need == off.mtp_need == fp.mtp_bytes + off.kv_per_token_layer * off.kv_tokens
+
+
+def test_mtp_bytes_are_exact_when_the_cache_holds_the_mtp_layer(built: tuple[Path, Path], tmp_path: Path) -> None:
+    src, plain = built
+    fp4 = footprint_from_checkpoint(src).mtp_bytes                # the MTP layer as the source holds it
+    lossless = tmp_path / "lossless"
+    build_cache(src, lossless, BuildOptions(delta_budget="25%", lossless=True))
+    planed = tmp_path / "mtp"
+    build_cache(src, planed, BuildOptions(delta_budget="25%", include_mtp=True))
+    a, b, c = footprint_from_cache(lossless), footprint_from_cache(planed), footprint_from_cache(plain)
+    assert a.mtp_exact and a.mtp_bytes == fp4                    # kept whole, at FP4, among the dense parts
+    assert b.mtp_exact and b.mtp_bytes < fp4                     # its experts as base planes
+    assert not c.mtp_exact and c.mtp_bytes > 0                   # not in the cache: an estimate
+    assert a.dense_bytes == b.dense_bytes == c.dense_bytes       # the MTP layer is never in the dense term
+    assert b.served_layers == c.served_layers and b.base_bytes == c.base_bytes
