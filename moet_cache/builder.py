@@ -23,8 +23,8 @@ from safetensors import safe_open
 from . import layout as L
 from .checkpoint import COMPRESSED_TENSORS, INDEX_NAME, PROJECTIONS, Checkpoint, ExpertTensors, \
     expert_layer_of, layer_of, open_checkpoint, tensor_bytes
-from .errors import InputError
-from .fsutil import CacheLock, atomic_write_bytes, check_free_space, fsync_dir, read_json_file
+from .errors import EnvironmentProblem, InputError
+from .fsutil import CacheLock, atomic_write_bytes, check_free_space, fsync_dir, read_json_file, refuse_links
 from .hashing import xxh3_file_hex, xxh3_hex
 from .manifest import (CACHE_MANIFEST, COMMIT_RECORD, FORMAT_VERSION, BuildParams, CacheManifest,
                        CommitRecord, DeltaIndex, FileEntry, LayerManifest, LayerRef, ManifestError,
@@ -521,6 +521,9 @@ class _Builder:
         staging = self.root / L.STAGING_DIR
         if staging.is_dir():
             shutil.rmtree(staging)
+        for name in (CACHE_MANIFEST, COMMIT_RECORD):  # temp files of a killed build's atomic writes (we hold the lock)
+            for p in self.root.glob(f".{name}.tmp-*"):
+                p.unlink(missing_ok=True)
         fsync_dir(self.root)
 
 
@@ -580,8 +583,33 @@ def build_cache(src: str | os.PathLike[str], cache: str | os.PathLike[str],
         raise InputError("the cache folder must not be the checkpoint folder or inside it")
     root.mkdir(parents=True, exist_ok=True)
     with CacheLock(root, wait=opts.wait):
-        with open_checkpoint(src_path) as ckpt:
-            return _Builder(ckpt, root, opts, progress or NullProgress()).run()
+        refuse_links(root, L.WRITTEN_DIRS)
+        previous = (root / COMMIT_RECORD).read_bytes() if (root / COMMIT_RECORD).is_file() else None
+        try:
+            with open_checkpoint(src_path) as ckpt:
+                return _Builder(ckpt, root, opts, progress or NullProgress()).run()
+        except BaseException:
+            _restore_commit(root, previous)
+            raise
+
+
+def _restore_commit(root: Path, previous: bytes | None) -> None:
+    """A rebuild that failed (disk full, Ctrl-C, bad input) before replacing anything leaves the previous cache served.
+
+    The old commit record is put back only if the boot check then proves every listed file is
+    exactly the one last verified (same size, mtime and inode: atomic replaces change the inode).
+    """
+    from .verifier import VERIFIED, boot_check
+    commit = root / COMMIT_RECORD
+    if previous is None or commit.exists():
+        return
+    try:
+        atomic_write_bytes(commit, previous)
+        if boot_check(root, check_source=False).state != VERIFIED:
+            commit.unlink()
+            fsync_dir(root)
+    except (OSError, InputError, EnvironmentProblem):
+        commit.unlink(missing_ok=True)  # could not prove it: the cache stays uncommitted (rerun the build)
 
 
 @dataclass(frozen=True)
@@ -601,6 +629,7 @@ def retier_cache(cache: str | os.PathLike[str], delta_budget: str, profile: str 
     from .verifier import load_cache_files
     root = Path(cache)
     with CacheLock(root, wait=wait):
+        refuse_links(root, L.WRITTEN_DIRS)
         cf = load_cache_files(root)
         m = cf.manifest
         if not m.build.lossless:

@@ -20,7 +20,7 @@ from .manifest import PartManifest, load_record
 from .planes import join_planes
 from .progress import NullProgress, Progress
 from .stwriter import SafetensorsWriter, TensorSpec
-from .verifier import load_cache_files
+from .verifier import cache_read_errors, load_cache_files
 
 
 @dataclass(frozen=True)
@@ -48,6 +48,27 @@ def _checked_name(name: Any) -> str:
     return name
 
 
+def _shard_specs(shard: Any) -> list[TensorSpec]:
+    """The tensors of one shard of the source map, checked (the map is as untrusted as any manifest)."""
+    from .manifest import DTYPES, MAX_INT
+    tensors = shard.get("tensors") if isinstance(shard, dict) else None
+    meta = shard.get("metadata") if isinstance(shard, dict) else None
+    ok = isinstance(tensors, list) and (meta is None or isinstance(meta, dict) and all(
+        isinstance(k, str) and isinstance(v, str) for k, v in meta.items()))
+    specs = []
+    for t in tensors if ok else ():
+        if not (isinstance(t, list) and len(t) == 3 and isinstance(t[0], str) and t[1] in DTYPES
+                and isinstance(t[2], list) and len(t[2]) <= 8
+                and all(type(x) is int and 0 <= x < MAX_INT for x in t[2])):
+            ok = False
+            break
+        specs.append(TensorSpec(t[0], t[1], tuple(t[2])))
+    if not ok:
+        raise InputError("the cache's source map is malformed", "run moet-cache verify --full; rebuild the cache")
+    return specs
+
+
+@cache_read_errors
 def export_checkpoint(root: str | os.PathLike[str], out: str | os.PathLike[str],
                       progress: Progress | None = None) -> ExportResult:
     """Write the source's shards, index and aux files again from a --lossless cache."""
@@ -70,7 +91,9 @@ def export_checkpoint(root: str | os.PathLike[str], out: str | os.PathLike[str],
     out.mkdir(parents=True, exist_ok=True)
     weight_map: dict[str, str] = {}
     n_tensors = written_bytes = 0
-    shards = smap.get("shards", [])
+    shards = smap.get("shards") if isinstance(smap, dict) else None
+    if not isinstance(shards, list):
+        raise InputError("the cache's source map has no list of shards", "rebuild the cache")
     progress.start(sum(f.size for f, _ in cf.files if f.role in (L.ROLE_BASE, L.ROLE_DELTA_ALL, L.ROLE_DENSE)), "export")
     with ExitStack() as stack:
         handles: dict[str, Any] = {}
@@ -81,8 +104,8 @@ def export_checkpoint(root: str | os.PathLike[str], out: str | os.PathLike[str],
             return handles[rel]
 
         for shard in shards:
+            specs = _shard_specs(shard)
             name = _checked_name(shard.get("name"))
-            specs = [TensorSpec(str(n), str(d), tuple(int(x) for x in s)) for n, d, s in shard["tensors"]]
             with SafetensorsWriter(out / name, specs, shard.get("metadata")) as w:
                 for spec in specs:
                     data = _tensor_bytes(spec.name, layout, cf, dense_at, handle)

@@ -106,6 +106,14 @@ def resolve_inside(root: Path, rel: str, what: str = "path") -> Path:
     return path
 
 
+def refuse_links(root: Path, names: tuple[str, ...]) -> None:
+    """Refuse to write into a cache whose folders are links: writes would land outside the cache."""
+    for name in names:
+        if (root / name).is_symlink():
+            raise UnsafePathError(f"{root / name} is a symbolic link; moet-cache writes only inside the cache",
+                                  "replace the link by a real folder (or build a new cache)")
+
+
 class CacheLock:
     """An exclusive flock on CACHE/.lock; a second build fails at once (or waits with wait=True)."""
 
@@ -116,7 +124,12 @@ class CacheLock:
 
     def __enter__(self) -> CacheLock:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:  # O_NOFOLLOW: a .lock that is a link must not let us truncate a file elsewhere
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        except OSError as e:
+            if e.errno != errno.ELOOP:
+                raise
+            raise UnsafePathError(f"{self.path} is a symbolic link", "remove it; the cache must hold plain files") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | (0 if self.wait else fcntl.LOCK_NB))
         except BlockingIOError:

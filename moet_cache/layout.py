@@ -9,6 +9,8 @@ AUX_DIR = "model"
 PACK = "delta/tier.safetensors"
 DELTA_INDEX = "delta/tier.json"
 SOURCE_MAP = "source-map.json"
+# Every folder the library writes into (must never be a link out of the cache).
+WRITTEN_DIRS = (LAYERS_DIR, DENSE_DIR, STAGING_DIR, AUX_DIR, "delta", ".state")
 
 # Roles of the files that the cache manifest lists.
 ROLE_BASE, ROLE_DELTA_ALL, ROLE_DENSE, ROLE_PACK = "base", "delta-all", "dense", "delta-pack"

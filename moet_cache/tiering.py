@@ -71,7 +71,7 @@ def load_profile(path: str | Path) -> RoutingProfile:
         if layer in counts:
             raise InputError(f"{where}: layer {layer} appears twice")
         if not isinstance(c, list) or not c or len(c) > 1 << 16 or not all(
-                isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and 0 <= x < 1e30
+                isinstance(x, (int, float)) and not isinstance(x, bool) and 0 <= x < 1e30 and math.isfinite(x)
                 for x in c):
             raise InputError(f"{where}: layer {layer} counts must be a list of non-negative numbers")
         counts[layer] = tuple(float(x) for x in c)

@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from . import layout as L
-from .errors import InputError
-from .fsutil import atomic_write_json, lock_is_held, read_json_file, resolve_inside
+from .errors import InputError, UnsafePathError, VerificationError
+from .fsutil import atomic_write_json, lock_is_held, read_json_file, refuse_links, resolve_inside
 from .hashing import xxh3_file_hex, xxh3_hex
 from .manifest import (CACHE_MANIFEST, COMMIT_RECORD, VERIFIED_STATE, CacheManifest, CommitRecord,
                        DeltaIndex, FileEntry, LayerManifest, ManifestError, TensorEntry)
@@ -142,6 +142,12 @@ def load_cache_files(root: Path) -> CacheFiles:
         layers[ref.layer] = lm
         files.append((FileEntry(ref.manifest, ref.size, ref.xxh3, "layer-manifest"), ref.layer))
         files.extend((f, ref.layer) for f in lm.files)
+    # Never read through a linked folder (a linked file itself is reported as a "link" problem).
+    for folder in sorted({f.path.rsplit("/", 1)[0] for f, _ in files if "/" in f.path}):
+        try:
+            resolve_inside(root, folder)
+        except UnsafePathError as e:
+            raise ManifestError(e.message, "the cache must hold plain files; rebuild it") from None
     return CacheFiles(manifest, mdigest, layers, tuple(files))
 
 
@@ -151,6 +157,7 @@ def _stat_key(st: os.stat_result) -> list[int]:
 
 def record_verified_state(root: Path, manifest: CacheManifest, manifest_xxh3: str, by: str) -> None:
     """Remember each file's (size, mtime_ns, inode) after a build or a full verify, for the boot check."""
+    refuse_links(root, (".state",))
     cf = load_cache_files(root)
     stats = {f.path: _stat_key((root / f.path).stat()) for f, _ in cf.files}
     for name in (CACHE_MANIFEST, COMMIT_RECORD):
@@ -344,6 +351,23 @@ def full_verify(root: str | os.PathLike[str], workers: int | None = None,
                         source_present=boot.source_present)
 
 
+def cache_read_errors(fn: Any) -> Any:
+    """A cache file that safetensors cannot read although its manifest passed is a damaged cache (exit 1)."""
+    import functools
+
+    from safetensors import SafetensorError
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except SafetensorError as e:
+            raise VerificationError(f"a cache file is not readable safetensors: {e}",
+                                    "run moet-cache verify --full, then build the cache again") from None
+    return wrapper
+
+
+@cache_read_errors
 def verify_against(root: str | os.PathLike[str], src: str | os.PathLike[str],
                    progress: Progress | None = None) -> VerifyReport:
     """Every base and delta plane equals the source's bits, the scales are equal; names the first mismatch."""

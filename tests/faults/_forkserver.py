@@ -15,7 +15,25 @@ import sys
 from moet_cache.cli.app import main
 
 
+def warm(argv: list[str]) -> None:
+    """Run one command here first, so that every lazy import and first-use cost is paid before forking."""
+    import torch
+    torch.set_num_threads(1)  # no intra-op thread pool: forking a process with idle pool threads is unsafe
+    saved = os.dup(1), os.dup(2)
+    null = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 1)
+    os.dup2(null, 2)
+    try:
+        main(argv)
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+
+
 def serve() -> None:
+    if len(sys.argv) > 1:
+        warm(json.loads(sys.argv[1]))
     print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
         argv = json.loads(line)["argv"]

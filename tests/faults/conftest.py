@@ -13,6 +13,15 @@ import pytest
 @pytest.fixture
 def work(tmp_path: Path) -> Iterator[Path]:
     """A scratch folder; on /dev/shm when it is writable, because the campaign's cost is mostly fsync."""
+    yield from _ram_dir(tmp_path)
+
+
+@pytest.fixture(scope="module")
+def module_work(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    yield from _ram_dir(tmp_path_factory.mktemp("faults"))
+
+
+def _ram_dir(fallback: Path) -> Iterator[Path]:
     shm = Path("/dev/shm")
     if shm.is_dir():
         try:
@@ -25,7 +34,7 @@ def work(tmp_path: Path) -> Iterator[Path]:
             finally:
                 shutil.rmtree(d, ignore_errors=True)
             return
-    yield tmp_path
+    yield fallback
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

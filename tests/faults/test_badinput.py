@@ -18,8 +18,8 @@ from .campaign import FUZZ_CASES, FUZZ_CI_EXAMPLES, FuzzEnv, fuzz, recommit, rew
 
 
 @pytest.fixture(scope="module")
-def env(tmp_path_factory: pytest.TempPathFactory) -> FuzzEnv:
-    return FuzzEnv(tmp_path_factory.mktemp("fuzz"))
+def env(module_work: Path) -> FuzzEnv:
+    return FuzzEnv(module_work)
 
 
 @pytest.mark.parametrize("kind", sorted(FUZZ_CASES))
