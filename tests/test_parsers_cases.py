@@ -33,7 +33,9 @@ def dsml(*invokes: str, bar: str = "｜", wrap: str = "function_calls") -> str:
 
 
 def inv(name: str, *params: str, bar: str = "｜") -> str:
-    return f'<{bar}DSML{bar}invoke name="{name}">\n' + "".join(params) + f"</{bar}DSML{bar}invoke>\n"
+    return (
+        f'<{bar}DSML{bar}invoke name="{name}">\n' + "".join(params) + f"</{bar}DSML{bar}invoke>\n"
+    )
 
 
 def par(name: str, value: str, string: str | None = "true", bar: str = "｜") -> str:
@@ -69,10 +71,22 @@ CASES = [
     ("eos-in-reasoning", "r" + EOS, True, True, M("r")),
     ("bos-in-content", "<｜begin▁of▁sentence｜>x", False, True, M(None, "x")),
     # --- prose that looks like markup ---
-    ("lt-gt-prose", "if a < b and c > d: x <| y", False, True, M(None, "if a < b and c > d: x <| y")),
+    (
+        "lt-gt-prose",
+        "if a < b and c > d: x <| y",
+        False,
+        True,
+        M(None, "if a < b and c > d: x <| y"),
+    ),
     ("fragment-in-prose", "the <｜tool▁call token", False, True, M(None, "the <｜tool▁call token")),
     ("dsml-word-not-tag", "see <｜DSML｜invokes>", False, True, M(None, "see <｜DSML｜invokes>")),
-    ("dsml-tag-with-lt", 'x <｜DSML｜invoke name="a<b">', False, True, M(None, 'x <｜DSML｜invoke name="a<b">')),
+    (
+        "dsml-tag-with-lt",
+        'x <｜DSML｜invoke name="a<b">',
+        False,
+        True,
+        M(None, 'x <｜DSML｜invoke name="a<b">'),
+    ),
     ("stray-call-end-dropped", "a" + E + "b", False, True, M(None, "ab")),
     # --- V3.1 ---
     ("v31-one", v31(("f", '{"a": 1}')), False, True, M(None, None, ("f", '{"a": 1}'))),
@@ -83,7 +97,13 @@ CASES = [
         True,
         M(None, "Let me check.", ("f", '{"a": 1}'), ("g", '{"b": {"c": [1, 2]}}')),
     ),
-    ("v31-number-end", v31(("n", '{"x": 12345}')), False, True, M(None, None, ("n", '{"x": 12345}'))),
+    (
+        "v31-number-end",
+        v31(("n", '{"x": 12345}')),
+        False,
+        True,
+        M(None, None, ("n", '{"x": 12345}')),
+    ),
     (
         "v31-nested-end",
         v31(("n", '{"x": {"y": {"z": []}}}')),
@@ -100,36 +120,60 @@ CASES = [
     ),
     ("v31-ws-trim", v31((" f ", '\n {"a": 1} \n')), False, True, M(None, None, ("f", '{"a": 1}'))),
     ("v31-empty-args", v31(("f", "")), False, True, M(None, None, ("f", "{}"))),
-    ("v31-ascii-bars", v31(("f", "{}")).replace("｜", "|"), False, True, M(None, None, ("f", "{}"))),
+    (
+        "v31-ascii-bars",
+        v31(("f", "{}")).replace("｜", "|"),
+        False,
+        True,
+        M(None, None, ("f", "{}")),
+    ),
     ("v31-bare-call", f"{B}f{SEP}{{}}{E}", False, True, M(None, None, ("f", "{}"))),
     ("v31-after-reasoning", "r</think>" + v31(("f", "{}")), True, True, M("r", None, ("f", "{}"))),
     (
         "v31-missing-call-end",
-        f"{CB}{B}f{SEP}{{\"a\": 1}}{B}g{SEP}{{}}{CE}",
+        f'{CB}{B}f{SEP}{{"a": 1}}{B}g{SEP}{{}}{CE}',
         False,
         True,
         M(None, None, ("f", '{"a": 1}'), ("g", "{}")),
     ),
     ("v31-no-name", f"{CB}{B}{SEP}{{}}{E}{CE}ok", False, True, M(None, "ok")),
-    ("v31-text-in-block-dropped", f"{CB}junk{B}f{SEP}{{}}{E}junk{CE}", False, True, M(None, None, ("f", "{}"))),
+    (
+        "v31-text-in-block-dropped",
+        f"{CB}junk{B}f{SEP}{{}}{E}junk{CE}",
+        False,
+        True,
+        M(None, None, ("f", "{}")),
+    ),
     # --- DSML ---
     (
         "dsml-brief",
-        "Checking.\n\n" + dsml(inv("get_weather", par("location", "Hangzhou"), par("days", "3", "false"))),
+        "Checking.\n\n"
+        + dsml(inv("get_weather", par("location", "Hangzhou"), par("days", "3", "false"))),
         False,
         True,
         M(None, "Checking.", W),
     ),
     (
         "dsml-ascii",
-        dsml(inv("get_weather", par("location", "Hangzhou", bar="|"), par("days", "3", "false", bar="|"), bar="|"), bar="|"),
+        dsml(
+            inv(
+                "get_weather",
+                par("location", "Hangzhou", bar="|"),
+                par("days", "3", "false", bar="|"),
+                bar="|",
+            ),
+            bar="|",
+        ),
         False,
         True,
         M(None, None, W),
     ),
     (
         "dsml-v4-wrapper",
-        dsml(inv("get_weather", par("location", "Hangzhou"), par("days", "3", "false")), wrap="tool_calls"),
+        dsml(
+            inv("get_weather", par("location", "Hangzhou"), par("days", "3", "false")),
+            wrap="tool_calls",
+        ),
         False,
         True,
         M(None, None, W),
@@ -143,7 +187,14 @@ CASES = [
     ),
     (
         "dsml-literals",
-        dsml(inv("f", par("o", '{"a": [1, {"b": null}]}', "false"), par("t", "true", "false"), par("n", "-1.5e3", "false"))),
+        dsml(
+            inv(
+                "f",
+                par("o", '{"a": [1, {"b": null}]}', "false"),
+                par("t", "true", "false"),
+                par("n", "-1.5e3", "false"),
+            )
+        ),
         False,
         True,
         M(None, None, ("f", '{"o": {"a": [1, {"b": null}]}, "t": true, "n": -1.5e3}')),
@@ -153,11 +204,27 @@ CASES = [
         dsml(inv("f", par("s", 'say "hi"\\n\n\ttab 中 <| </thi'))),
         False,
         True,
-        M(None, None, ("f", json.dumps({"s": 'say "hi"\\n\n\ttab 中 <| </thi'}, ensure_ascii=False))),
+        M(
+            None,
+            None,
+            ("f", json.dumps({"s": 'say "hi"\\n\n\ttab 中 <| </thi'}, ensure_ascii=False)),
+        ),
     ),
-    ("dsml-missing-string-attr", dsml(inv("f", par("n", "7", None), par("s", "x", None))), False, True, M(None, None, ("f", '{"n": 7, "s": "x"}'))),
+    (
+        "dsml-missing-string-attr",
+        dsml(inv("f", par("n", "7", None), par("s", "x", None))),
+        False,
+        True,
+        M(None, None, ("f", '{"n": 7, "s": "x"}')),
+    ),
     ("dsml-no-params", dsml(inv("ping")), False, True, M(None, None, ("ping", "{}"))),
-    ("dsml-two-calls", dsml(inv("a", par("x", "1", "false")), inv("b")), False, True, M(None, None, ("a", '{"x": 1}'), ("b", "{}"))),
+    (
+        "dsml-two-calls",
+        dsml(inv("a", par("x", "1", "false")), inv("b")),
+        False,
+        True,
+        M(None, None, ("a", '{"x": 1}'), ("b", "{}")),
+    ),
     (
         "dsml-unnamed-param-dropped",
         dsml(inv("f", '<｜DSML｜parameter string="true">v</｜DSML｜parameter>', par("k", "v"))),
@@ -167,7 +234,9 @@ CASES = [
     ),
     (
         "dsml-missing-param-close",
-        dsml('<｜DSML｜invoke name="f">\n<｜DSML｜parameter name="a" string="false">1\n</｜DSML｜invoke>\n'),
+        dsml(
+            '<｜DSML｜invoke name="f">\n<｜DSML｜parameter name="a" string="false">1\n</｜DSML｜invoke>\n'
+        ),
         False,
         True,
         M(None, None, ("f", '{"a": 1}')),
@@ -175,8 +244,20 @@ CASES = [
     ("dsml-bare-invoke", inv("f", par("k", "v")), False, True, M(None, None, ("f", '{"k": "v"}'))),
     ("dsml-name-with-gt", dsml(inv("a>b")), False, True, M(None, None, ("a>b", "{}"))),
     # --- policy cases ---
-    ("text-after-block", "A\n" + v31(("f", "{}")) + "\n\nB", False, True, M(None, "A\n\nB", ("f", "{}"))),
-    ("text-after-block-no-before", v31(("f", "{}")) + "\n\nB", False, True, M(None, "B", ("f", "{}"))),
+    (
+        "text-after-block",
+        "A\n" + v31(("f", "{}")) + "\n\nB",
+        False,
+        True,
+        M(None, "A\n\nB", ("f", "{}")),
+    ),
+    (
+        "text-after-block-no-before",
+        v31(("f", "{}")) + "\n\nB",
+        False,
+        True,
+        M(None, "B", ("f", "{}")),
+    ),
     (
         "tool-block-in-unclosed-reasoning",
         "I will call it." + dsml(inv("f", par("k", "v"))),
@@ -188,9 +269,11 @@ CASES = [
     ("think-open-in-content-dropped", "a<think>b", False, True, M(None, "ab")),
     (
         "dsml-mixed-bars",
-        '<|DSML｜function_calls><｜DSML|invoke name="f">'
-        '<|DSML|parameter name="k" string="false">[1]</｜DSML|parameter>'
-        "</|DSML｜invoke></｜DSML｜function_calls>",
+        (
+            '<|DSML｜function_calls><｜DSML|invoke name="f">'
+            '<|DSML|parameter name="k" string="false">[1]</｜DSML|parameter>'
+            "</|DSML｜invoke></｜DSML｜function_calls>"
+        ),
         False,
         True,
         M(None, None, ("f", '{"k": [1]}')),
@@ -212,18 +295,39 @@ CASES = [
     ("tools-disabled", "A " + v31(("f", '{"a": 1}')) + " B", False, False, M(None, "A B")),
     ("tools-disabled-dsml", "A\n\n" + dsml(inv("f", par("k", "v"))), False, False, M(None, "A")),
     # --- truncation ---
-    ("trunc-v31-args", CB + f"{B}f{SEP}{{}}{E}{B}g{SEP}{{\"a\": 1", False, True, M(None, None, ("f", "{}"))),
+    (
+        "trunc-v31-args",
+        CB + f'{B}f{SEP}{{}}{E}{B}g{SEP}{{"a": 1',
+        False,
+        True,
+        M(None, None, ("f", "{}")),
+    ),
     ("trunc-v31-name", CB + f"{B}f{SEP}{{}}{E}{B}ge", False, True, M(None, None, ("f", "{}"))),
     ("trunc-v31-in-end-marker", CB + f"{B}f{SEP}{{}}<｜tool▁call▁e", False, True, M()),
     ("trunc-v31-before-end-marker", "x" + CB + f"{B}f{SEP}{{}}", False, True, M(None, "x")),
     ("trunc-block-opener", "x <｜tool▁calls▁be", False, True, M(None, "x <｜tool▁calls▁be")),
-    ("trunc-dsml-param", dsml(inv("a"))[:-30] + '<｜DSML｜invoke name="b">\n<｜DSML｜parameter name="k" string="true">val', False, True, M(None, None, ("a", "{}"))),
+    (
+        "trunc-dsml-param",
+        dsml(inv("a"))[:-30]
+        + '<｜DSML｜invoke name="b">\n<｜DSML｜parameter name="k" string="true">val',
+        False,
+        True,
+        M(None, None, ("a", "{}")),
+    ),
     ("trunc-dsml-tag", '<｜DSML｜function_calls>\n<｜DSML｜invoke name="b', False, True, M()),
-    ("trunc-dsml-after-invoke-close", dsml(inv("a"))[: -len("</｜DSML｜function_calls>")], False, True, M(None, None, ("a", "{}"))),
+    (
+        "trunc-dsml-after-invoke-close",
+        dsml(inv("a"))[: -len("</｜DSML｜function_calls>")],
+        False,
+        True,
+        M(None, None, ("a", "{}")),
+    ),
 ]
 
 
-@pytest.mark.parametrize("text,thinking,tools,expected", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+@pytest.mark.parametrize(
+    "text,thinking,tools,expected", [c[1:] for c in CASES], ids=[c[0] for c in CASES]
+)
 def test_case(text: str, thinking: bool, tools: bool, expected: Message) -> None:
     assert parse(text, thinking=thinking, tools_enabled=tools) == expected
     harness.check_all_chunkings(text, thinking=thinking, tools_enabled=tools)
@@ -234,11 +338,19 @@ def test_case_ids_unique() -> None:
     assert len(ids) == len(set(ids)) and len(ids) >= 60
 
 
-@pytest.mark.parametrize("text,thinking,tools,expected", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+@pytest.mark.parametrize(
+    "text,thinking,tools,expected", [c[1:] for c in CASES], ids=[c[0] for c in CASES]
+)
 def test_case_three_way_splits(text: str, thinking: bool, tools: bool, expected: Message) -> None:
     # every 3-way split of short cases; a sample of them for long ones
     n = len(text)
     step = max(1, n // 25)
     for a in range(1, n, step):
         for b in range(a + 1, n, step):
-            harness.check_chunking(text, [text[:a], text[a:b], text[b:]], expected, thinking=thinking, tools_enabled=tools)
+            harness.check_chunking(
+                text,
+                [text[:a], text[a:b], text[b:]],
+                expected,
+                thinking=thinking,
+                tools_enabled=tools,
+            )

@@ -35,15 +35,55 @@ EXAMPLES = settings(
 )
 
 FRAGMENTS = [
-    "<", ">", "|", "｜", "/", "<|", "<｜", "</", "<thi", "</thi", "think>", "<think", "</think",
-    "<｜tool", "<｜tool▁call", "<｜tool▁calls▁be", "▁sep｜>", "<|tool▁sep", "<｜DSML", "<|DSML|",
-    "<｜DSML｜param", "<｜DSML｜invoke", "</｜DSML｜", "｜DSML｜", "<｜end▁of", '"', "\\", "{", "}",
-    "中文", "é", "😀", "```", "\n", " ", "\t", "a < b", "x > y",
+    "<",
+    ">",
+    "|",
+    "｜",
+    "/",
+    "<|",
+    "<｜",
+    "</",
+    "<thi",
+    "</thi",
+    "think>",
+    "<think",
+    "</think",
+    "<｜tool",
+    "<｜tool▁call",
+    "<｜tool▁calls▁be",
+    "▁sep｜>",
+    "<|tool▁sep",
+    "<｜DSML",
+    "<|DSML|",
+    "<｜DSML｜param",
+    "<｜DSML｜invoke",
+    "</｜DSML｜",
+    "｜DSML｜",
+    "<｜end▁of",
+    '"',
+    "\\",
+    "{",
+    "}",
+    "中文",
+    "é",
+    "😀",
+    "```",
+    "\n",
+    " ",
+    "\t",
+    "a < b",
+    "x > y",
 ]
-prose = st.lists(
-    st.one_of(st.sampled_from(FRAGMENTS), st.text(max_size=6)), max_size=12
-).map("".join)
-STRAYS = ["<｜end▁of▁sentence｜>", "<｜begin▁of▁sentence｜>", "</think>", "<think>", "<｜tool▁sep｜>"]
+prose = st.lists(st.one_of(st.sampled_from(FRAGMENTS), st.text(max_size=6)), max_size=12).map(
+    "".join
+)
+STRAYS = [
+    "<｜end▁of▁sentence｜>",
+    "<｜begin▁of▁sentence｜>",
+    "</think>",
+    "<think>",
+    "<｜tool▁sep｜>",
+]
 
 json_leaf = st.one_of(
     st.none(),
@@ -94,7 +134,9 @@ def dsml_param(draw) -> tuple[str, str, str]:
             pass
         return "false", v, json.dumps(v.strip(), ensure_ascii=False)
     value = draw(json_value)
-    text = json.dumps(value, ensure_ascii=draw(st.booleans()), indent=2 if kind == "pretty" else None)
+    text = json.dumps(
+        value, ensure_ascii=draw(st.booleans()), indent=2 if kind == "pretty" else None
+    )
     return "false", text, text
 
 
@@ -106,9 +148,13 @@ def messages(draw) -> Generated:
     reasoning = draw(prose) if thinking or draw(st.booleans()) else None
     content = draw(prose)
     after = draw(prose)
-    strays_r = draw(st.lists(st.tuples(st.integers(0, 50), st.sampled_from(STRAYS[:2])), max_size=2))
+    strays_r = draw(
+        st.lists(st.tuples(st.integers(0, 50), st.sampled_from(STRAYS[:2])), max_size=2)
+    )
     # a `<think>` at the very start of the output would open reasoning (policy)
-    c_strays = STRAYS if reasoning is not None or thinking else [m for m in STRAYS if m != "<think>"]
+    c_strays = (
+        STRAYS if reasoning is not None or thinking else [m for m in STRAYS if m != "<think>"]
+    )
     strays_c = draw(st.lists(st.tuples(st.integers(0, 50), st.sampled_from(c_strays)), max_size=2))
 
     def with_strays(s: str, strays: list[tuple[int, str]]) -> str:
@@ -145,9 +191,16 @@ def messages(draw) -> Generated:
             for _ in range(n_calls):
                 n = draw(name)
                 args = draw(st.dictionaries(key, json_value, max_size=4))
-                args_text = json.dumps(args, ensure_ascii=draw(st.booleans()), indent=draw(st.sampled_from([None, 1])))
+                args_text = json.dumps(
+                    args, ensure_ascii=draw(st.booleans()), indent=draw(st.sampled_from([None, 1]))
+                )
                 assume(not harness.has_marker(args_text))
-                text += f"<{bar}tool▁call▁begin{bar}>{n}<{bar}tool▁sep{bar}>" + draw(ws) + args_text + draw(ws)
+                text += (
+                    f"<{bar}tool▁call▁begin{bar}>{n}<{bar}tool▁sep{bar}>"
+                    + draw(ws)
+                    + args_text
+                    + draw(ws)
+                )
                 call_ends.append((len(text), args_text))
                 text += f"<{bar}tool▁call▁end{bar}>" + draw(ws)
                 calls.append(ToolCall(n, args_text))
@@ -157,12 +210,17 @@ def messages(draw) -> Generated:
             text += f"<{bar}DSML{bar}{wrap}>\n"
             for _ in range(n_calls):
                 n = draw(name)
-                params = draw(st.lists(st.tuples(key, dsml_param()), max_size=4, unique_by=lambda p: p[0]))
+                params = draw(
+                    st.lists(st.tuples(key, dsml_param()), max_size=4, unique_by=lambda p: p[0])
+                )
                 text += f'<{bar}DSML{bar}invoke name="{n}">\n'
                 parts = []
                 for k, (string, raw, value_json) in params:
                     assume(not harness.has_marker(raw))
-                    text += f'<{bar}DSML{bar}parameter name="{k}" string="{string}">{raw}</{bar}DSML{bar}parameter>' + draw(ws)
+                    text += (
+                        f'<{bar}DSML{bar}parameter name="{k}" string="{string}">{raw}</{bar}DSML{bar}parameter>'
+                        + draw(ws)
+                    )
                     parts.append(f"{json.dumps(k)}: {value_json}")
                 args_text = "{" + ", ".join(parts) + "}"
                 call_ends.append((len(text), args_text[:-1] if parts else ""))
@@ -198,7 +256,9 @@ def _value(param: tuple[str, str, str]):
 @given(messages(), st.lists(st.integers(0, 400), max_size=12))
 def test_generated_message_parses_to_ground_truth(gen: Generated, cuts: list[int]) -> None:
     assert parse(gen.text, thinking=gen.thinking) == gen.expected
-    harness.check_chunking(gen.text, harness.split_at(gen.text, cuts), gen.expected, thinking=gen.thinking)
+    harness.check_chunking(
+        gen.text, harness.split_at(gen.text, cuts), gen.expected, thinking=gen.thinking
+    )
     no_tools = Message(gen.expected.reasoning, gen.expected.content, ())
     assert parse(gen.text, thinking=gen.thinking, tools_enabled=False) == no_tools
 
@@ -214,7 +274,11 @@ def test_generated_message_single_characters_stream_promptly(gen: Generated) -> 
     call = 0
     for i, ch in enumerate(gen.text):
         if i in checkpoints:
-            so_far = "".join(e.arguments_delta for e in events if isinstance(e, ToolCallDelta) and e.index == call)
+            so_far = "".join(
+                e.arguments_delta
+                for e in events
+                if isinstance(e, ToolCallDelta) and e.index == call
+            )
             assert so_far == checkpoints[i], "arguments held back"
             call += 1
         if i == gen.reasoning_end:
@@ -241,17 +305,30 @@ def test_truncated_output_keeps_only_complete_calls(gen: Generated, data) -> Non
     cut = data.draw(st.integers(0, len(gen.text)))
     text = gen.text[:cut]
     msg = parse(text, thinking=gen.thinking)
-    assert msg.tool_calls == gen.expected.tool_calls[: len(msg.tool_calls)], "a faked or partial call"
+    assert msg.tool_calls == gen.expected.tool_calls[: len(msg.tool_calls)], (
+        "a faked or partial call"
+    )
     for c in msg.tool_calls:
         json.loads(c.arguments)
-    harness.check_chunking(text, harness.split_at(text, data.draw(st.lists(st.integers(0, cut), max_size=6))), msg, thinking=gen.thinking)
+    harness.check_chunking(
+        text,
+        harness.split_at(text, data.draw(st.lists(st.integers(0, cut), max_size=6))),
+        msg,
+        thinking=gen.thinking,
+    )
 
 
 marker_soup = st.lists(
     st.one_of(
         st.sampled_from(FRAGMENTS),
         st.sampled_from(list(harness.FIXED)),
-        st.sampled_from(['<｜DSML｜invoke name="f">', '<|DSML|parameter name="k" string="true">', '<｜DSML｜parameter name="n" string="false">']),
+        st.sampled_from(
+            [
+                '<｜DSML｜invoke name="f">',
+                '<|DSML|parameter name="k" string="true">',
+                '<｜DSML｜parameter name="n" string="false">',
+            ]
+        ),
         st.text(max_size=4),
     ),
     max_size=25,
@@ -260,9 +337,13 @@ marker_soup = st.lists(
 
 @EXAMPLES
 @given(marker_soup, st.booleans(), st.booleans(), st.lists(st.integers(0, 300), max_size=10))
-def test_arbitrary_text_is_chunking_invariant(text: str, thinking: bool, tools: bool, cuts: list[int]) -> None:
+def test_arbitrary_text_is_chunking_invariant(
+    text: str, thinking: bool, tools: bool, cuts: list[int]
+) -> None:
     expected = parse(text, thinking=thinking, tools_enabled=tools)
-    harness.check_chunking(text, harness.split_at(text, cuts), expected, thinking=thinking, tools_enabled=tools)
+    harness.check_chunking(
+        text, harness.split_at(text, cuts), expected, thinking=thinking, tools_enabled=tools
+    )
     harness.check_chunking(text, list(text), expected, thinking=thinking, tools_enabled=tools)
     for call in expected.tool_calls:
         assert call.name and call.name == call.name.strip()
@@ -272,8 +353,8 @@ def test_arbitrary_text_is_chunking_invariant(text: str, thinking: bool, tools: 
 
 @EXAMPLES
 @given(marker_soup, st.booleans())
-def test_streamed_text_is_never_retracted(text: str, thinking: bool) -> None:
-    """Each delta extends what was sent: reasoning before content, once."""
+def test_reasoning_never_follows_content(text: str, thinking: bool) -> None:
+    """Reasoning comes first: once content has been sent, no more reasoning."""
     parser = StreamParser(thinking=thinking)
     events = []
     for ch in text:

@@ -116,7 +116,11 @@ def test_whole_call_in_one_delta_is_not_dropped() -> None:
     text = 'Hi<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>f<｜tool▁sep｜>{"x": 1}<｜tool▁call▁end｜><｜tool▁calls▁end｜>'
     p = StreamParser(thinking=False)
     events = p.feed(text)
-    assert events == [ContentDelta("Hi"), ToolCallDelta(0, "f", ""), ToolCallDelta(0, None, '{"x": 1}')]
+    assert events == [
+        ContentDelta("Hi"),
+        ToolCallDelta(0, "f", ""),
+        ToolCallDelta(0, None, '{"x": 1}'),
+    ]
     assert p.finish() == []
 
 
@@ -171,7 +175,11 @@ def test_api_misuse_raises_value_error() -> None:
 
 
 def test_malformed_output_never_raises() -> None:
-    junk = "".join(FIXED) + '<｜DSML｜parameter name="x" string="false">{{{' + "".join(reversed(list(FIXED)))
+    junk = (
+        "".join(FIXED)
+        + '<｜DSML｜parameter name="x" string="false">{{{'
+        + "".join(reversed(list(FIXED)))
+    )
     for thinking in (True, False):
         msg = parse(junk, thinking=thinking)
         for call in msg.tool_calls:

@@ -4,6 +4,7 @@ Pure Python, no vLLM. `parse()` and `StreamParser` share one code path; see
 docs/PARSERS.md for the formats and the policy on malformed output.
 """
 
+from .reasoning import ReasoningStage
 from .records import (
     ContentDelta,
     Event,
@@ -14,7 +15,6 @@ from .records import (
     ToolCallDelta,
     collect,
 )
-from .reasoning import ReasoningStage
 from .stream import StreamParser, parse
 from .tools import ContentStage
 

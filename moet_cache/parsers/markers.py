@@ -15,7 +15,6 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from enum import Enum
-from typing import Union
 
 BAR = "\uff5c"  # ｜
 
@@ -95,7 +94,7 @@ class Marker:
         return None
 
 
-Token = Union[str, Marker]
+Token = str | Marker
 
 _PARTIAL = object()  # sentinel: could still become a marker
 

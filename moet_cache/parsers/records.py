@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Union
 
 
 @dataclass(frozen=True)
@@ -57,7 +56,7 @@ class ToolCallAborted:
     index: int
 
 
-Event = Union[ReasoningDelta, ContentDelta, ToolCallDelta, ToolCallAborted]
+Event = ReasoningDelta | ContentDelta | ToolCallDelta | ToolCallAborted
 
 
 def collect(events: Iterable[Event]) -> Message:
@@ -81,6 +80,8 @@ def collect(events: Iterable[Event]) -> Message:
         else:
             raise ValueError(f"not a parser event: {ev!r}")
     calls = tuple(
-        ToolCall(names[i], "".join(args[i])) for i in sorted(args) if i not in aborted and i in names
+        ToolCall(names[i], "".join(args[i]))
+        for i in sorted(args)
+        if i not in aborted and i in names
     )
     return Message("".join(reasoning) or None, "".join(content) or None, calls)

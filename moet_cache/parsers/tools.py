@@ -174,9 +174,8 @@ class ContentStage:
 
     def _v31_end_call(self) -> None:
         # A call whose name never completed was never started: nothing to end.
-        if self._mode is _Mode.V31_ARGS and self._call is not None:
-            if not self._call.sent_args:
-                self._args("{}")
+        if self._mode is _Mode.V31_ARGS and self._call is not None and not self._call.sent_args:
+            self._args("{}")
         self._call = None
 
     # -- DSML -----------------------------------------------------------

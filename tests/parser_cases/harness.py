@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import re
 from collections.abc import Iterable, Sequence
 
@@ -28,9 +29,7 @@ def norm(s: str) -> str:
 # An oracle for "this text holds a complete marker", written independently of
 # the scanner: fixed markers as substrings, tags as prefix + space/`>` with a
 # later `>` (conservative: it may reject text the scanner would not call a tag).
-_TAG_RE = re.compile(
-    "(" + "|".join(re.escape(p) for p in TAGGED) + r")(>|\s[^<]*>)", re.DOTALL
-)
+_TAG_RE = re.compile("(" + "|".join(re.escape(p) for p in TAGGED) + r")(>|\s[^<]*>)", re.DOTALL)
 
 
 def has_marker(text: str) -> bool:
@@ -65,7 +64,7 @@ def run(chunks: Iterable[str], **kw) -> list[Event]:
 def split_at(text: str, cuts: Iterable[int]) -> list[str]:
     points = sorted({c for c in cuts if 0 < c < len(text)})
     bounds = [0, *points, len(text)]
-    return [text[a:b] for a, b in zip(bounds, bounds[1:])]
+    return [text[a:b] for a, b in itertools.pairwise(bounds)]
 
 
 def check_events(events: Sequence[Event]) -> None:
