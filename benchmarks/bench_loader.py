@@ -56,9 +56,18 @@ def _best(fn: Any, reps: int) -> float:
     return min(times)
 
 
-def make_cache(work: Path, size_bytes: int) -> tuple[Path, Path]:
-    """A synthetic checkpoint of about `size_bytes` of routed experts and its cache (default tier)."""
+def make_cache(work: Path, size_bytes: int, big_layers: bool = True) -> tuple[Path, Path]:
+    """A synthetic checkpoint of about `size_bytes` of routed experts and its cache (default tier).
+
+    big_layers: 64 experts of H=2048, I=1024 (~130 MB of cache a layer) so that per-layer fixed
+    costs weigh about as little as in a real model (~1.7 GB a layer); else spec_for_size's shape.
+    """
     spec = spec_for_size(size_bytes)
+    if big_layers:
+        H, I, E = 2048, 1024, 64
+        per_layer = E * 3 * H * I * (0.5 + 1 / 16)
+        spec = replace(spec, hidden_size=H, moe_intermediate_size=I, intermediate_size=2 * I, n_routed_experts=E,
+                       num_hidden_layers=max(2, int(round(size_bytes / per_layer))) + spec.first_k_dense_replace)
     served = spec.num_hidden_layers - spec.first_k_dense_replace
     if served >= 20:  # 12k + 8 served layers: the report's 44-layer shape (3 batches and a tail of 8)
         served = max(20, (served - 8) // 12 * 12 + 8)
@@ -157,15 +166,19 @@ def _h2d(nbytes: int, device: str, reps: int) -> float:
 
 
 def run(size_bytes: int, device: str = "cpu", workers: tuple[int, ...] = (4,), reps: int = 3,
-        workdir: str | None = None, keep: bool = False, with_source: bool = True) -> dict[str, Any]:
+        workdir: str | None = None, keep: bool = False, with_source: bool = True,
+        big_layers: bool = True) -> dict[str, Any]:
     """Build a synthetic cache of about `size_bytes` of experts and measure every figure on it."""
     work = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="moet-bench-loader-"))
     res: dict[str, Any] = {"size_bytes": size_bytes, "device": device, "cpus": os.cpu_count()}
     try:
         t0 = time.perf_counter()
-        src, root = make_cache(work, size_bytes)
+        src, root = make_cache(work, size_bytes, big_layers)
         res["setup_seconds"] = time.perf_counter() - t0
         print(f"[bench] cache built in {res['setup_seconds']:.1f} s", file=sys.stderr, flush=True)
+        from moet_cache.verifier import boot_check
+        res["open_cache_seconds"] = _best(lambda: open_cache(root), reps)
+        res["boot_check_seconds"] = _best(lambda: boot_check(root), reps)
         cache = open_cache(root)
         files = [root / L.base_file(x) for x in cache.layers] + [root / L.PACK]
         res["layers"] = len(cache.layers)
@@ -175,7 +188,7 @@ def run(size_bytes: int, device: str = "cpu", workers: tuple[int, ...] = (4,), r
         res["plain_read_GBps"] = res["file_bytes"] / read_t / 1e9
         per_w: dict[str, Any] = {}
         for w in workers:
-            for verify in ("boot", "hash"):
+            for verify in ("none", "boot", "hash"):
                 nb = [0]
                 t = _best(lambda: nb.__setitem__(0, _loader(cache, "cpu", w, verify)[0]), reps)
                 per_w[f"cpu_w{w}_{verify}_GBps"] = nb[0] / t / 1e9
@@ -205,7 +218,7 @@ def run(size_bytes: int, device: str = "cpu", workers: tuple[int, ...] = (4,), r
             res["gpu_first_load_GBps"] = nb0 / (time.perf_counter() - t0) / 1e9
             fresh.release()
             for w in workers:
-                for verify in ("boot", "hash"):
+                for verify in ("none", "boot", "hash"):
                     nb = [0]
                     t = _best(lambda: nb.__setitem__(0, _loader(cache, dev, w, verify)[0]), reps)
                     res[f"gpu_w{w}_{verify}_GBps"] = nb[0] / t / 1e9
@@ -233,6 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--no-source", action="store_true", help="skip the (slow) source-split baseline")
+    ap.add_argument("--small-layers", action="store_true", help="spec_for_size's small layers (many per GiB)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--probe", action="store_true", help="only measure the staging options of this machine")
     a = ap.parse_args(argv)
@@ -240,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(probe_staging(), indent=1))
         return 0
     res = run(parse_size(a.size), a.device, tuple(int(x) for x in a.workers.split(",")), a.reps,
-              a.workdir, with_source=not a.no_source)
+              a.workdir, with_source=not a.no_source, big_layers=not a.small_layers)
     if a.json:
         print(json.dumps(res, indent=1))
     else:

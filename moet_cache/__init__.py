@@ -13,6 +13,7 @@ if TYPE_CHECKING:
     from .builder import BuildOptions, BuildResult, RetierResult, build_cache, retier_cache
     from .exporter import ExportResult, export_checkpoint
     from .inspection import CacheInfo, inspect_cache
+    from .loader import Cache, LoadedLayer, open_cache
     from .synthetic import SyntheticSpec, make_checkpoint, small_spec
     from .verifier import VerifyReport, boot_check, full_verify, verify_against
 
@@ -22,6 +23,7 @@ _LAZY = {
     "builder": ("BuildOptions", "BuildResult", "RetierResult", "build_cache", "retier_cache"),
     "exporter": ("ExportResult", "export_checkpoint"),
     "inspection": ("CacheInfo", "inspect_cache"),
+    "loader": ("Cache", "LoadedLayer", "open_cache"),
     "synthetic": ("SyntheticSpec", "make_checkpoint", "small_spec"),
     "verifier": ("VerifyReport", "boot_check", "full_verify", "verify_against"),
 }
@@ -40,5 +42,5 @@ __all__ = [
     "MoetError", "InputError", "UnsupportedCheckpointError", "VerificationError", "EnvironmentProblem",
     "LockHeldError", "DiskFullError", "ExportResult", "export_checkpoint", "CacheInfo", "inspect_cache",
     "SyntheticSpec", "make_checkpoint", "small_spec", "VerifyReport", "boot_check", "full_verify",
-    "verify_against", "__version__",
+    "verify_against", "__version__", "open_cache", "Cache", "LoadedLayer",
 ]

@@ -516,15 +516,17 @@ class Cache:
     def _check_verify(self, verify: str) -> None:
         if verify not in VERIFY_MODES:
             raise InputError(f"verify must be one of {', '.join(VERIFY_MODES)}, got {verify!r}")
-        if verify == "boot":
-            report = boot_check(self.root)
-            if report.state != VERIFIED:
-                if report.state in (CORRUPT, INCOMPLETE, STALE):
-                    raise _refuse(report, self.root)
-                raise VerificationError(
-                    f"the cache at {self.root} changed since its last verification "
-                    f"({report.problems[0].describe() if report.problems else 'no verification recorded'})",
-                    "run moet-cache verify --full once, or load with verify='hash'", list(report.problems))
+
+    def _boot_gate(self) -> None:
+        """verify='boot': the boot check must pass before anything is handed out."""
+        report = boot_check(self.root)
+        if report.state != VERIFIED:
+            if report.state in (CORRUPT, INCOMPLETE, STALE):
+                raise _refuse(report, self.root)
+            raise VerificationError(
+                f"the cache at {self.root} changed since its last verification "
+                f"({report.problems[0].describe() if report.problems else 'no verification recorded'})",
+                "run moet-cache verify --full once, or load with verify='hash'", list(report.problems))
 
     def load(self, device: str | torch.device = "cpu", delta: str = "tier", verify: str = "boot",
              workers: int = 4, max_inflight: str | int = "2GiB", progress: Progress | None = None,
@@ -539,8 +541,8 @@ class Cache:
             raise InputError(f"workers must be at least 1, got {workers}")
         dev = _device(device)
         budget = parse_size(max_inflight, what="max_inflight")
-        if budget < 1 << 20:
-            raise InputError(f"max_inflight must be at least 1 MiB, got {budget} bytes")
+        if budget < 64 << 10:
+            raise InputError(f"max_inflight must be at least 64 KiB, got {budget} bytes")
         self._check_verify(verify)
         sel = self.layers if layers is None else tuple(layers)
         missing = [x for x in sel if x not in self.files.layers]
@@ -563,14 +565,22 @@ class Cache:
         pipe = _Pipeline(self.root, dev, verify == "hash", workers, budget, self._finish_layer(delta, expand),
                          self._pinned)
         pack_check: list[Future[str]] = []
-        side = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moet-pack") if verify == "hash" and pack_fe else None
+        gate: list[Future[None]] = []
+        side = ThreadPoolExecutor(max_workers=2, thread_name_prefix="moet-check") \
+            if verify == "boot" or (verify == "hash" and pack_fe) else None
         try:
-            if side is not None and pack_fe is not None:
+            if side is not None and verify == "boot":
+                # The boot check (stats and manifests) runs beside the first reads; no layer is
+                # handed out before it passed.
+                gate.append(side.submit(self._boot_gate))
+            if side is not None and verify == "hash" and pack_fe is not None:
                 # The pack has one digest for the whole file: hash it beside the loads, and let no
                 # layer that uses it out before that digest matched.
                 pack_check.append(side.submit(xxh3_file_hex, resolve_inside(self.root, pack_fe.path)))
 
             def before_yield(job: _Job) -> None:
+                if gate:
+                    gate[0].result()
                 if job.uses_pack and pack_check and pack_fe is not None:
                     if pack_check[0].result() != pack_fe.xxh3:
                         raise VerificationError(f"{pack_fe.path} does not match its xxh3-128 digest",
@@ -605,6 +615,8 @@ class Cache:
         dev = _device(device)
         budget = parse_size(max_inflight, what="max_inflight")
         self._check_verify(verify)
+        if verify == "boot":
+            self._boot_gate()
         entries = self.dense_entries()
         jobs: list[_Job] = []
         group: list[_Read] = []
