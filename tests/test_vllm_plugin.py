@@ -1,0 +1,175 @@
+"""The vLLM model-loader plugin: its weight mapping against a fake model with vLLM's parameter names
+and shapes (no vLLM needed), importing without vLLM, and (marker vllm) vLLM's real loader registry."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from importlib.metadata import entry_points
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from moet_cache import BuildOptions, build_cache, make_checkpoint, small_spec
+from moet_cache.checkpoint import open_checkpoint
+from moet_cache.errors import InputError
+from moet_cache.loader import open_cache
+from moet_cache.vllm_plugin import LOAD_FORMAT, PluginOptions, load_into_model, register
+
+E, H, I = 16, 256, 128  # small_spec
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    work = tmp_path_factory.mktemp("plugin")
+    src = make_checkpoint(work / "src", small_spec())
+    build_cache(src, work / "cache", BuildOptions(lossless=True, delta_budget="30%"))
+    return src, work / "cache"
+
+
+def _p(*shape: int, dtype: torch.dtype) -> nn.Parameter:
+    return nn.Parameter(torch.zeros(shape, dtype=dtype), requires_grad=False)
+
+
+class _Experts(nn.Module):
+    """The parameters vLLM's ModelOpt NVFP4 fused-MoE method registers (modelopt.py), or the planes."""
+
+    def __init__(self, planes: bool) -> None:
+        super().__init__()
+        if planes:
+            self.w13_base = _p(E, 2 * I, H // 4, dtype=torch.uint8)
+            self.w2_base = _p(E, H, I // 4, dtype=torch.uint8)
+            self.w13_table = _p(E, 2, 4, dtype=torch.float32)
+            self.w2_table = _p(E, 4, dtype=torch.float32)
+        else:
+            self.w13_weight = _p(E, 2 * I, H // 2, dtype=torch.uint8)
+            self.w2_weight = _p(E, H, I // 2, dtype=torch.uint8)
+        self.w13_weight_scale = _p(E, 2 * I, H // 16, dtype=torch.float8_e4m3fn)
+        self.w2_weight_scale = _p(E, H, I // 16, dtype=torch.float8_e4m3fn)
+        self.w13_weight_scale_2 = _p(E, 2, dtype=torch.float32)
+        self.w2_weight_scale_2 = _p(E, dtype=torch.float32)
+        self.w13_input_scale = _p(E, 2, dtype=torch.float32)
+        self.w2_input_scale = _p(E, dtype=torch.float32)
+
+
+class _Layer(nn.Module):
+    def __init__(self, moe: bool, planes: bool) -> None:
+        super().__init__()
+        self.mlp = nn.Module()
+        if moe:
+            self.mlp.experts = _Experts(planes)
+
+
+class _FakeModel(nn.Module):
+    """model.layers.{i}.mlp.experts.* as in vLLM's DeepSeek models; load_weights records the rest."""
+
+    def __init__(self, planes: bool = False, layers: int = 4) -> None:
+        super().__init__()
+        self.model = nn.Module()
+        self.model.layers = nn.ModuleList([_Layer(i >= 1, planes) for i in range(layers)])
+        self.dense: dict[str, torch.Tensor] = {}
+
+    def load_weights(self, weights) -> set[str]:  # type: ignore[no-untyped-def]
+        for name, t in weights:
+            self.dense[name] = t
+        return set(self.dense)
+
+
+def test_expand_into_a_stock_model(built) -> None:
+    src, root = built
+    model = _FakeModel()
+    summary = load_into_model(model, PluginOptions(cache=str(root), delta="all", verify="hash", workers=2))
+    assert summary.expanded and summary.layers == (1, 2, 3) and summary.dense_tensors == len(model.dense) > 0
+    with open_checkpoint(src) as ck:
+        for layer in (1, 2, 3):
+            ex = model.model.layers[layer].mlp.experts
+            for e in range(E):
+                g, u, d = (ck.read_expert(layer, e, p) for p in ("gate_proj", "up_proj", "down_proj"))
+                assert np.array_equal(ex.w13_weight[e].numpy(), np.concatenate([g.codes, u.codes]))
+                assert np.array_equal(ex.w2_weight[e].numpy(), d.codes)
+                assert torch.equal(ex.w2_weight_scale[e].view(torch.uint8), d.block_scale.view(torch.uint8))
+                assert ex.w13_weight_scale_2[e, 1].item() == pytest.approx(ck.multiply_global_scale(u.global_scale))
+                assert ex.w2_input_scale[e].item() == pytest.approx(ck.multiply_global_scale(d.input_scale))
+        for name, t in model.dense.items():
+            assert np.array_equal(t.reshape(-1).view(torch.uint8).numpy(), ck.get_raw(name).reshape(-1))
+        assert "model.embed_tokens.weight" in model.dense
+        assert not any(".mlp.experts." in n and n.split(".")[2] in ("1", "2", "3") for n in model.dense)
+
+
+def test_planes_into_a_plane_aware_model(built) -> None:
+    _, root = built
+    model = _FakeModel(planes=True)
+    summary = load_into_model(model, PluginOptions(cache=str(root)))
+    assert not summary.expanded
+    want = {x.index: x.tensors for x in open_cache(root).load()}
+    for layer, tensors in want.items():
+        ex = model.model.layers[layer].mlp.experts
+        for name, t in tensors.items():
+            got = getattr(ex, name)  # parameters, and the tier-shaped planes as buffers
+            assert torch.equal(got.view(torch.uint8) if got.dim() else got, t.view(torch.uint8) if t.dim() else t), name
+        assert dict(ex.named_buffers())["delta_experts"].numel() == len(open_cache(root).delta_index.experts_of(layer))
+
+
+def test_wrong_shapes_are_refused(built) -> None:
+    model = _FakeModel()
+    model.model.layers[2].mlp.experts.w2_weight = _p(E // 2, H, I // 2, dtype=torch.uint8)  # as with expert parallelism
+    with pytest.raises(InputError, match=r"model.layers.2.mlp.experts.w2_weight: the model wants"):
+        load_into_model(model, PluginOptions(cache=str(built[1])))
+
+
+def test_a_model_without_fused_moe_is_refused(built) -> None:
+    with pytest.raises(InputError, match="no fused-MoE parameters"):
+        load_into_model(nn.Linear(2, 2), PluginOptions(cache=str(built[1])))
+
+
+def test_a_model_without_load_weights_needs_every_dense_name(built) -> None:
+    model = _FakeModel()
+    model.load_weights = None  # type: ignore[assignment, method-assign]
+    with pytest.raises(InputError, match="has no parameter model"):
+        load_into_model(model, PluginOptions(cache=str(built[1])))
+
+
+def test_options_from_extra_config() -> None:
+    assert PluginOptions.from_extra({"cache": "/c", "workers": 8}).workers == 8
+    for bad, msg in (({}, "needs the cache"), ({"cache": ""}, "needs the cache"), ("x", "needs the cache"),
+                     ({"cache": "/c", "cahce": 1}, "unknown moet loader option 'cahce'"),
+                     ({"cache": "/c", "delta": "half"}, "delta must be"),
+                     ({"cache": "/c", "workers": 0}, "workers"), ({"cache": "/c", "expand": "yes"}, "expand")):
+        with pytest.raises(InputError, match=msg):
+            PluginOptions.from_extra(bad)
+
+
+def test_imports_and_registers_nothing_without_vllm() -> None:
+    code = ("import sys; sys.modules['vllm'] = None\n"
+            "import moet_cache.vllm_plugin as p\n"
+            "print('registered:', p.register())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "registered: None"
+
+
+def test_entry_point_declared() -> None:
+    eps = [ep for ep in entry_points(group="vllm.general_plugins") if ep.name == "moet_cache"]
+    assert len(eps) == 1 and eps[0].load() is register
+
+
+@pytest.mark.vllm
+def test_registers_with_vllms_real_loader_registry(built) -> None:
+    pytest.importorskip("vllm.model_executor.model_loader")
+    from vllm.config.load import LoadConfig
+    from vllm.model_executor.model_loader import BaseModelLoader, get_model_loader
+
+    cls = register()
+    assert cls is not None and issubclass(cls, BaseModelLoader) and register() is cls  # once
+    loader = get_model_loader(LoadConfig(load_format=LOAD_FORMAT,
+                                         model_loader_extra_config={"cache": str(built[1]), "workers": 2}))
+    assert type(loader) is cls
+    loader.download_model(None)
+    model = _FakeModel()
+    loader.load_weights(model, None)
+    assert model.model.layers[3].mlp.experts.w2_weight.abs().sum() > 0 and model.dense
+    with pytest.raises(InputError, match="needs the cache"):
+        get_model_loader(LoadConfig(load_format=LOAD_FORMAT))
