@@ -14,7 +14,7 @@ from safetensors import safe_open
 
 from . import layout as L
 from .checkpoint import INDEX_NAME, PROJECTIONS, TENSOR_SUFFIXES, tensor_bytes
-from .errors import InputError
+from .errors import InputError, VerificationError
 from .fsutil import read_json_file, resolve_inside
 from .manifest import PartManifest, load_record
 from .planes import join_planes
@@ -63,6 +63,8 @@ def _shard_specs(shard: Any) -> list[TensorSpec]:
             ok = False
             break
         specs.append(TensorSpec(t[0], t[1], tuple(t[2])))
+    if len({sp.name for sp in specs}) != len(specs):
+        ok = False
     if not ok:
         raise InputError("the cache's source map is malformed", "run moet-cache verify --full; rebuild the cache")
     return specs
@@ -103,12 +105,19 @@ def export_checkpoint(root: str | os.PathLike[str], out: str | os.PathLike[str],
                 handles[rel] = stack.enter_context(safe_open(str(resolve_inside(root, rel)), framework="pt"))
             return handles[rel]
 
+        room = sum(f.size for f, _ in cf.files)  # an export gives back at most the bytes the cache holds
         for shard in shards:
             specs = _shard_specs(shard)
+            room -= sum(sp.nbytes for sp in specs)
+            if room < 0:
+                raise InputError("the cache's source map lists more bytes than the cache holds", "rebuild the cache")
             name = _checked_name(shard.get("name"))
             with SafetensorsWriter(out / name, specs, shard.get("metadata")) as w:
                 for spec in specs:
                     data = _tensor_bytes(spec.name, layout, cf, dense_at, handle)
+                    if data.nbytes != spec.nbytes:
+                        raise VerificationError(f"the cache holds {data.nbytes} bytes for {spec.name}, its source map says "
+                                                f"{spec.nbytes}", "run moet-cache verify --full; rebuild the cache")
                     w.write(spec.name, data)
                     weight_map[spec.name] = name
                     progress.advance(data.nbytes)

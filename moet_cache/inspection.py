@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from . import layout as L
-from .manifest import BuildParams, DeltaIndex
+from .manifest import BuildParams, DeltaIndex, loads_record
 from .verifier import load_cache_files
 
 
@@ -51,7 +50,7 @@ def inspect_cache(root: str | os.PathLike[str]) -> CacheInfo:
     cf = load_cache_files(root)
     m = cf.manifest
     idx_fe = m.file(L.ROLE_DELTA_INDEX)
-    index = DeltaIndex.parse(json.loads((root / idx_fe.path).read_bytes()), idx_fe.path) if idx_fe else None
+    index = DeltaIndex.parse(loads_record((root / idx_fe.path).read_bytes(), idx_fe.path), idx_fe.path) if idx_fe else None
     infos = []
     for layer, lm in sorted(cf.layers.items()):
         rel = [math.sqrt(e / w) if w > 0 else 0.0 for e, w in zip(lm.sq_error, lm.energy)]

@@ -337,6 +337,15 @@ class DeltaIndex:
                    d["weighted_by_profile"], tuple(layers))
 
 
+def loads_record(data: bytes, where: str) -> Any:
+    """Decode a manifest's bytes; junk, bad UTF-8 or absurd nesting is a ManifestError, never a crash."""
+    import json
+    try:
+        return json.loads(data)
+    except (ValueError, RecursionError):  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        raise ManifestError(f"{where} is not valid JSON", "the cache manifest is damaged; run moet-cache build again") from None
+
+
 def load_record(path: Path, parser: Any, where: str | None = None) -> Any:
     """Read a JSON manifest file and parse it strictly; any problem is a ManifestError."""
     try:

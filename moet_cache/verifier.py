@@ -17,7 +17,7 @@ from .errors import InputError, UnsafePathError, VerificationError
 from .fsutil import atomic_write_json, lock_is_held, read_json_file, refuse_links, resolve_inside
 from .hashing import xxh3_file_hex, xxh3_hex
 from .manifest import (CACHE_MANIFEST, COMMIT_RECORD, VERIFIED_STATE, CacheManifest, CommitRecord,
-                       DeltaIndex, FileEntry, LayerManifest, ManifestError, TensorEntry)
+                       DeltaIndex, FileEntry, LayerManifest, ManifestError, TensorEntry, loads_record)
 from .progress import NullProgress, Progress
 
 # Boot-check states, most serious first.
@@ -98,12 +98,7 @@ def _committed(root: Path) -> tuple[CacheManifest, str]:
     if len(data) != commit.manifest_size or xxh3_hex(data) != commit.manifest_xxh3:
         raise ManifestError(f"{commit.manifest} does not match the commit record (edited or replaced after the build)",
                             "run moet-cache build again")
-    import json
-    try:
-        doc = json.loads(data)
-    except ValueError:
-        raise ManifestError(f"{commit.manifest} is not valid JSON") from None
-    return CacheManifest.parse(doc, commit.manifest), commit.manifest_xxh3
+    return CacheManifest.parse(loads_record(data, commit.manifest), commit.manifest), commit.manifest_xxh3
 
 
 def _read_json(path: Path) -> Any:
@@ -124,7 +119,6 @@ def _read_checked(root: Path, rel: str, size: int, digest: str) -> bytes | None:
 
 def load_cache_files(root: Path) -> CacheFiles:
     """Read and check the commit record, cache.json and every layer manifest (all small files)."""
-    import json
     if not (root / COMMIT_RECORD).is_file():
         raise ManifestError(f"{root} has no commit record: the cache is incomplete",
                             "run moet-cache build to finish it")
@@ -136,7 +130,7 @@ def load_cache_files(root: Path) -> CacheFiles:
         if data is None:
             raise ManifestError(f"{ref.manifest} is missing or does not match cache.json",
                                 "run moet-cache build again")
-        lm = LayerManifest.parse(json.loads(data), ref.manifest)
+        lm = LayerManifest.parse(loads_record(data, ref.manifest), ref.manifest)
         if lm.layer != ref.layer:
             raise ManifestError(f"{ref.manifest} describes layer {lm.layer}, cache.json says {ref.layer}")
         layers[ref.layer] = lm
@@ -192,8 +186,7 @@ def _structure(root: Path, cf: CacheFiles) -> list[Problem]:
     data = _read_checked(root, idx.path, idx.size, idx.xxh3)
     if data is None:
         return problems  # reported as a file problem
-    import json
-    index = DeltaIndex.parse(json.loads(data), idx.path)
+    index = DeltaIndex.parse(loads_record(data, idx.path), idx.path)
     have = {layer for layer, _ in index.layers}
     for layer in cf.manifest.build.layers:
         if layer not in have:
@@ -388,8 +381,7 @@ def verify_against(root: str | os.PathLike[str], src: str | os.PathLike[str],
         if ck.layout != cf.manifest.source_layout:
             raise InputError(f"the source is {ck.layout}, the cache was built from {cf.manifest.source_layout}")
         index_fe = cf.manifest.file(L.ROLE_DELTA_INDEX)
-        import json
-        index = DeltaIndex.parse(json.loads((root / index_fe.path).read_bytes()), index_fe.path) if index_fe else None
+        index = DeltaIndex.parse(loads_record((root / index_fe.path).read_bytes(), index_fe.path), index_fe.path) if index_fe else None
         pack = safe_open(str(resolve_inside(root, L.PACK)), framework="pt") if index else None
         progress.start(sum(lm.source_bytes for lm in cf.layers.values()), "verify --against")
         for layer, lm in sorted(cf.layers.items()):

@@ -737,8 +737,8 @@ FUZZ_CASES: dict[str, Callable[[Any, FuzzEnv], None]] = {
     "cache-header": case_cache_header, "profile": case_profile, "manifest": case_manifest,
 }
 # The CI share of the >= 2000 cases; the long form scales these.
-FUZZ_CI_EXAMPLES = {"config": 300, "index": 250, "source-header": 350, "cache-header": 350, "profile": 250,
-                    "manifest": 500}
+FUZZ_CI_EXAMPLES = {"config": 250, "index": 250, "source-header": 400, "cache-header": 200, "profile": 450,
+                    "manifest": 450}
 
 
 def fuzz(kind: str, env: FuzzEnv, examples: int, seed: int | None = None) -> None:
