@@ -16,6 +16,8 @@ import shlex
 import shutil
 import subprocess
 import sys
+import tempfile
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -273,20 +275,34 @@ class VllmProbe:
         env = dict(os.environ)
         env.setdefault("VLLM_TARGET_DEVICE", "cpu" if shutil.which("nvidia-smi") is None else "cuda")
         self.python = python
+        # stderr to a file, not a pipe: vLLM logs a lot while importing and a full pipe would block it.
+        self._err = tempfile.TemporaryFile(mode="w+")
         try:
             self.proc = subprocess.Popen([python, "-c", _PROBE], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                         stderr=subprocess.PIPE, text=True, env=env)
+                                         stderr=self._err, text=True, env=env)
         except OSError as e:
+            self._err.close()
             raise EnvironmentProblem(f"cannot run {python} to read vLLM's flags: {e}") from None
+        self.timed_out = threading.Event()
+        self._timer = threading.Timer(PROBE_TIMEOUT_S, self._kill)  # a hung import ends the read
+        self._timer.daemon = True
+        self._timer.start()
+
+    def _kill(self) -> None:
+        self.timed_out.set()
+        self.proc.kill()
 
     def _read(self) -> dict[str, Any]:
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
             if line.startswith(PROBE_MARK):
                 return json.loads(line[len(PROBE_MARK):])
-        err = self.proc.stderr.read() if self.proc.stderr else ""
         self.proc.wait()
+        self._err.seek(0)
+        err = self._err.read()
         last = [x for x in err.strip().splitlines() if x.strip()][-1:] or ["no output"]
+        if self.timed_out.is_set():
+            last = [f"no answer in {PROBE_TIMEOUT_S} s"]
         raise EnvironmentProblem(f"cannot load vLLM's argument parser with {self.python}: {last[0]}",
                                  "check the vLLM install, or pass --skip-flag-check to exec without the check")
 
@@ -304,14 +320,16 @@ class VllmProbe:
         return None if doc.get("ok") else str(doc.get("error"))
 
     def close(self) -> None:
-        for stream in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
+        self._timer.cancel()
+        for stream in (self.proc.stdin, self.proc.stdout):
             if stream:
                 stream.close()
         try:
-            self.proc.wait(timeout=PROBE_TIMEOUT_S)
+            self.proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+        self._err.close()
 
 
 # --- the command ---------------------------------------------------------------------------------------
