@@ -151,6 +151,35 @@ def source_split(src: Path, layers: list[int]) -> int:
     return n
 
 
+def diagnose(cache: Any, device: str, workers: int) -> dict[str, float]:
+    """Where a load's worker time goes: seconds summed over workers in read syscalls, waiting for a
+    staging slot, waiting on copy events, and the load's wall time (a diagnostic, patched in)."""
+    import moet_cache.loader as ld
+    sums = {"read": 0.0, "slot_wait": 0.0, "event_wait": 0.0}
+    lock = __import__("threading").Lock()
+
+    def timed(key: str, fn: Any) -> Any:
+        def wrapper(*a: Any, **k: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                with lock:
+                    sums[key] += time.perf_counter() - t0
+        return wrapper
+    orig = (os.preadv, ld._Slots.take, torch.cuda.Event.synchronize)
+    os.preadv = timed("read", os.preadv)
+    ld._Slots.take = timed("slot_wait", ld._Slots.take)
+    torch.cuda.Event.synchronize = timed("event_wait", torch.cuda.Event.synchronize)
+    try:
+        t0 = time.perf_counter()
+        nb = _loader(cache, device, workers, "none")[0]
+        wall = time.perf_counter() - t0
+    finally:
+        os.preadv, ld._Slots.take, torch.cuda.Event.synchronize = orig
+    return {"wall_s": wall, "GBps": nb / wall / 1e9, **{f"{k}_s_all_workers": v for k, v in sums.items()}}
+
+
 def _h2d(nbytes: int, device: str, reps: int) -> float:
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     host.fill_(1)
@@ -224,6 +253,10 @@ def run(size_bytes: int, device: str = "cpu", workers: tuple[int, ...] = (4,), r
                     res[f"gpu_w{w}_{verify}_GBps"] = nb[0] / t / 1e9
             wbest = max(workers, key=lambda w: res[f"gpu_w{w}_boot_GBps"])
             res["load_gpu_GBps"] = res[f"gpu_w{wbest}_boot_GBps"]
+            try:  # a diagnostic only: never lose the figures above to it
+                res["gpu_diagnosis"] = diagnose(cache, dev, wbest)
+            except Exception as e:  # noqa: BLE001
+                res["gpu_diagnosis"] = {"error": repr(e)}
             res["h2d_pinned_GBps"] = _h2d(res["load_bytes"], dev, reps) / 1e9
             res["load_gpu_vs_h2d"] = res["load_gpu_GBps"] / res["h2d_pinned_GBps"]
         ours = min((_loader(cache, dev, wbest)[1] for _ in range(reps)), key=lambda a: a[-1])
