@@ -115,6 +115,7 @@ def split_planes_reference(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 _HIST_CHUNK = 1 << 16  # uint16 words per bincount call: the intp copy numpy makes stays in L2
+_SMALL = 1 << 15  # bytes: below this, per-call set-up (64 Ki-entry tables) outweighs the data
 
 
 def code_histogram(packed: np.ndarray) -> np.ndarray:
@@ -122,8 +123,9 @@ def code_histogram(packed: np.ndarray) -> np.ndarray:
     if packed.dtype != np.uint8:
         raise ValueError("packed FP4 codes must be uint8")
     flat = np.ascontiguousarray(packed).reshape(-1)
-    if flat.size % 2:
-        return code_histogram_reference(packed)
+    if flat.size % 2 or flat.size < _SMALL:  # a 64 Ki-bin count costs more than a small tensor's bytes
+        byte_counts = np.bincount(flat, minlength=256).reshape(16, 16)  # [high nibble, low nibble]
+        return (byte_counts.sum(axis=0) + byte_counts.sum(axis=1)).astype(np.int64)
     # One count per uint16 word (four codes) halves the counting work of a per-byte bincount.
     words = flat.view("<u2")
     counts = np.zeros(1 << 16, dtype=np.int64)
@@ -178,12 +180,18 @@ def error_and_energy(packed: np.ndarray, block_scales: np.ndarray, table: np.nda
         return error_and_energy_reference(packed, block_scales, table)
     values = E2M1_VALUES.astype(np.float64)
     per_err = (values - np.repeat(table.astype(np.float64), 4)) ** 2
+    s2 = block_scales.reshape(-1).astype(np.float64) ** 2
+    if packed.size < _SMALL:  # per code through a 16-entry table: no 64 Ki-entry table to build
+        codes = np.empty((packed.size, 2), dtype=np.intp)
+        flat = np.ascontiguousarray(packed).reshape(-1)
+        codes[:, 0], codes[:, 1] = flat & 0xF, flat >> 4
+        per_block = np.stack([per_err[codes], values[codes] ** 2], axis=-1).reshape(-1, BLOCK, 2).sum(axis=1)
+        return float(s2 @ per_block[:, 0]), float(s2 @ per_block[:, 1])
     # One 8-byte lookup per word gives both sums: (error, energy) as two float32 side by side.
     # One 8-byte lookup per word gives both sums, packed as a complex64 (real: error, imag: energy), so
     # the block sums are 1-D strided complex adds (numpy's fast path; 2-D [.., 2] slices are ~25x slower).
     lut = (_word_table(per_err) + 1j * _word_table(values**2)).astype(np.complex64)
     words = np.ascontiguousarray(packed).reshape(-1).view("<u2")
-    s2 = block_scales.reshape(-1).astype(np.float64) ** 2
     total = np.zeros(2, dtype=np.float64)
     got = np.empty(min(words.size, _ERR_CHUNK), dtype=np.complex64)
     for i in range(0, words.size, _ERR_CHUNK):

@@ -8,6 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
+from unittest import mock
+
 from moet_cache import planes as P
 from moet_cache.fp4 import BLOCK
 
@@ -16,7 +18,7 @@ blocked = st.integers(1, 5).flatmap(lambda rows: st.integers(1, 6).flatmap(
     lambda blocks: arrays(np.uint8, (rows, 8 * blocks))))
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(blocked)
 def test_split_matches_reference(packed: np.ndarray) -> None:
     base, delta = P.split_planes(packed)
@@ -48,18 +50,22 @@ def test_split_of_a_non_contiguous_view() -> None:
     assert np.array_equal(P.split_planes(packed)[0], P.split_planes_reference(packed)[0])
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(blocked)
 def test_histogram_matches_reference(packed: np.ndarray) -> None:
-    hist = P.code_histogram(packed)
-    assert hist.dtype == np.int64
-    assert hist.tolist() == P.code_histogram_reference(packed).tolist()
+    want = P.code_histogram_reference(packed).tolist()
+    for small in (P._SMALL, 0):  # the small-tensor path and the 64 Ki-bin path, on the same bytes
+        with mock.patch.object(P, "_SMALL", small):
+            hist = P.code_histogram(packed)
+        assert hist.dtype == np.int64
+        assert hist.tolist() == want
 
 
 def test_histogram_odd_byte_count_and_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
     odd = np.random.default_rng(5).integers(0, 256, (3, 5), dtype=np.uint8)
     assert P.code_histogram(odd).tolist() == P.code_histogram_reference(odd).tolist()
     monkeypatch.setattr(P, "_HIST_CHUNK", 5)
+    monkeypatch.setattr(P, "_SMALL", 0)
     packed = np.random.default_rng(6).integers(0, 256, (7, 24), dtype=np.uint8)
     assert P.code_histogram(packed).tolist() == P.code_histogram_reference(packed).tolist()
 
@@ -76,21 +82,24 @@ def _scales(rng: np.random.Generator, packed: np.ndarray) -> np.ndarray:
     return rng.uniform(0.01, 4.0, (packed.shape[0], packed.shape[1] * 2 // BLOCK)).astype(np.float32)
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=50, deadline=None)
 @given(blocked, st.integers(0, 2**32 - 1))
 def test_error_and_energy_match_reference(packed: np.ndarray, seed: int) -> None:
     rng = np.random.default_rng(seed)
     scales = _scales(rng, packed)
     table = P.fit_table(P.code_histogram(packed))
-    err, energy = P.error_and_energy(packed, scales, table)
     rerr, renergy = P.error_and_energy_reference(packed, scales, table)
-    assert err == pytest.approx(rerr, rel=1e-5, abs=1e-6)
-    assert energy == pytest.approx(renergy, rel=1e-5, abs=1e-6)
+    for small in (P._SMALL, 0):  # the small-tensor path and the word-lookup path
+        with mock.patch.object(P, "_SMALL", small):
+            err, energy = P.error_and_energy(packed, scales, table)
+        assert err == pytest.approx(rerr, rel=1e-5, abs=1e-6)
+        assert energy == pytest.approx(renergy, rel=1e-5, abs=1e-6)
 
 
 def test_error_with_a_foreign_table_and_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
     # a table that is not the fitted one (the error must follow the table given), over several chunks
     monkeypatch.setattr(P, "_ERR_CHUNK", 12)
+    monkeypatch.setattr(P, "_SMALL", 0)
     rng = np.random.default_rng(7)
     packed = rng.integers(0, 256, (6, 32), dtype=np.uint8)
     scales = _scales(rng, packed)
