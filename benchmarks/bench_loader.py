@@ -196,7 +196,7 @@ def _h2d(nbytes: int, device: str, reps: int) -> float:
 
 def run(size_bytes: int, device: str = "cpu", workers: tuple[int, ...] = (4,), reps: int = 3,
         workdir: str | None = None, keep: bool = False, with_source: bool = True,
-        big_layers: bool = True) -> dict[str, Any]:
+        big_layers: bool = True, gpu_slots: tuple[tuple[int, int], ...] = ()) -> dict[str, Any]:
     """Build a synthetic cache of about `size_bytes` of experts and measure every figure on it."""
     work = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="moet-bench-loader-"))
     res: dict[str, Any] = {"size_bytes": size_bytes, "device": device, "cpus": os.cpu_count()}
@@ -253,6 +253,20 @@ def run(size_bytes: int, device: str = "cpu", workers: tuple[int, ...] = (4,), r
                     res[f"gpu_w{w}_{verify}_GBps"] = nb[0] / t / 1e9
             wbest = max(workers, key=lambda w: res[f"gpu_w{w}_boot_GBps"])
             res["load_gpu_GBps"] = res[f"gpu_w{wbest}_boot_GBps"]
+            import moet_cache.loader as ld
+            default_slots = (ld.GPU_SLOT, ld.GPU_SLOTS_PER_WORKER)
+            for size, per_worker in gpu_slots:  # staging shapes to compare (slot bytes, slots a worker)
+                ld.GPU_SLOT, ld.GPU_SLOTS_PER_WORKER = size, per_worker
+                try:
+                    for w in workers:
+                        sweep = open_cache(root)
+                        _loader(sweep, dev, w, "none")  # pins this shape's staging once
+                        nb = [0]
+                        t = _best(lambda: nb.__setitem__(0, _loader(sweep, dev, w, "none")[0]), reps)
+                        res[f"gpu_slot{size >> 20}MiBx{per_worker}_w{w}_none_GBps"] = nb[0] / t / 1e9
+                        sweep.release()
+                finally:
+                    ld.GPU_SLOT, ld.GPU_SLOTS_PER_WORKER = default_slots
             try:  # a diagnostic only: never lose the figures above to it
                 res["gpu_diagnosis"] = diagnose(cache, dev, wbest)
             except Exception as e:  # noqa: BLE001
@@ -280,6 +294,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--no-source", action="store_true", help="skip the (slow) source-split baseline")
     ap.add_argument("--small-layers", action="store_true", help="spec_for_size's small layers (many per GiB)")
+    ap.add_argument("--gpu-slots", default="", help="staging shapes to compare, e.g. 16MiB:3,8MiB:2,4MiB:2")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--probe", action="store_true", help="only measure the staging options of this machine")
     a = ap.parse_args(argv)
@@ -287,7 +302,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(probe_staging(), indent=1))
         return 0
     res = run(parse_size(a.size), a.device, tuple(int(x) for x in a.workers.split(",")), a.reps,
-              a.workdir, with_source=not a.no_source, big_layers=not a.small_layers)
+              a.workdir, with_source=not a.no_source, big_layers=not a.small_layers,
+              gpu_slots=tuple((parse_size(x.split(":")[0]), int(x.split(":")[1])) for x in a.gpu_slots.split(",") if x))
     if a.json:
         print(json.dumps(res, indent=1))
     else:

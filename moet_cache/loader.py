@@ -43,6 +43,7 @@ DELTA_MODES = ("tier", "none", "all")
 VERIFY_MODES = ("boot", "hash", "none")
 CHUNK = 8 << 20                 # one read on the CPU path: big enough for disk speed, small for the cache
 GPU_SLOT = 16 << 20             # one pinned staging slot = one host-to-device copy
+GPU_SLOTS_PER_WORKER = 3        # slots a worker may hold at most (staging = workers x this x GPU_SLOT)
 DELTA_EXPERTS = "delta_experts"  # int64 [n]: which experts the w13_delta / w2_delta rows belong to
 MAX_HEADER = 100 << 20
 
@@ -261,7 +262,7 @@ class _Pipeline:
         if device.type == "cuda":
             # Staging = bytes in flight: 2-4 slots a worker, never more than max_inflight.
             chunk = max(1 << 20, min(GPU_SLOT, max_inflight // (2 * workers)))
-            count = max(2 * workers, min(3 * workers, max_inflight // chunk))
+            count = max(2 * workers, min(GPU_SLOTS_PER_WORKER * workers, max_inflight // chunk))
             self.chunk = chunk
             self.slots = _Slots(self.pinned.take(count * chunk), count, chunk)
         else:
