@@ -112,7 +112,7 @@ class _Planes:
 def _plane_work(xs: list[ExpertTensors], device: str | None = None) -> list[_Planes]:
     out = []
     for x in xs:
-        if device is None:
+        if device is None or (device != "cpu" and x.codes.nbytes < _DEVICE_MIN_BYTES):
             base, delta = split_planes(x.codes)
             table = fit_table(code_histogram(x.codes))
             er, eg = error_and_energy(x.codes, x.block_scale.to(torch.float32).numpy(), table)
@@ -140,6 +140,10 @@ def _plane_device() -> str | None:
     if want == "cuda" or torch.cuda.is_available():
         return "cuda"
     return None
+
+
+_REMAP_BYTES = 256 << 20  # expert bytes read through the shard maps before they are dropped
+_DEVICE_MIN_BYTES = 1 << 20  # smaller tensors stay on the host: ~20 launches and 3 syncs cost more than them
 
 
 def _plane_workers() -> int:
@@ -245,6 +249,7 @@ class _Builder:
         manifests: dict[int, tuple[LayerManifest, FileEntry]] = {}
         for layer in self.plan.served:
             manifests[layer] = self._layer(layer)
+            self.ckpt.close()  # unmap the shards read so far (reopened on demand): bounded RSS
             self.progress.layer_done(layer)
         files.extend(self._tier(manifests, budget))
         files.append(self._source_map())
@@ -401,6 +406,7 @@ class _Builder:
         # A pipeline in bounded memory: this thread reads expert e + 2*workers and writes expert e, while
         # worker threads split and measure the experts in between (numpy releases the GIL in them).
         workers, device = _plane_workers(), _plane_device()
+        mapped = 0
         pending: deque[Future[list[_Planes]]] = deque()
         ahead = 0
         with SafetensorsWriter(self.root / L.base_file(layer), base_specs) as bw, \
@@ -411,6 +417,13 @@ class _Builder:
                     xs = [ck.read_expert(layer, ahead, p) for p in PROJECTIONS]
                     pending.append(pool.submit(_plane_work, xs, device))
                     ahead += 1
+                    mapped += sum(x.codes.nbytes for x in xs)
+                    if mapped >= _REMAP_BYTES:
+                        # The shards are memory-mapped and every page read stays resident (and in the
+                        # RSS) while the map is open: dropping the maps bounds memory whatever the
+                        # checkpoint's size. Tensors still in flight keep their own pages alive.
+                        ck.close()
+                        mapped = 0
                 work = pending.popleft().result()
                 err = en = 0.0
                 for j, proj in enumerate(PROJECTIONS):

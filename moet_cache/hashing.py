@@ -34,8 +34,11 @@ def _mmap_digest(fd: int, size: int, chunk: int) -> str | None:
         view = memoryview(m)
         try:
             step = max(chunk, 1)
+            drop = getattr(mmap, "MADV_DONTNEED", None) if step % mmap.PAGESIZE == 0 else None
             for i in range(0, size, step):
                 h.update(view[i : i + step])
+                if drop is not None:  # unmap what was hashed: the RSS stays one chunk, not the file
+                    m.madvise(drop, i, min(step, size - i))
         finally:
             view.release()
         return h.hexdigest()
