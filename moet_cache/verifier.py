@@ -199,7 +199,6 @@ def _structure(root: Path, cf: CacheFiles) -> list[Problem]:
 
 
 def _source_changes(cf: CacheFiles) -> tuple[bool, list[Problem]]:
-    from .checkpoint import header_digest
     src = Path(cf.manifest.source_path)
     if not src.is_dir():
         return False, []
@@ -220,6 +219,7 @@ def _source_changes(cf: CacheFiles) -> tuple[bool, list[Problem]]:
         if st.st_size != shard.get("size"):
             problems.append(Problem("stale", p.name, f"the source shard's size changed ({shard.get('size')} -> {st.st_size})"))
         elif st.st_mtime_ns != shard.get("mtime_ns"):
+            from .checkpoint import header_digest  # here: checkpoint imports torch (seconds), rarely needed
             same_header = header_digest(p) == shard.get("header_xxh3")
             problems.append(Problem("stale", p.name, "the source shard was rewritten since the build"
                                     + ("" if same_header else " (its header differs)")))
