@@ -42,9 +42,11 @@ BOOT_RUNS = 5
 
 
 def bench_spec(total_bytes: int, seed: int = 0) -> Any:
-    """Routed-expert bytes near total_bytes: DeepSeek-like shapes scaled down (1024 x 512, 32 experts)."""
+    """Routed-expert bytes near total_bytes: DeepSeek-like shapes (32 experts), scaled down for small sizes."""
     from moet_cache.synthetic import SyntheticSpec
-    H, I, E = (1024, 512, 32) if total_bytes >= 256 << 20 else (256, 128, 16)
+    # From 1 GiB, DeepSeek-sized rows (1-2 MiB tensors: what the GPU path is for); below, smaller ones.
+    H, I, E = (2048, 1024, 32) if total_bytes >= 1 << 30 else (1024, 512, 32) if total_bytes >= 256 << 20 \
+        else (256, 128, 16)
     per_layer = E * 3 * H * I * (0.5 + 1 / 16)
     layers = max(2, int(round(total_bytes / per_layer)))
     return SyntheticSpec(hidden_size=H, moe_intermediate_size=I, intermediate_size=2 * I, n_routed_experts=E,

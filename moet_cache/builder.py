@@ -143,7 +143,7 @@ def _plane_device() -> str | None:
 
 
 _REMAP_BYTES = 256 << 20  # expert bytes read through the shard maps before they are dropped
-_DEVICE_MIN_BYTES = 1 << 20  # smaller tensors stay on the host: ~20 launches and 3 syncs cost more than them
+_DEVICE_MIN_BYTES = 512 << 10  # smaller tensors stay on the host: ~20 launches and 3 syncs cost more than them
 
 
 def _plane_workers() -> int:
