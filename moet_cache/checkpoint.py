@@ -340,5 +340,10 @@ def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
             if name not in tensors or tensors[name].shard != shard:
                 raise InputError(f"{INDEX_NAME} puts {name} in {shard}, but that shard does not hold it",
                                  "regenerate the index or copy the right shard")
+    from .stwriter import DTYPE_SIZES
+    odd = next((t for t in tensors.values() if t.dtype not in DTYPE_SIZES and t.dtype != "F4"), None)
+    if odd is not None:  # found by the fault campaign: e.g. F8_E8M0 crashed the dense copy
+        raise UnsupportedCheckpointError(f"{odd.name} in {odd.shard} has dtype {odd.dtype}, which moet-cache cannot carry",
+                                         f"supported dtypes: {', '.join(sorted(DTYPE_SIZES))}, F4")
     layout = detect_layout(config, root, set(tensors))
     return Checkpoint(root, config, model, layout, tensors, index, metadata)

@@ -53,3 +53,20 @@ def test_real_processes_refuse_bad_input(env: FuzzEnv) -> None:
         assert rc in (1, 2), (argv, rc, err)
         assert "Traceback" not in err and "internal error" not in err, err
     assert tree_snapshot(case, (cache, case / "export")) == {k: v for k, v in before.items() if not k.startswith("export")}
+
+
+def test_unknown_dtype_in_a_dense_tensor_is_refused(env: FuzzEnv) -> None:
+    """Found by the long campaign: a valid safetensors dtype we cannot carry (F8_E8M0) crashed the dense copy."""
+    from .campaign import run_library
+    case = env.case()
+    shard = sorted((case / "src").glob("*.safetensors"))[0]
+    blob = shard.read_bytes()
+    n = int.from_bytes(blob[:8], "little")
+    header = json.loads(blob[8:8 + n])
+    name = next(k for k, v in header.items() if k != "__metadata__" and "shared_experts" in k and v["dtype"] == "U8")
+    header[name]["dtype"] = "F8_E8M0"
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-(len(raw) + 8) % 8)
+    shard.write_bytes(len(raw).to_bytes(8, "little") + raw + blob[8 + n:])
+    rc, _, err = run_library(["build", case / "src", case / "cache"])
+    assert rc == 2 and "F8_E8M0" in err, err
