@@ -130,8 +130,9 @@ def detect_layout(config: dict[str, Any], root: Path, names: set[str]) -> str:
 
 def _checked_shard_name(name: Any, root: Path) -> str:
     if not isinstance(name, str) or not name or "/" in name or "\\" in name or name in (".", "..") \
-            or name.startswith("."):
-        raise InputError(f"{INDEX_NAME} names an invalid shard file {name!r}",
+            or name.startswith(".") or "\x00" in name or len(name.encode("utf-8", "replace")) > 255:
+        # (a 5000-character name made is_file() raise ENAMETOOLONG: exit 3 instead of 2)
+        raise InputError(f"{INDEX_NAME} names an invalid shard file {name[:80] if isinstance(name, str) else name!r}",
                          "shard names must be plain file names in the checkpoint folder")
     if not (root / name).is_file():
         raise InputError(f"{INDEX_NAME} names the shard {name}, which does not exist in {root}",

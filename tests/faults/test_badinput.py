@@ -70,3 +70,17 @@ def test_unknown_dtype_in_a_dense_tensor_is_refused(env: FuzzEnv) -> None:
     shard.write_bytes(len(raw).to_bytes(8, "little") + raw + blob[8 + n:])
     rc, _, err = run_library(["build", case / "src", case / "cache"])
     assert rc == 2 and "F8_E8M0" in err, err
+
+
+@pytest.mark.parametrize("name", ["a" * 5000, "x\x00y.safetensors"])
+def test_index_shard_name_too_long_or_nul_is_bad_input(env: FuzzEnv, name: str) -> None:
+    """Found by the long campaign: a 5000-character shard name made is_file() raise ENAMETOOLONG (exit 3)."""
+    from .campaign import run_library
+    case = env.case()
+    idx_path = case / "src" / "model.safetensors.index.json"
+    idx = json.loads(idx_path.read_text())
+    first = next(iter(idx["weight_map"]))
+    idx["weight_map"][first] = name
+    idx_path.write_text(json.dumps(idx))
+    rc, _, err = run_library(["build", case / "src", case / "cache"])
+    assert rc == 2 and "invalid shard file" in err, err
