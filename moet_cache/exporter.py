@@ -80,6 +80,9 @@ def export_checkpoint(root: str | os.PathLike[str], out: str | os.PathLike[str],
     if not cf.manifest.build.lossless:
         raise InputError("this cache keeps the delta planes of its tier only, so it cannot give back the source",
                          "build it with --lossless to be able to export")
+    bad = next((f.path for f, _ in cf.files if not (root / f.path).is_file() or (root / f.path).stat().st_size != f.size), None)
+    if bad is not None:  # a missing file is a damaged cache (exit 1), not an environment problem (exit 3)
+        raise VerificationError(f"{bad} is missing or has the wrong size", "run moet-cache verify --full; rebuild the cache")
     if out.exists() and any(out.iterdir()):
         raise InputError(f"{out} exists and is not empty", "choose a new folder for the export")
     smap_fe = cf.manifest.file(L.ROLE_SOURCE_MAP)

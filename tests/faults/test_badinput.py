@@ -84,3 +84,27 @@ def test_index_shard_name_too_long_or_nul_is_bad_input(env: FuzzEnv, name: str) 
     idx_path.write_text(json.dumps(idx))
     rc, _, err = run_library(["build", case / "src", case / "cache"])
     assert rc == 2 and "invalid shard file" in err, err
+
+
+def test_tampered_records_found_by_the_long_run(env: FuzzEnv) -> None:
+    """Found by the long campaign: a dense part record with no files crashed a rebuild (IndexError), and
+    an export of a cache whose aux entry names a missing file exited 3 (FileNotFoundError) instead of 1."""
+    from .campaign import _reseal_file, run_library
+    case = env.case(with_cache=True)
+    cache = case / "cache"
+    rel = next(str(p.relative_to(cache)) for p in (cache / "dense").glob("*.json"))
+    part = json.loads((cache / rel).read_bytes())
+    part["files"] = []
+    rewrite_json(cache / rel, part)
+    _reseal_file(cache, rel)
+    rc, _, err = run_library(["build", case / "src", cache, "--lossless", "--delta-budget", "40%"])
+    assert rc == 0, err  # the empty record is not reused: the shard is copied again
+    case = env.case(with_cache=True)
+    cache = case / "cache"
+    doc = json.loads((cache / "cache.json").read_bytes())
+    aux = next(f for f in doc["files"] if f["role"] == "aux")
+    aux["path"] = "model/missing.json"
+    rewrite_json(cache / "cache.json", doc)
+    recommit(cache)
+    rc, _, err = run_library(["export", cache, case / "export"])
+    assert rc == 1 and "missing" in err, err
