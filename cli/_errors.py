@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from moet_cache.errors import EnvironmentProblem, InputError, MoetError, VerificationError
+from moet_cache.errors import EnvironmentProblem, InputError, Interrupted, MoetError, VerificationError
 
 EXIT_OK, EXIT_PROBLEM, EXIT_USAGE, EXIT_ENVIRONMENT = 0, 1, 2, 3
 
 # Most specific first; the first class that matches decides.
 ERROR_TABLE: tuple[tuple[type[BaseException], int], ...] = (
+    (Interrupted, EXIT_ENVIRONMENT),
     (VerificationError, EXIT_PROBLEM),
     (InputError, EXIT_USAGE),
     (EnvironmentProblem, EXIT_ENVIRONMENT),
@@ -28,7 +29,7 @@ def exit_code_for(exc: BaseException) -> int | None:
 def message_for(exc: BaseException) -> str:
     if isinstance(exc, KeyboardInterrupt):
         return "interrupted; a build resumes where it stopped when run again"
-    if isinstance(exc, MoetError):
+    if isinstance(exc, (MoetError, Interrupted)):
         return str(exc)
     if isinstance(exc, MemoryError):
         return "out of memory; close other programs or use a machine with more memory"

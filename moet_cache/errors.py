@@ -51,5 +51,17 @@ class MissingDependencyError(InputError):
     """An optional program or package (e.g. vLLM) is needed and absent (exit 2: install it)."""
 
 
-class Interrupted(EnvironmentProblem):
-    """The user pressed Ctrl-C (or the process got SIGINT/SIGTERM); work stopped cleanly."""
+class Interrupted(BaseException):
+    """The user pressed Ctrl-C (or the process got SIGINT/SIGTERM); work stopped cleanly (exit 3).
+
+    A BaseException, like KeyboardInterrupt, so that no `except Exception` on the way can turn it
+    into another error.
+    """
+
+    def __init__(self, message: str, hint: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.hint = hint
+
+    def __str__(self) -> str:
+        return self.message if not self.hint else f"{self.message} ({self.hint})"
