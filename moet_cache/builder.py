@@ -30,8 +30,8 @@ from .manifest import (CACHE_MANIFEST, COMMIT_RECORD, FORMAT_VERSION, BuildParam
                        CommitRecord, DeltaIndex, FileEntry, LayerManifest, LayerRef, ManifestError,
                        PartManifest, TensorEntry, load_record, write_record)
 from .modelconfig import parse_layer_selection
-from .planes import code_histogram, code_histogram_torch, error_and_energy, error_and_energy_torch, fit_table, \
-    split_planes, split_planes_torch
+from .planes import code_histogram_torch, error_and_energy_torch, fit_table, split_and_measure, \
+    split_planes_torch
 from .progress import NullProgress, Progress
 from .stwriter import SafetensorsWriter, TensorSpec, WrittenFile
 from .tiering import DEFAULT_DELTA_BUDGET, Candidate, RoutingProfile, check_profile, choose_tier, \
@@ -113,9 +113,7 @@ def _plane_work(xs: list[ExpertTensors], device: str | None = None) -> list[_Pla
     out = []
     for x in xs:
         if device is None or (device != "cpu" and x.codes.nbytes < _DEVICE_MIN_BYTES):
-            base, delta = split_planes(x.codes)
-            table = fit_table(code_histogram(x.codes))
-            er, eg = error_and_energy(x.codes, x.block_scale.to(torch.float32).numpy(), table)
+            base, delta, table, er, eg = split_and_measure(x.codes, x.block_scale.to(torch.float32).numpy())
         else:  # the same maths in torch on the device; the planes and table are bit-identical
             codes = torch.from_numpy(x.codes).to(device)
             tbase, tdelta = split_planes_torch(codes)

@@ -284,3 +284,54 @@ def error_and_energy_torch(packed: "torch.Tensor", block_scales: "torch.Tensor",
     s2 = block_scales.reshape(-1).to(torch.float64) ** 2
     total = (per_block * s2[:, None]).sum(dim=0).cpu()
     return float(total[0]), float(total[1])
+
+
+# --- the one-pass kernel: planes, histogram and error/energy sums from one read of the codes ---------
+
+try:  # the optional C extension (setup.py builds it where a C compiler is present)
+    from . import _kernels
+except ImportError:  # pragma: no cover - depends on the install
+    _kernels = None
+if __import__("os").environ.get("MOET_CACHE_KERNELS") == "numpy":  # force the numpy path (A/B runs)
+    _kernels = None
+
+#: Which path split_and_measure takes: "c" (moet_cache._kernels) or "numpy".
+KERNEL = "c" if _kernels is not None else "numpy"
+
+
+def _sums_from_weighted(weighted: np.ndarray, table: np.ndarray) -> tuple[float, float]:
+    """(error, energy) from the scale^2-weighted code histogram W: sum W_c (v_c - t[c>>2])^2, sum W_c v_c^2."""
+    v = E2M1_VALUES.astype(np.float64)
+    t = np.repeat(table.astype(np.float64), 4)
+    return float(weighted @ ((v - t) ** 2)), float(weighted @ (v**2))
+
+
+def split_and_measure(packed: np.ndarray, block_scales: np.ndarray
+                      ) -> tuple[np.ndarray, np.ndarray, np.ndarray, float, float]:
+    """(base, delta, table, error, energy) for one tensor: split_planes, fit_table(code_histogram) and
+    error_and_energy together, in one pass through moet_cache._kernels where it is built (the GIL is
+    released while it runs); otherwise, or for shapes it does not take, the numpy kernels.
+
+    packed: uint8 [rows, n/2]; block_scales: [rows, n/16] (any float dtype, taken as float32).
+    """
+    if _kernels is not None and packed.dtype == np.uint8 and packed.ndim == 2 \
+            and packed.shape[1] % (BLOCK // 2) == 0 \
+            and block_scales.shape == (packed.shape[0], packed.shape[1] * 2 // BLOCK):
+        src = np.ascontiguousarray(packed)
+        scales = np.ascontiguousarray(block_scales, dtype=np.float32)
+        base = np.empty((src.shape[0], src.shape[1] // 2), dtype=np.uint8)
+        delta = np.empty_like(base)
+        counts, weighted = _kernels.split_measure(src, scales, base, delta)
+        table = fit_table(np.array(counts, dtype=np.int64))
+        er, eg = _sums_from_weighted(np.array(weighted, dtype=np.float64), table)
+        return base, delta, table, er, eg
+    return split_and_measure_numpy(packed, block_scales)
+
+
+def split_and_measure_numpy(packed: np.ndarray, block_scales: np.ndarray
+                            ) -> tuple[np.ndarray, np.ndarray, np.ndarray, float, float]:
+    """split_and_measure through the numpy kernels (the fallback when the C extension is absent)."""
+    base, delta = split_planes(packed)
+    table = fit_table(code_histogram(packed))
+    er, eg = error_and_energy(packed, np.asarray(block_scales, dtype=np.float32), table)
+    return base, delta, table, er, eg

@@ -1,0 +1,17 @@
+"""The optional C kernels; all other metadata lives in pyproject.toml.
+
+optional=True: where no C compiler is available the build goes on without moet_cache._kernels and
+moet_cache.planes uses its numpy kernels instead.
+"""
+from setuptools import Extension, setup
+
+setup(
+    ext_modules=[
+        Extension(
+            "moet_cache._kernels",
+            ["moet_cache/_kernels.c"],
+            optional=True,
+            extra_compile_args=["-O3"],
+        )
+    ]
+)
