@@ -19,8 +19,7 @@ from ._errors import EXIT_USAGE, exit_code_for, message_for
 
 HELP = """Turn an NVFP4 MoE checkpoint into a verified 2-bit base-plane + FP4 delta-tier cache, and serve it.
 
-Exit codes: 0 ok; 1 verification found a problem; 2 bad input or usage; 3 environment
-(lock held, disk full, interrupted). Add --debug (or MOET_CACHE_DEBUG=1) for tracebacks."""
+Exit codes: 0 ok; 1 verification found a problem; 2 bad input or usage; 3 environment (lock held, disk full, interrupted). Add --debug (or MOET_CACHE_DEBUG=1) for tracebacks."""
 
 app = typer.Typer(help=HELP, no_args_is_help=True, pretty_exceptions_enable=False,
                   add_completion=False, context_settings={"help_option_names": ["-h", "--help"]})

@@ -22,7 +22,7 @@ from safetensors import safe_open
 
 from . import layout as L
 from .checkpoint import COMPRESSED_TENSORS, INDEX_NAME, PROJECTIONS, Checkpoint, ExpertTensors, \
-    expert_layer_of, layer_of, open_checkpoint, tensor_bytes
+    layer_of, open_checkpoint, tensor_bytes
 from .errors import EnvironmentProblem, InputError
 from .fsutil import CacheLock, atomic_write_bytes, check_free_space, fsync_dir, read_json_file, refuse_links
 from .hashing import xxh3_file_hex, xxh3_hex

@@ -498,7 +498,7 @@ class Cache:
             elif delta == "tier":
                 experts = (self.delta_index.experts_of(lm.layer) if self.delta_index else None) or ()
                 if not experts:  # the same names for every layer: empty delta planes
-                    E, H, I = lm.n_experts, lm.hidden_size, lm.intermediate_size
+                    H, I = lm.hidden_size, lm.intermediate_size
                     t[L.W13_DELTA] = torch.empty((0, 2 * I, H // 4), dtype=torch.uint8, device=dev)
                     t[L.W2_DELTA] = torch.empty((0, H, I // 4), dtype=torch.uint8, device=dev)
             else:

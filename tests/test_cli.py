@@ -1,7 +1,6 @@
 """The command line, through typer's CliRunner and through real processes of the console script."""
 
 import json
-import os
 import random
 import signal
 import subprocess

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from moet_cache import BuildOptions, boot_check, build_cache, full_verify, make_checkpoint, small_spec, verify_against
+from moet_cache import boot_check, build_cache, full_verify, make_checkpoint, small_spec, verify_against
 
 
 def flip_bit(path: Path, offset: int, bit: int = 0) -> None:
