@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 
-class MoetError(Exception):
-    """Base of every error the library raises on purpose. `hint` says what to do about it."""
+class _Message:
+    """A one-line message and a hint that says what to do about it."""
 
     def __init__(self, message: str, hint: str | None = None) -> None:
         super().__init__(message)
@@ -13,6 +13,10 @@ class MoetError(Exception):
 
     def __str__(self) -> str:
         return self.message if not self.hint else f"{self.message} ({self.hint})"
+
+
+class MoetError(_Message, Exception):
+    """Base of every error the library raises on purpose. `hint` says what to do about it."""
 
 
 class InputError(MoetError):
@@ -51,17 +55,9 @@ class MissingDependencyError(InputError):
     """An optional program or package (e.g. vLLM) is needed and absent (exit 2: install it)."""
 
 
-class Interrupted(BaseException):
+class Interrupted(_Message, BaseException):
     """The user pressed Ctrl-C (or the process got SIGINT/SIGTERM); work stopped cleanly (exit 3).
 
     A BaseException, like KeyboardInterrupt, so that no `except Exception` on the way can turn it
     into another error.
     """
-
-    def __init__(self, message: str, hint: str | None = None) -> None:
-        super().__init__(message)
-        self.message = message
-        self.hint = hint
-
-    def __str__(self) -> str:
-        return self.message if not self.hint else f"{self.message} ({self.hint})"
