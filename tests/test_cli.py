@@ -25,9 +25,8 @@ def run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
 
 
 def test_console_script_is_installed() -> None:
-    import shutil
-    exe = shutil.which("moet-cache")
-    assert exe, "the moet-cache console script is not on PATH"
+    exe = Path(sys.executable).with_name("moet-cache")  # the venv's script, whether or not it is on PATH
+    assert exe.is_file(), f"no console script at {exe}"
     r = subprocess.run([exe, "--version"], capture_output=True, text=True)
     assert r.returncode == 0 and r.stdout.startswith("moet-cache ")
 
