@@ -22,7 +22,6 @@ from .progress import NullProgress, Progress
 
 # Boot-check states, most serious first.
 CORRUPT, INCOMPLETE, STALE, UNVERIFIED, VERIFIED = "corrupt", "incomplete", "stale", "unverified", "verified"
-_RANK = {CORRUPT: 0, INCOMPLETE: 1, STALE: 2, UNVERIFIED: 3, VERIFIED: 4}
 STATE_TEXT = {
     VERIFIED: "complete and verified",
     UNVERIFIED: "complete, not re-verified since a change",

@@ -46,3 +46,12 @@ def built_cache(tmp_path_factory: pytest.TempPathFactory, ckpt_modelopt: Path) -
     out = tmp_path_factory.mktemp("built") / "cache"
     build_cache(ckpt_modelopt, out, BuildOptions(delta_budget="25%"))
     return out
+
+
+@pytest.fixture(scope="session")
+def lossless(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """(checkpoint, --lossless cache with a 30% tier), built once per session: read them, never change them."""
+    work = tmp_path_factory.mktemp("lossless")
+    src = make_checkpoint(work / "src", small_spec())
+    build_cache(src, work / "cache", BuildOptions(lossless=True, delta_budget="30%"))
+    return src, work / "cache"

@@ -27,14 +27,6 @@ from moet_cache.planes import join_planes, nearest_code_for_table, split_planes
 
 
 @pytest.fixture(scope="module")
-def lossless(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    work = tmp_path_factory.mktemp("lossless")
-    src = make_checkpoint(work / "src", small_spec())
-    build_cache(src, work / "cache", BuildOptions(lossless=True, delta_budget="30%"))
-    return src, work / "cache"
-
-
-@pytest.fixture(scope="module")
 def tiered(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     work = tmp_path_factory.mktemp("tiered")
     src = make_checkpoint(work / "src", small_spec(layout="compressed-tensors", seed=3))

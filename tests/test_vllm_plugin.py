@@ -6,28 +6,18 @@ from __future__ import annotations
 import subprocess
 import sys
 from importlib.metadata import entry_points
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from torch import nn
 
-from moet_cache import BuildOptions, build_cache, make_checkpoint, small_spec
 from moet_cache.checkpoint import open_checkpoint
 from moet_cache.errors import InputError
 from moet_cache.loader import open_cache
 from moet_cache.vllm_plugin import LOAD_FORMAT, PluginOptions, load_into_model, register
 
 E, H, I = 16, 256, 128  # small_spec
-
-
-@pytest.fixture(scope="module")
-def built(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    work = tmp_path_factory.mktemp("plugin")
-    src = make_checkpoint(work / "src", small_spec())
-    build_cache(src, work / "cache", BuildOptions(lossless=True, delta_budget="30%"))
-    return src, work / "cache"
 
 
 def _p(*shape: int, dtype: torch.dtype) -> nn.Parameter:
@@ -78,8 +68,8 @@ class _FakeModel(nn.Module):
         return set(self.dense)
 
 
-def test_expand_into_a_stock_model(built) -> None:
-    src, root = built
+def test_expand_into_a_stock_model(lossless) -> None:
+    src, root = lossless
     model = _FakeModel()
     summary = load_into_model(model, PluginOptions(cache=str(root), delta="all", verify="hash", workers=2))
     assert summary.expanded and summary.layers == (1, 2, 3) and summary.dense_tensors == len(model.dense) > 0
@@ -99,8 +89,8 @@ def test_expand_into_a_stock_model(built) -> None:
         assert not any(".mlp.experts." in n and n.split(".")[2] in ("1", "2", "3") for n in model.dense)
 
 
-def test_planes_into_a_plane_aware_model(built) -> None:
-    _, root = built
+def test_planes_into_a_plane_aware_model(lossless) -> None:
+    _, root = lossless
     model = _FakeModel(planes=True)
     summary = load_into_model(model, PluginOptions(cache=str(root)))
     assert not summary.expanded
@@ -113,23 +103,23 @@ def test_planes_into_a_plane_aware_model(built) -> None:
         assert dict(ex.named_buffers())["delta_experts"].numel() == len(open_cache(root).delta_index.experts_of(layer))
 
 
-def test_wrong_shapes_are_refused(built) -> None:
+def test_wrong_shapes_are_refused(lossless) -> None:
     model = _FakeModel()
     model.model.layers[2].mlp.experts.w2_weight = _p(E // 2, H, I // 2, dtype=torch.uint8)  # as with expert parallelism
     with pytest.raises(InputError, match=r"model.layers.2.mlp.experts.w2_weight: the model wants"):
-        load_into_model(model, PluginOptions(cache=str(built[1])))
+        load_into_model(model, PluginOptions(cache=str(lossless[1])))
 
 
-def test_a_model_without_fused_moe_is_refused(built) -> None:
+def test_a_model_without_fused_moe_is_refused(lossless) -> None:
     with pytest.raises(InputError, match="no fused-MoE parameters"):
-        load_into_model(nn.Linear(2, 2), PluginOptions(cache=str(built[1])))
+        load_into_model(nn.Linear(2, 2), PluginOptions(cache=str(lossless[1])))
 
 
-def test_a_model_without_load_weights_needs_every_dense_name(built) -> None:
+def test_a_model_without_load_weights_needs_every_dense_name(lossless) -> None:
     model = _FakeModel()
     model.load_weights = None  # type: ignore[assignment, method-assign]
     with pytest.raises(InputError, match="has no parameter model"):
-        load_into_model(model, PluginOptions(cache=str(built[1])))
+        load_into_model(model, PluginOptions(cache=str(lossless[1])))
 
 
 def test_options_from_extra_config() -> None:
@@ -157,7 +147,7 @@ def test_entry_point_declared() -> None:
 
 
 @pytest.mark.vllm
-def test_registers_with_vllms_real_loader_registry(built) -> None:
+def test_registers_with_vllms_real_loader_registry(lossless) -> None:
     pytest.importorskip("vllm.model_executor.model_loader")
     from vllm.config.load import LoadConfig
     from vllm.model_executor.model_loader import BaseModelLoader, get_model_loader
@@ -165,7 +155,7 @@ def test_registers_with_vllms_real_loader_registry(built) -> None:
     cls = register()
     assert cls is not None and issubclass(cls, BaseModelLoader) and register() is cls  # once
     loader = get_model_loader(LoadConfig(load_format=LOAD_FORMAT,
-                                         model_loader_extra_config={"cache": str(built[1]), "workers": 2}))
+                                         model_loader_extra_config={"cache": str(lossless[1]), "workers": 2}))
     assert type(loader) is cls
     loader.download_model(None)
     model = _FakeModel()
