@@ -12,6 +12,8 @@ import os
 import shutil
 import time
 from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import nullcontext
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,7 +33,7 @@ from .manifest import (CACHE_MANIFEST, COMMIT_RECORD, FORMAT_VERSION, BuildParam
                        PartManifest, TensorEntry, load_record, write_record)
 from .modelconfig import parse_layer_selection
 from .planes import code_histogram_torch, error_and_energy_torch, fit_table, split_and_measure, \
-    split_planes_torch
+    split_planes, split_planes_torch
 from .progress import NullProgress, Progress
 from .stwriter import SafetensorsWriter, TensorSpec, WrittenFile
 from .tiering import DEFAULT_DELTA_BUDGET, Candidate, RoutingProfile, check_profile, choose_tier, \
@@ -394,7 +396,8 @@ class _Builder:
         m, ck = self.model, self.ckpt
         E = m.n_routed_experts
         base_specs, delta_specs = self._layer_specs(layer)
-        delta_rel = L.delta_file(layer) if self.opts.lossless else L.staged_delta_file(layer)
+        delta_rel = L.delta_file(layer)
+        lossless = self.opts.lossless
         scale2 = np.zeros((E, 3), dtype=np.float32)
         iscale = np.zeros((E, 3), dtype=np.float32)
         tables = np.zeros((E, 3, 4), dtype=np.float32)
@@ -407,8 +410,10 @@ class _Builder:
         mapped = 0
         pending: deque[Future[list[_Planes]]] = deque()
         ahead = 0
+        # Without --lossless the delta planes are not written here: the tier pack takes the chosen
+        # experts' planes from the source at the end (one write of the few chosen, not a staged copy of all).
         with SafetensorsWriter(self.root / L.base_file(layer), base_specs) as bw, \
-                SafetensorsWriter(self.root / delta_rel, delta_specs) as dw, \
+                (SafetensorsWriter(self.root / delta_rel, delta_specs) if lossless else nullcontext()) as dw, \
                 ThreadPoolExecutor(max_workers=workers, thread_name_prefix="moet-planes") as pool:
             for e in range(E):
                 while ahead < E and len(pending) < 2 * workers:
@@ -430,7 +435,8 @@ class _Builder:
                     err, en = err + work[j].error * g * g, en + work[j].energy * g * g
                     w13 = proj != "down_proj"
                     bw.write(L.W13_BASE if w13 else L.W2_BASE, base)
-                    dw.write(L.W13_DELTA if w13 else L.W2_DELTA, delta)
+                    if dw is not None:
+                        dw.write(L.W13_DELTA if w13 else L.W2_DELTA, delta)
                     scale_raw = tensor_bytes(x.block_scale)
                     bw.write(L.W13_SCALE if w13 else L.W2_SCALE, scale_raw)
                     scale2[e, j], tables[e, j] = g, table
@@ -453,19 +459,17 @@ class _Builder:
                 bw.write(L.W2_INPUT_SCALE, iscale[:, 2].copy())
             bw.write(L.W13_TABLE, tables[:, :2])
             bw.write(L.W2_TABLE, tables[:, 2].copy())
-            for (proj, kind), parts in raw_scalars.items():
-                dw.write(L.source_scalar(proj, kind), np.concatenate(parts))
             base_written = bw.commit()
-            delta_written = dw.commit()
+            if dw is not None:
+                for (proj, kind), parts in raw_scalars.items():
+                    dw.write(L.source_scalar(proj, kind), np.concatenate(parts))
+                delta_written = dw.commit()
         base_fe, base_t = _entries(L.base_file(layer), base_written, L.ROLE_BASE)
-        delta_fe, delta_t = _entries(delta_rel, delta_written, L.ROLE_DELTA_ALL)
         files, tensors = [base_fe], list(base_t)
-        if self.opts.lossless:
+        if dw is not None:
+            delta_fe, delta_t = _entries(delta_rel, delta_written, L.ROLE_DELTA_ALL)
             files.append(delta_fe)
             tensors += delta_t
-        else:
-            write_record(self.root / L.staged_delta_record(layer),
-                         PartManifest(key, (delta_fe,), tuple(delta_t)))
         lm = LayerManifest(layer, self.plan.kinds[layer], E, m.hidden_size, m.moe_intermediate_size, key,
                            self._expert_delta_bytes(), source_bytes, tuple(files), tuple(tensors),
                            tuple(sq_error), tuple(energy))
@@ -481,8 +485,9 @@ class _Builder:
         part = self._reusable_part(part_rel, key)
         if part is None:
             chosen = choose_tier(tier_candidates(layer_mans, self.profile), budget)
-            sources = {layer: self._delta_source(layer, lm) for layer, lm in layer_mans.items() if chosen[layer]}
-            pack_fe, index_fe = write_delta_pack(self.root, layer_mans, chosen, sources, budget,
+            deltas = _file_deltas({layer: self.root / L.delta_file(layer) for layer in layer_mans}) \
+                if self.opts.lossless else self._source_deltas
+            pack_fe, index_fe = write_delta_pack(self.root, layer_mans, chosen, deltas, budget,
                                                  self.profile is not None)
             part = PartManifest(key, (pack_fe, index_fe), ())
             part_fe = _write_json_entry(self.root, part_rel, part, L.ROLE_PART)
@@ -491,17 +496,13 @@ class _Builder:
             part_fe = FileEntry(part_rel, len(data), xxh3_hex(data), L.ROLE_PART)
         return [*part.files, part_fe]
 
-    def _delta_source(self, layer: int, lm: LayerManifest) -> Path:
-        """The file holding every delta plane of a layer; rebuilt from the source if it is gone."""
-        if self.opts.lossless:
-            return self.root / L.delta_file(layer)
-        part = self._reusable_part(L.staged_delta_record(layer), lm.build_key)
-        if part is None:
-            self._build_layer(layer, lm.build_key)  # the staged deltas were lost: read the layer again
-            if layer in self.reused:
-                self.reused.remove(layer)
-                self.built.append(layer)
-        return self.root / L.staged_delta_file(layer)
+    def _source_deltas(self, layer: int, which: str, experts: tuple[int, ...]) -> Iterator[np.ndarray]:
+        """The delta planes of these experts, split again from the source (the same planes, bit for bit)."""
+        projs = ("gate_proj", "up_proj") if which == L.W13_DELTA else ("down_proj",)
+        for e in experts:
+            for proj in projs:
+                yield split_planes(self.ckpt.read_expert(layer, e, proj).codes)[1]
+        self.ckpt.close()  # bounded RSS, as in _build_layer
 
     def _source_map(self) -> FileEntry:
         ck = self.ckpt
@@ -555,8 +556,22 @@ def tier_candidates(layers: dict[int, LayerManifest], profile: RoutingProfile | 
     return out
 
 
+#: (layer, w13_delta or w2_delta, experts) -> the experts' planes of that tensor, in order, as byte chunks.
+DeltaReader = Callable[[int, str, tuple[int, ...]], Iterable[np.ndarray]]
+
+
+def _file_deltas(sources: dict[int, Path]) -> DeltaReader:
+    """A DeltaReader over per-layer delta files (the --lossless ones) holding every expert's planes."""
+    def read(layer: int, which: str, experts: tuple[int, ...]) -> Iterator[np.ndarray]:
+        with safe_open(str(sources[layer]), framework="pt") as f:
+            sl = f.get_slice(which)
+            for e in experts:
+                yield tensor_bytes(sl[e : e + 1])
+    return read
+
+
 def write_delta_pack(root: Path, layers: dict[int, LayerManifest], chosen: dict[int, tuple[int, ...]],
-                     sources: dict[int, Path], budget: int, weighted: bool) -> tuple[FileEntry, FileEntry]:
+                     deltas: DeltaReader, budget: int, weighted: bool) -> tuple[FileEntry, FileEntry]:
     """Write delta/tier.safetensors (chosen experts' planes, layer by layer) and its index."""
     specs = []
     for layer, experts in sorted(chosen.items()):
@@ -569,11 +584,9 @@ def write_delta_pack(root: Path, layers: dict[int, LayerManifest], chosen: dict[
         for layer, experts in sorted(chosen.items()):
             if not experts:
                 continue
-            with safe_open(str(sources[layer]), framework="pt") as f:
-                for which in (L.W13_DELTA, L.W2_DELTA):
-                    sl = f.get_slice(which)
-                    for e in experts:
-                        w.write(L.pack_tensor(layer, which), tensor_bytes(sl[e : e + 1]))
+            for which in (L.W13_DELTA, L.W2_DELTA):
+                for chunk in deltas(layer, which, experts):
+                    w.write(L.pack_tensor(layer, which), chunk)
         written = w.commit()
     pack_fe = FileEntry(L.PACK, written.size, written.xxh3, L.ROLE_PACK)
     used = sum(layers[layer].expert_delta_bytes * len(ex) for layer, ex in chosen.items())
@@ -655,8 +668,8 @@ def retier_cache(cache: str | os.PathLike[str], delta_budget: str, profile: str 
         commit = root / COMMIT_RECORD
         commit.unlink()
         fsync_dir(root)
-        sources = {layer: root / L.delta_file(layer) for layer, ex in chosen.items() if ex}
-        pack_fe, index_fe = write_delta_pack(root, cf.layers, chosen, sources, budget, prof is not None)
+        deltas = _file_deltas({layer: root / L.delta_file(layer) for layer, ex in chosen.items() if ex})
+        pack_fe, index_fe = write_delta_pack(root, cf.layers, chosen, deltas, budget, prof is not None)
         key = tier_key({r.layer: r.xxh3 for r in m.layers}, budget, prof.digest if prof else None)
         part_fe = _write_json_entry(root, TIER_PART, PartManifest(key, (pack_fe, index_fe), ()), L.ROLE_PART)
         keep = [f for f in m.files if f.role not in (L.ROLE_PACK, L.ROLE_DELTA_INDEX) and f.path != TIER_PART]
