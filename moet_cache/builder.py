@@ -10,10 +10,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import nullcontext
+from functools import partial
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -111,9 +113,88 @@ class _Planes:
     energy: float
 
 
-def _plane_work(xs: list[ExpertTensors], device: str | None = None) -> list[_Planes]:
+class SourceReader:
+    """Reads source tensors' bytes with os.pread at the offsets in the shard headers.
+
+    Thread-safe, no memory maps (nothing stays resident after a read), and the GIL is released while
+    the kernel copies or the disk reads, so the plane workers read their own experts in parallel.
+    The headers were checked by open_checkpoint; a shard cut short since then is an InputError.
+    """
+
+    def __init__(self, ckpt: Checkpoint) -> None:
+        self.ckpt = ckpt
+        self._lock = threading.Lock()
+        self._fds: dict[str, int] = {}
+        self._offsets: dict[str, dict[str, tuple[int, int]]] = {}
+
+    def _shard(self, shard: str) -> tuple[int, dict[str, tuple[int, int]]]:
+        with self._lock:
+            if shard not in self._fds:
+                fd = os.open(self.ckpt.root / shard, os.O_RDONLY)
+                try:
+                    head = os.pread(fd, 8, 0)
+                    n = int.from_bytes(head, "little") if len(head) == 8 else -1
+                    doc = json.loads(os.pread(fd, n, 8)) if 0 <= n <= 100 << 20 else None
+                    if not isinstance(doc, dict):
+                        raise ValueError("bad header")
+                    self._offsets[shard] = {k: (8 + n + int(v["data_offsets"][0]), 8 + n + int(v["data_offsets"][1]))
+                                            for k, v in doc.items() if k != "__metadata__"}
+                except (ValueError, TypeError, KeyError, IndexError, UnicodeDecodeError):
+                    os.close(fd)
+                    raise InputError(f"{shard} changed since it was opened: its header cannot be read",
+                                     "run the build again") from None
+                self._fds[shard] = fd
+            return self._fds[shard], self._offsets[shard]
+
+    def read_into(self, name: str, out: np.ndarray, start: int = 0) -> None:
+        """Fill the uint8 array `out` with the bytes of tensor `name` from byte `start` of its data."""
+        info = self.ckpt.tensors[name]
+        fd, offsets = self._shard(info.shard)
+        begin, end = offsets.get(name, (0, -1))
+        view = memoryview(out).cast("B")
+        if end - begin != TensorSpec(name, info.dtype, info.shape).nbytes or start + view.nbytes > end - begin:
+            raise InputError(f"{name} in {info.shard} changed since the checkpoint was opened", "run the build again")
+        pos = begin + start
+        while view.nbytes:
+            n = os.preadv(fd, [view], pos)
+            if n <= 0:
+                raise InputError(f"cannot read tensor {name} from {info.shard}: the file ends early",
+                                 "the shard may be truncated or corrupt")
+            view, pos = view[n:], pos + n
+
+    def read(self, name: str) -> np.ndarray:
+        """A tensor's bytes as a new 1-D uint8 array."""
+        info = self.ckpt.tensors[name]
+        out = np.empty(TensorSpec(name, info.dtype, info.shape).nbytes, dtype=np.uint8)
+        self.read_into(name, out)
+        return out
+
+    def read_expert(self, layer: int, expert: int, proj: str) -> ExpertTensors:
+        """Checkpoint.read_expert's tensors (the same bytes), read without the shard maps."""
+        ck = self.ckpt
+        names = ck.expert_names(layer, expert, proj)
+        codes = self.read(names["codes"]).reshape(ck.tensors[names["codes"]].shape[0], -1)
+        info = ck.tensors[names["block_scale"]]
+        scale = torch.from_numpy(self.read(names["block_scale"])).view(torch.float8_e4m3fn).reshape(info.shape)
+
+        def scalar(name: str) -> torch.Tensor:  # F32 (validate_experts), little-endian in the file
+            raw = self.read(name).view("<f4").astype(np.float32, copy=False)
+            return torch.from_numpy(raw).reshape(ck.tensors[name].shape)
+        iscale = scalar(names["input_scale"]) if names["input_scale"] in ck.tensors else None
+        return ExpertTensors(codes, scale, scalar(names["global_scale"]), iscale)
+
+    def close(self) -> None:
+        with self._lock:
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds.clear()
+            self._offsets.clear()
+
+
+def _plane_work(reader: SourceReader, layer: int, expert: int, device: str | None = None) -> list[_Planes]:
+    """Read one expert's three projections and split and measure each (on a worker thread)."""
     out = []
-    for x in xs:
+    for x in (reader.read_expert(layer, expert, p) for p in PROJECTIONS):
         if device is None or (device != "cpu" and x.codes.nbytes < _DEVICE_MIN_BYTES):
             base, delta, table, er, eg = split_and_measure(x.codes, x.block_scale.to(torch.float32).numpy())
         else:  # the same maths in torch on the device; the planes and table are bit-identical
@@ -142,7 +223,7 @@ def _plane_device() -> str | None:
     return None
 
 
-_REMAP_BYTES = 256 << 20  # expert bytes read through the shard maps before they are dropped
+_DENSE_CHUNK = 16 << 20  # dense tensors are copied in chunks of this size (bounded memory, reused buffers)
 _DEVICE_MIN_BYTES = 512 << 10  # smaller tensors stay on the host: ~20 launches and 3 syncs cost more than them
 
 
@@ -177,6 +258,8 @@ class _Builder:
         self.built: list[int] = []
         self.reused: list[int] = []
         self.read_bytes = 0
+        self._in_flight: Future[LayerManifest] | None = None
+        self.reader = SourceReader(ckpt)
 
     # --- planning ----------------------------------------------------------------------------
     def _make_plan(self) -> _Plan:
@@ -247,10 +330,17 @@ class _Builder:
         for shard, names in sorted(self.plan.dense_by_shard.items()):
             files.extend(self._dense(shard, names))
         manifests: dict[int, tuple[LayerManifest, FileEntry]] = {}
-        for layer in self.plan.served:
-            manifests[layer] = self._layer(layer)
-            self.ckpt.close()  # unmap the shards read so far (reopened on demand): bounded RSS
-            self.progress.layer_done(layer)
+        # Each built layer's files are fsynced, hashed and renamed, and its manifest written, on a
+        # committer thread while the next layer is read and split (the disk writes back one layer
+        # while it reads the next); the order within a layer is unchanged. Wait for them all here.
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="moet-commit") as committer:
+            done: list[Callable[[], tuple[LayerManifest, FileEntry]]] = []
+            for layer in self.plan.served:
+                done.append(self._layer(layer, committer))
+                self.ckpt.close()  # unmap the shards read so far (reopened on demand): bounded RSS
+                self.progress.layer_done(layer)
+            for layer, result in zip(self.plan.served, done):
+                manifests[layer] = result()
         files.extend(self._tier(manifests, budget))
         files.append(self._source_map())
         refs = tuple(LayerRef(layer, fe.path, fe.size, fe.xxh3) for layer, (_, fe) in sorted(manifests.items()))
@@ -332,11 +422,10 @@ class _Builder:
         if part is None:
             specs = [TensorSpec(n, self.ckpt.tensors[n].dtype, self.ckpt.tensors[n].shape) for n in names]
             with SafetensorsWriter(self.root / rel, specs, self.ckpt.shard_metadata.get(shard)) as w:
-                for n in names:
-                    raw = self.ckpt.get_raw(n)
-                    w.write(n, raw)
-                    self.read_bytes += raw.nbytes
-                    self.progress.advance(raw.nbytes)
+                for n, chunk in self._chunks(names):
+                    w.write(n, chunk)
+                    self.read_bytes += chunk.nbytes
+                    self.progress.advance(chunk.nbytes)
                 written = w.commit()
             fe, tensors = _entries(rel, written, L.ROLE_DENSE)
             part = PartManifest(key, (fe,), tuple(tensors), self.ckpt.shard_metadata.get(shard))
@@ -347,11 +436,34 @@ class _Builder:
             rec_entry = FileEntry(rec, len(data), xxh3_hex(data), L.ROLE_PART)
         return [part.files[0], rec_entry]
 
+    def _chunks(self, names: list[str]) -> Iterator[tuple[str, np.ndarray]]:
+        """(name, bytes) chunks of these tensors in order; the next two are read on a thread while one is written.
+
+        Three reused buffers: a yielded chunk is valid until the next one is asked for.
+        """
+        items = []
+        for n in names:
+            size = self._nbytes(n)
+            items += [(n, start, min(_DENSE_CHUNK, size - start)) for start in range(0, size, _DENSE_CHUNK)]
+        bufs = [np.empty(min(_DENSE_CHUNK, max((k for _, _, k in items), default=1)), dtype=np.uint8)
+                for _ in range(3)]
+        inflight: deque[tuple[str, np.ndarray, Future[None]]] = deque()
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="moet-read") as rd:
+            for i, (n, start, k) in enumerate(items):
+                while len(inflight) < 2 and i + len(inflight) < len(items):
+                    n2, start2, k2 = items[i + len(inflight)]
+                    out = bufs[(i + len(inflight)) % 3][:k2]
+                    inflight.append((n2, out, rd.submit(self.reader.read_into, n2, out, start2)))
+                name, out, fut = inflight.popleft()
+                fut.result()
+                yield name, out
+
     def _layer_key(self, layer: int) -> str:
         return _key({"v": FORMAT_VERSION, "src": self.fingerprint, "layout": self.ckpt.layout,
                      "layer": layer, "lossless": self.opts.lossless, "input_scale": self.plan.has_input_scale})
 
-    def _layer(self, layer: int) -> tuple[LayerManifest, FileEntry]:
+    def _layer(self, layer: int, committer: ThreadPoolExecutor) -> Callable[[], tuple[LayerManifest, FileEntry]]:
+        """Reuse or build one layer; returns what gives its manifest and manifest entry once committed."""
         rel = L.layer_manifest(layer)
         key = self._layer_key(layer)
         path = self.root / rel
@@ -363,12 +475,19 @@ class _Builder:
                 lm = None
             if lm is not None and (lm.build_key != key or not all(file_matches(self.root, f) for f in lm.files)):
                 lm = None
-        if lm is None:
-            lm = self._build_layer(layer, key)
-            self.built.append(layer)
-        else:
+        if lm is not None:
             self.reused.append(layer)
             self.progress.advance(lm.source_bytes)
+            return partial(self._manifest_entry, lm)
+        commit = self._build_layer(layer, key)
+        self.built.append(layer)
+        if self._in_flight is not None:  # one layer's commit in flight at most: bounded dirty pages
+            self._in_flight.result()
+        fut = self._in_flight = committer.submit(commit)
+        return lambda: self._manifest_entry(fut.result())
+
+    def _manifest_entry(self, lm: LayerManifest) -> tuple[LayerManifest, FileEntry]:
+        rel = L.layer_manifest(lm.layer)
         data = (self.root / rel).read_bytes()
         return lm, FileEntry(rel, len(data), xxh3_hex(data), "layer-manifest")
 
@@ -392,7 +511,8 @@ class _Builder:
     def _scalar_kinds(self) -> tuple[str, ...]:
         return ("global_scale", "input_scale") if self.plan.has_input_scale else ("global_scale",)
 
-    def _build_layer(self, layer: int, key: str) -> LayerManifest:
+    def _build_layer(self, layer: int, key: str) -> Callable[[], LayerManifest]:
+        """Read, split and write one layer's planes; returns its commit (fsync, hash, rename, then the manifest)."""
         m, ck = self.model, self.ckpt
         E = m.n_routed_experts
         base_specs, delta_specs = self._layer_specs(layer)
@@ -407,7 +527,7 @@ class _Builder:
         # A pipeline in bounded memory: this thread reads expert e + 2*workers and writes expert e, while
         # worker threads split and measure the experts in between (numpy releases the GIL in them).
         workers, device = _plane_workers(), _plane_device()
-        mapped = 0
+        reader = self.reader
         pending: deque[Future[list[_Planes]]] = deque()
         ahead = 0
         # Without --lossless the delta planes are not written here: the tier pack takes the chosen
@@ -417,16 +537,8 @@ class _Builder:
                 ThreadPoolExecutor(max_workers=workers, thread_name_prefix="moet-planes") as pool:
             for e in range(E):
                 while ahead < E and len(pending) < 2 * workers:
-                    xs = [ck.read_expert(layer, ahead, p) for p in PROJECTIONS]
-                    pending.append(pool.submit(_plane_work, xs, device))
+                    pending.append(pool.submit(_plane_work, reader, layer, ahead, device))
                     ahead += 1
-                    mapped += sum(x.codes.nbytes for x in xs)
-                    if mapped >= _REMAP_BYTES:
-                        # The shards are memory-mapped and every page read stays resident (and in the
-                        # RSS) while the map is open: dropping the maps bounds memory whatever the
-                        # checkpoint's size. Tensors still in flight keep their own pages alive.
-                        ck.close()
-                        mapped = 0
                 work = pending.popleft().result()
                 err = en = 0.0
                 for j, proj in enumerate(PROJECTIONS):
@@ -459,22 +571,30 @@ class _Builder:
                 bw.write(L.W2_INPUT_SCALE, iscale[:, 2].copy())
             bw.write(L.W13_TABLE, tables[:, :2])
             bw.write(L.W2_TABLE, tables[:, 2].copy())
-            base_written = bw.commit()
             if dw is not None:
                 for (proj, kind), parts in raw_scalars.items():
                     dw.write(L.source_scalar(proj, kind), np.concatenate(parts))
-                delta_written = dw.commit()
-        base_fe, base_t = _entries(L.base_file(layer), base_written, L.ROLE_BASE)
-        files, tensors = [base_fe], list(base_t)
-        if dw is not None:
-            delta_fe, delta_t = _entries(delta_rel, delta_written, L.ROLE_DELTA_ALL)
-            files.append(delta_fe)
-            tensors += delta_t
-        lm = LayerManifest(layer, self.plan.kinds[layer], E, m.hidden_size, m.moe_intermediate_size, key,
-                           self._expert_delta_bytes(), source_bytes, tuple(files), tuple(tensors),
-                           tuple(sq_error), tuple(energy))
-        write_record(self.root / L.layer_manifest(layer), lm)
-        return lm
+            bw.check_full()  # a short tensor is a bug: fail here, not on the committer thread
+            if dw is not None:
+                dw.check_full()
+
+        def commit() -> LayerManifest:
+            writers = [(bw, L.base_file(layer), L.ROLE_BASE)] + ([(dw, delta_rel, L.ROLE_DELTA_ALL)] if dw else [])
+            files, tensors = [], []
+            try:
+                for w, rel, role in writers:
+                    fe, t = _entries(rel, w.commit(), role)
+                    files.append(fe)
+                    tensors += t
+            finally:
+                for w, _, _ in writers:
+                    w.abort()  # a no-op once committed
+            lm = LayerManifest(layer, self.plan.kinds[layer], E, m.hidden_size, m.moe_intermediate_size, key,
+                               self._expert_delta_bytes(), source_bytes, tuple(files), tuple(tensors),
+                               tuple(sq_error), tuple(energy))
+            write_record(self.root / L.layer_manifest(layer), lm)  # after its files are durable
+            return lm
+        return commit
 
     # --- the tier --------------------------------------------------------------------------------
     def _tier(self, manifests: dict[int, tuple[LayerManifest, FileEntry]], budget: int) -> list[FileEntry]:
@@ -501,8 +621,7 @@ class _Builder:
         projs = ("gate_proj", "up_proj") if which == L.W13_DELTA else ("down_proj",)
         for e in experts:
             for proj in projs:
-                yield split_planes(self.ckpt.read_expert(layer, e, proj).codes)[1]
-        self.ckpt.close()  # bounded RSS, as in _build_layer
+                yield split_planes(self.reader.read_expert(layer, e, proj).codes)[1]
 
     def _source_map(self) -> FileEntry:
         ck = self.ckpt
@@ -611,7 +730,11 @@ def build_cache(src: str | os.PathLike[str], cache: str | os.PathLike[str],
         previous = (root / COMMIT_RECORD).read_bytes() if (root / COMMIT_RECORD).is_file() else None
         try:
             with open_checkpoint(src_path) as ckpt:
-                return _Builder(ckpt, root, opts, progress or NullProgress()).run()
+                builder = _Builder(ckpt, root, opts, progress or NullProgress())
+                try:
+                    return builder.run()
+                finally:
+                    builder.reader.close()
         except BaseException:
             _restore_commit(root, previous)
             raise

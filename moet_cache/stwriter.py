@@ -124,12 +124,19 @@ class SafetensorsWriter:
         self._hashers[name].update(buf)
         self._filled[name] = filled + buf.nbytes
 
-    def commit(self) -> WrittenFile:
-        """Check every tensor is full, fsync, hash the file as written, rename it into place."""
+    def check_full(self) -> None:
+        """Raise (and abort) unless every tensor has all its bytes."""
         short = [n for n in self._order if self._filled[n] != self.specs[n].nbytes]
         if short:
             self.abort()
             raise ValueError(f"tensors not fully written: {short[:3]}")
+
+    def commit(self) -> WrittenFile:
+        """Check every tensor is full, fsync, hash the file as written, rename it into place.
+
+        May run on another thread than the writes (the build commits a layer while it reads the next).
+        """
+        self.check_full()
         try:
             os.fsync(self._fd)
         except OSError as e:

@@ -1,4 +1,5 @@
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -195,3 +196,61 @@ def test_aux_files_and_scales(built_cache: Path, ckpt_modelopt: Path) -> None:
             assert float(s2[e, 1]) == float(ck.read_expert(1, e, "up_proj").global_scale)
         assert (table[:, 0] > 0).all() and (table[:, 1] > table[:, 0]).all() and (table[:, 3] < table[:, 2]).all()
     assert PROJECTIONS == ("gate_proj", "up_proj", "down_proj")
+
+
+def test_source_reader_reads_what_safetensors_reads(ckpt: Path) -> None:
+    # the build reads experts and dense tensors with pread at the header offsets: the same bytes as safe_open
+    from moet_cache import builder as B
+    rng = np.random.default_rng(7)
+    with open_checkpoint(ckpt) as ck:
+        reader = B.SourceReader(ck)
+        try:
+            layers = ck.model.main_moe_layers()
+            for _ in range(12):
+                layer, e = int(rng.choice(layers)), int(rng.integers(ck.model.n_routed_experts))
+                proj = PROJECTIONS[int(rng.integers(3))]
+                want, got = ck.read_expert(layer, e, proj), reader.read_expert(layer, e, proj)
+                assert np.array_equal(want.codes, got.codes) and want.codes.shape == got.codes.shape
+                for a, b in ((want.block_scale, got.block_scale), (want.global_scale, got.global_scale),
+                             (want.input_scale, got.input_scale)):
+                    assert (a is None) == (b is None)
+                    if a is not None:
+                        assert a.dtype == b.dtype and a.shape == b.shape and np.array_equal(_raw(a), _raw(b))
+            for name in rng.choice(sorted(ck.tensors), 20, replace=False):
+                assert np.array_equal(reader.read(str(name)), ck.get_raw(str(name)).reshape(-1))
+        finally:
+            reader.close()
+
+
+def test_dense_chunks_reassemble_the_tensors(ckpt_modelopt: Path, tmp_path: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    # tiny chunks: many reads in flight through the three reused buffers, tensors split across chunks
+    from moet_cache import builder as B
+    monkeypatch.setattr(B, "_DENSE_CHUNK", 4096 + 8)
+    with open_checkpoint(ckpt_modelopt) as ck:
+        b = B._Builder(ck, tmp_path / "c", B.BuildOptions(), B.NullProgress())
+        try:
+            names = sorted(n for ns in b.plan.dense_by_shard.values() for n in ns)
+            got: dict[str, list[bytes]] = {}
+            for n, chunk in b._chunks(names):
+                got.setdefault(n, []).append(chunk.tobytes())
+            assert list(got) == names
+            for n in names:
+                assert b"".join(got[n]) == ck.get_raw(n).tobytes(), n
+        finally:
+            b.reader.close()
+
+
+def test_truncated_shard_is_bad_input_not_a_crash(src_copy: Path) -> None:
+    from moet_cache import builder as B
+    shard = max(src_copy.glob("*.safetensors"), key=lambda p: p.stat().st_size)
+    with open_checkpoint(src_copy) as ck:
+        reader = B.SourceReader(ck)
+        try:
+            os.truncate(shard, shard.stat().st_size - 1)  # the last tensor of the shard loses a byte
+            with pytest.raises(InputError, match="ends early"):
+                for n, t in ck.tensors.items():
+                    if t.shard == shard.name:
+                        reader.read(n)
+        finally:
+            reader.close()
