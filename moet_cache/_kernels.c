@@ -9,11 +9,18 @@
  *   counts:    tuple of 16 ints, the exact histogram of the 2n codes.
  *   weighted:  tuple of 16 floats, for each code the sum over its occurrences of (double)scale^2.
  * The loop runs without the GIL. Plain CPython C API and the buffer protocol; no numpy headers.
+ *
+ * split_measure_e4m3(packed, scale_bytes, base_out, delta_out) -> (counts, weighted)
+ *   The same results from the raw float8_e4m3fn block scales (n/8 bytes), ~2x faster: a block scale
+ *   takes one of 256 byte values, so the pass only counts (scale byte, packed byte) pairs in
+ *   integers and the scale^2 weighting is applied once per pair at the end (exact products; the
+ *   float sums differ from split_measure's only in rounding order).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
 #include <string.h>
+#include <math.h>
 
 #if defined(__BYTE_ORDER__) && defined(__ORDER_BIG_ENDIAN__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
 #define MOET_BIG_ENDIAN 1
@@ -179,12 +186,165 @@ release_packed:
     return result;
 }
 
+/* float8_e4m3fn -> double: sign, 4 exponent bits (bias 7), 3 mantissa bits; no infinities,
+ * S.1111.111 is NaN; exponent 0 is subnormal (m/8 * 2^-6). */
+static double e4m3_value(unsigned v)
+{
+    unsigned e = (v >> 3) & 15, m = v & 7;
+    double mag;
+    if (e == 15 && m == 7)
+        return (double)NAN;
+    if (e == 0)
+        mag = ldexp((double)m / 8.0, -6);
+    else
+        mag = ldexp(1.0 + (double)m / 8.0, (int)e - 7);
+    return (v & 0x80) ? -mag : mag;
+}
+
+#define E4M3_CHUNK 2048  /* blocks per pass: the planes of a chunk stay in L1 between the two loops */
+#define E4M3_FLUSH (1 << 28)  /* blocks between flushes of the uint32 pair counts (8 per block < 2^32) */
+
+/* pairs[s][b]: how many packed bytes of value b sit in blocks whose scale byte is s. */
+static void split_count_loop(const uint8_t *src, const uint8_t *scales, Py_ssize_t nblocks,
+                             uint8_t *base, uint8_t *delta, uint32_t (*pairs)[256])
+{
+    const uint64_t m33 = 0x3333333333333333ULL;
+    for (Py_ssize_t i0 = 0; i0 < nblocks; i0 += E4M3_CHUNK) {
+        Py_ssize_t i1 = i0 + E4M3_CHUNK < nblocks ? i0 + E4M3_CHUNK : nblocks;
+        /* The split alone first: no scatter in this loop, so the compiler can vectorise it. */
+        for (Py_ssize_t i = i0; i < i1; i++) {
+            uint64_t w = load_le64(src + 8 * i);
+            store_le32(base + 4 * i, compact((w >> 2) & m33));
+            store_le32(delta + 4 * i, compact(w & m33));
+        }
+        for (Py_ssize_t i = i0; i < i1; i++) {
+            uint64_t w = load_le64(src + 8 * i);
+            uint32_t *row = pairs[scales[i]];
+            /* two increments per byte pair in flight on different bins when the bytes repeat */
+            row[w & 0xFF]++;
+            row[(w >> 8) & 0xFF]++;
+            row[(w >> 16) & 0xFF]++;
+            row[(w >> 24) & 0xFF]++;
+            row[(w >> 32) & 0xFF]++;
+            row[(w >> 40) & 0xFF]++;
+            row[(w >> 48) & 0xFF]++;
+            row[w >> 56]++;
+        }
+    }
+}
+
+static PyObject *split_measure_e4m3(PyObject *self, PyObject *args)
+{
+    PyObject *o_packed, *o_scales, *o_base, *o_delta;
+    Py_buffer packed, scales, base, delta;
+    PyObject *counts = NULL, *weighted = NULL, *result = NULL;
+    (void)self;
+
+    if (!PyArg_ParseTuple(args, "OOOO:split_measure_e4m3", &o_packed, &o_scales, &o_base, &o_delta))
+        return NULL;
+    if (get_buffer(o_packed, &packed, PyBUF_C_CONTIGUOUS, "packed") < 0)
+        return NULL;
+    if (get_buffer(o_scales, &scales, PyBUF_C_CONTIGUOUS, "scale_bytes") < 0)
+        goto release_packed;
+    if (get_buffer(o_base, &base, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE, "base_out") < 0)
+        goto release_scales;
+    if (get_buffer(o_delta, &delta, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE, "delta_out") < 0)
+        goto release_base;
+
+    Py_ssize_t n = packed.len;
+    if (n % 8 || scales.len != n / 8 || base.len != n / 2 || delta.len != n / 2) {
+        PyErr_SetString(PyExc_ValueError,
+                        "sizes must be: packed n bytes (n % 8 == 0), scale_bytes n/8 bytes, "
+                        "base_out and delta_out n/2 bytes each");
+        goto release_all;
+    }
+    uint32_t (*pairs)[256] = PyMem_RawCalloc(256, sizeof(uint32_t[256]));
+    uint64_t (*total)[256] = PyMem_RawCalloc(256, sizeof(uint64_t[256]));
+    if (!pairs || !total) {
+        PyMem_RawFree(pairs);
+        PyMem_RawFree(total);
+        PyErr_NoMemory();
+        goto release_all;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    const uint8_t *src = (const uint8_t *)packed.buf, *sc = (const uint8_t *)scales.buf;
+    for (Py_ssize_t i = 0; i < n / 8; i += E4M3_FLUSH) {
+        Py_ssize_t k = n / 8 - i < E4M3_FLUSH ? n / 8 - i : E4M3_FLUSH;
+        split_count_loop(src + 8 * i, sc + i, k, (uint8_t *)base.buf + 4 * i, (uint8_t *)delta.buf + 4 * i, pairs);
+        for (int s = 0; s < 256; s++)
+            for (int b = 0; b < 256; b++) {
+                total[s][b] += pairs[s][b];
+                pairs[s][b] = 0;
+            }
+    }
+    Py_END_ALLOW_THREADS
+    PyMem_RawFree(pairs);
+
+    /* Fold (scale byte, packed byte) counts into code counts and scale^2-weighted code counts. */
+    uint64_t c16[16] = {0};
+    double w16[16] = {0};
+    for (int s = 0; s < 256; s++) {
+        uint64_t cs[16] = {0};
+        int any = 0;
+        for (int b = 0; b < 256; b++) {
+            uint64_t c = total[s][b];
+            if (c) {
+                cs[b & 15] += c;
+                cs[b >> 4] += c;
+                any = 1;
+            }
+        }
+        if (!any)
+            continue;
+        double v = e4m3_value((unsigned)s), s2 = v * v;
+        for (int c = 0; c < 16; c++) {
+            if (cs[c]) {  /* skip absent codes: 0 * NaN must not poison a code no NaN block holds */
+                c16[c] += cs[c];
+                w16[c] += s2 * (double)cs[c];
+            }
+        }
+    }
+    PyMem_RawFree(total);
+
+    counts = PyTuple_New(16);
+    weighted = PyTuple_New(16);
+    if (!counts || !weighted)
+        goto release_all;
+    for (int c = 0; c < 16; c++) {
+        PyObject *ci = PyLong_FromUnsignedLongLong(c16[c]);
+        if (!ci)
+            goto release_all;
+        PyTuple_SET_ITEM(counts, c, ci);
+        PyObject *wf = PyFloat_FromDouble(w16[c]);
+        if (!wf)
+            goto release_all;
+        PyTuple_SET_ITEM(weighted, c, wf);
+    }
+    result = PyTuple_Pack(2, counts, weighted);
+
+release_all:
+    Py_XDECREF(counts);
+    Py_XDECREF(weighted);
+    PyBuffer_Release(&delta);
+release_base:
+    PyBuffer_Release(&base);
+release_scales:
+    PyBuffer_Release(&scales);
+release_packed:
+    PyBuffer_Release(&packed);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"split_measure", split_measure, METH_VARARGS,
      "split_measure(packed, scales, base_out, delta_out) -> (counts[16], weighted[16])\n\n"
      "One pass over packed FP4 bytes (n % 8 == 0) with float32 block scales (n/8): writes the base\n"
      "and delta planes (n/2 bytes each) and returns the exact code histogram and the histogram\n"
      "weighted by scale^2 (float64). Releases the GIL while it runs."},
+    {"split_measure_e4m3", split_measure_e4m3, METH_VARARGS,
+     "split_measure_e4m3(packed, scale_bytes, base_out, delta_out) -> (counts[16], weighted[16])\n\n"
+     "split_measure with the raw float8_e4m3fn block scales (n/8 bytes) instead of float32 ones:\n"
+     "the same planes and counts; weighted equal up to float rounding order. Releases the GIL."},
     {NULL, NULL, 0, NULL},
 };
 

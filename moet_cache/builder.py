@@ -19,6 +19,7 @@ from functools import partial
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -34,7 +35,7 @@ from .manifest import (CACHE_MANIFEST, COMMIT_RECORD, FORMAT_VERSION, BuildParam
                        CommitRecord, DeltaIndex, FileEntry, LayerManifest, LayerRef, ManifestError,
                        PartManifest, TensorEntry, load_record, write_record)
 from .modelconfig import parse_layer_selection
-from .planes import code_histogram_torch, error_and_energy_torch, fit_table, split_and_measure, \
+from .planes import code_histogram_torch, error_and_energy_torch, fit_table, split_and_measure_e4m3, \
     split_planes, split_planes_torch
 from .progress import NullProgress, Progress
 from .stwriter import SafetensorsWriter, TensorSpec, WrittenFile
@@ -45,6 +46,7 @@ from .verifier import record_verified_state
 from .version import __version__
 
 AUX_MAX_BYTES = 64 << 20
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True)
@@ -126,6 +128,7 @@ class SourceReader:
         self._lock = threading.Lock()
         self._fds: dict[str, int] = {}
         self._offsets: dict[str, dict[str, tuple[int, int]]] = {}
+        self._pool: dict[int, list[np.ndarray]] = {}
 
     def _shard(self, shard: str) -> tuple[int, dict[str, tuple[int, int]]]:
         with self._lock:
@@ -162,18 +165,55 @@ class SourceReader:
                                  "the shard may be truncated or corrupt")
             view, pos = view[n:], pos + n
 
-    def read(self, name: str) -> np.ndarray:
-        """A tensor's bytes as a new 1-D uint8 array."""
+    def willneed(self, names: Iterable[str]) -> int:
+        """Ask the kernel to start reading these tensors now (async readahead); returns their bytes.
+
+        The plane workers read different experts at once through one descriptor, which defeats the
+        kernel's sequential readahead: this keeps the disk busy ahead of them instead.
+        """
+        total = 0
+        for name in names:
+            info = self.ckpt.tensors.get(name)
+            if info is None:
+                continue
+            fd, offsets = self._shard(info.shard)
+            begin, end = offsets.get(name, (0, 0))
+            if end > begin and hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(fd, begin, end - begin, os.POSIX_FADV_WILLNEED)
+            total += max(0, end - begin)
+        return total
+
+    def read(self, name: str, pooled: bool = False) -> np.ndarray:
+        """A tensor's bytes as a 1-D uint8 array: a new one, or with pooled=True one given back by release().
+
+        Reused buffers: touching fresh memory costs a page fault per 4 KiB, dear on a virtual machine.
+        """
         info = self.ckpt.tensors[name]
-        out = np.empty(TensorSpec(name, info.dtype, info.shape).nbytes, dtype=np.uint8)
+        n = TensorSpec(name, info.dtype, info.shape).nbytes
+        out = None
+        if pooled:
+            with self._lock:
+                free = self._pool.get(n)
+                out = free.pop() if free else None
+        if out is None:
+            out = np.empty(n, dtype=np.uint8)
         self.read_into(name, out)
         return out
+
+    def release(self, buf: np.ndarray) -> None:
+        """Give back an array from read(pooled=True) once nothing uses it (at most a few kept per size)."""
+        base = buf if buf.base is None else buf.base
+        if isinstance(base, np.ndarray) and base.ndim == 1 and base.dtype == np.uint8:
+            with self._lock:
+                free = self._pool.setdefault(base.nbytes, [])
+                if len(free) < 32:
+                    free.append(base)
 
     def read_expert(self, layer: int, expert: int, proj: str) -> ExpertTensors:
         """Checkpoint.read_expert's tensors (the same bytes), read without the shard maps."""
         ck = self.ckpt
         names = ck.expert_names(layer, expert, proj)
-        codes = self.read(names["codes"]).reshape(ck.tensors[names["codes"]].shape[0], -1)
+        codes = self.read(names["codes"], pooled=True).reshape(ck.tensors[names["codes"]].shape[0], -1)
         info = ck.tensors[names["block_scale"]]
         scale = torch.from_numpy(self.read(names["block_scale"])).view(torch.float8_e4m3fn).reshape(info.shape)
 
@@ -196,7 +236,7 @@ def _plane_work(reader: SourceReader, layer: int, expert: int, device: str | Non
     out = []
     for x in (reader.read_expert(layer, expert, p) for p in PROJECTIONS):
         if device is None or (device != "cpu" and x.codes.nbytes < _DEVICE_MIN_BYTES):
-            base, delta, table, er, eg = split_and_measure(x.codes, x.block_scale.to(torch.float32).numpy())
+            base, delta, table, er, eg = split_and_measure_e4m3(x.codes, tensor_bytes(x.block_scale))
         else:  # the same maths in torch on the device; the planes and table are bit-identical
             codes = torch.from_numpy(x.codes).to(device)
             tbase, tdelta = split_planes_torch(codes)
@@ -223,6 +263,7 @@ def _plane_device() -> str | None:
     return None
 
 
+_READAHEAD_BYTES = 64 << 20  # source bytes asked of the kernel's readahead ahead of the plane workers
 _DENSE_CHUNK = 16 << 20  # dense tensors are copied in chunks of this size (bounded memory, reused buffers)
 _DEVICE_MIN_BYTES = 512 << 10  # smaller tensors stay on the host: ~20 launches and 3 syncs cost more than them
 
@@ -258,7 +299,8 @@ class _Builder:
         self.built: list[int] = []
         self.reused: list[int] = []
         self.read_bytes = 0
-        self._in_flight: Future[LayerManifest] | None = None
+        self._committer: ThreadPoolExecutor  # set in run()
+        self._in_flight: Future[object] | None = None
         self.reader = SourceReader(ckpt)
 
     # --- planning ----------------------------------------------------------------------------
@@ -327,18 +369,19 @@ class _Builder:
         dense_bytes = sum(self._nbytes(n) for names in self.plan.dense_by_shard.values() for n in names)
         self.progress.start(expert_bytes + dense_bytes, "build")
         files = self._copy_aux()
-        for shard, names in sorted(self.plan.dense_by_shard.items()):
-            files.extend(self._dense(shard, names))
         manifests: dict[int, tuple[LayerManifest, FileEntry]] = {}
-        # Each built layer's files are fsynced, hashed and renamed, and its manifest written, on a
-        # committer thread while the next layer is read and split (the disk writes back one layer
-        # while it reads the next); the order within a layer is unchanged. Wait for them all here.
-        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="moet-commit") as committer:
+        # Each dense file and built layer is fsynced, hashed and renamed, and then its record or
+        # manifest written, on a committer thread while the next part is read and split (the disk
+        # writes one part back while it reads the next); the order within a part is unchanged.
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="moet-commit") as self._committer:
+            dense = [self._dense(shard, names) for shard, names in sorted(self.plan.dense_by_shard.items())]
             done: list[Callable[[], tuple[LayerManifest, FileEntry]]] = []
             for layer in self.plan.served:
-                done.append(self._layer(layer, committer))
+                done.append(self._layer(layer))
                 self.ckpt.close()  # unmap the shards read so far (reopened on demand): bounded RSS
                 self.progress.layer_done(layer)
+            for entries in dense:
+                files.extend(entries())
             for layer, result in zip(self.plan.served, done):
                 manifests[layer] = result()
         files.extend(self._tier(manifests, budget))
@@ -415,26 +458,39 @@ class _Builder:
             return None
         return part
 
-    def _dense(self, shard: str, names: list[str]) -> list[FileEntry]:
+    def _commit_later(self, commit: Callable[[], _T]) -> Callable[[], _T]:
+        """Run `commit` on the committer thread, after the previous one (one in flight: bounded dirty pages)."""
+        if self._in_flight is not None:
+            self._in_flight.result()
+        fut = self._in_flight = self._committer.submit(commit)
+        return fut.result
+
+    def _dense(self, shard: str, names: list[str]) -> Callable[[], list[FileEntry]]:
+        """Copy one shard's dense tensors; returns what gives the file and part-record entries once committed."""
         rel, rec = L.dense_file(shard), L.dense_record(shard)
         key = _key({"v": FORMAT_VERSION, "src": self.fingerprint, "shard": shard, "names": names})
         part = self._reusable_part(rec, key)
-        if part is None:
-            specs = [TensorSpec(n, self.ckpt.tensors[n].dtype, self.ckpt.tensors[n].shape) for n in names]
-            with SafetensorsWriter(self.root / rel, specs, self.ckpt.shard_metadata.get(shard)) as w:
-                for n, chunk in self._chunks(names):
-                    w.write(n, chunk)
-                    self.read_bytes += chunk.nbytes
-                    self.progress.advance(chunk.nbytes)
-                written = w.commit()
-            fe, tensors = _entries(rel, written, L.ROLE_DENSE)
-            part = PartManifest(key, (fe,), tuple(tensors), self.ckpt.shard_metadata.get(shard))
-            rec_entry = _write_json_entry(self.root, rec, part, L.ROLE_PART)
-        else:
+        if part is not None:
             self.progress.advance(sum(self._nbytes(n) for n in names))
             data = (self.root / rec).read_bytes()
-            rec_entry = FileEntry(rec, len(data), xxh3_hex(data), L.ROLE_PART)
-        return [part.files[0], rec_entry]
+            entries = [part.files[0], FileEntry(rec, len(data), xxh3_hex(data), L.ROLE_PART)]
+            return lambda: entries
+        specs = [TensorSpec(n, self.ckpt.tensors[n].dtype, self.ckpt.tensors[n].shape) for n in names]
+        with SafetensorsWriter(self.root / rel, specs, self.ckpt.shard_metadata.get(shard)) as w:
+            for n, chunk in self._chunks(names):
+                w.write(n, chunk)
+                self.read_bytes += chunk.nbytes
+                self.progress.advance(chunk.nbytes)
+            w.check_full()
+
+        def commit() -> list[FileEntry]:
+            try:
+                fe, tensors = _entries(rel, w.commit(), L.ROLE_DENSE)
+            finally:
+                w.abort()  # a no-op once committed
+            part = PartManifest(key, (fe,), tuple(tensors), self.ckpt.shard_metadata.get(shard))
+            return [fe, _write_json_entry(self.root, rec, part, L.ROLE_PART)]  # the record after its file
+        return self._commit_later(commit)
 
     def _chunks(self, names: list[str]) -> Iterator[tuple[str, np.ndarray]]:
         """(name, bytes) chunks of these tensors in order; the next two are read on a thread while one is written.
@@ -462,7 +518,7 @@ class _Builder:
         return _key({"v": FORMAT_VERSION, "src": self.fingerprint, "layout": self.ckpt.layout,
                      "layer": layer, "lossless": self.opts.lossless, "input_scale": self.plan.has_input_scale})
 
-    def _layer(self, layer: int, committer: ThreadPoolExecutor) -> Callable[[], tuple[LayerManifest, FileEntry]]:
+    def _layer(self, layer: int) -> Callable[[], tuple[LayerManifest, FileEntry]]:
         """Reuse or build one layer; returns what gives its manifest and manifest entry once committed."""
         rel = L.layer_manifest(layer)
         key = self._layer_key(layer)
@@ -479,12 +535,9 @@ class _Builder:
             self.reused.append(layer)
             self.progress.advance(lm.source_bytes)
             return partial(self._manifest_entry, lm)
-        commit = self._build_layer(layer, key)
+        committed = self._commit_later(self._build_layer(layer, key))
         self.built.append(layer)
-        if self._in_flight is not None:  # one layer's commit in flight at most: bounded dirty pages
-            self._in_flight.result()
-        fut = self._in_flight = committer.submit(commit)
-        return lambda: self._manifest_entry(fut.result())
+        return lambda: self._manifest_entry(committed())
 
     def _manifest_entry(self, lm: LayerManifest) -> tuple[LayerManifest, FileEntry]:
         rel = L.layer_manifest(lm.layer)
@@ -529,6 +582,7 @@ class _Builder:
         workers, device = _plane_workers(), _plane_device()
         reader = self.reader
         pending: deque[Future[list[_Planes]]] = deque()
+        hinted = hinted_bytes = consumed = 0  # experts and bytes handed to the kernel's readahead, bytes used
         ahead = 0
         # Without --lossless the delta planes are not written here: the tier pack takes the chosen
         # experts' planes from the source at the end (one write of the few chosen, not a staged copy of all).
@@ -539,6 +593,10 @@ class _Builder:
                 while ahead < E and len(pending) < 2 * workers:
                     pending.append(pool.submit(_plane_work, reader, layer, ahead, device))
                     ahead += 1
+                while hinted < E and hinted_bytes - consumed < _READAHEAD_BYTES:
+                    hinted_bytes += reader.willneed(n for p in PROJECTIONS
+                                                    for n in ck.expert_names(layer, hinted, p).values())
+                    hinted += 1
                 work = pending.popleft().result()
                 err = en = 0.0
                 for j, proj in enumerate(PROJECTIONS):
@@ -559,6 +617,8 @@ class _Builder:
                         iscale[e, j] = ck.multiply_global_scale(x.input_scale)
                         raw_scalars.setdefault((proj, "input_scale"), []).append(tensor_bytes(x.input_scale))
                     n = x.codes.nbytes + scale_raw.nbytes + 8
+                    reader.release(x.codes)  # split and measured: the buffer reads another expert
+                    consumed += n
                     source_bytes += n
                     self.read_bytes += n
                     self.progress.advance(n)

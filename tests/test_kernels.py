@@ -146,3 +146,70 @@ def test_kernel_from_threads_is_exact() -> None:
         t.join()
     for g in got:
         assert all(np.array_equal(a, b) for a, b in zip(g[:3], want[:3])) and g[3:] == want[3:]
+
+
+def _e4m3_inputs(rows: int, cols: int, kind: str, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    packed, _ = _inputs(rows, cols, kind, seed)
+    rng = np.random.default_rng(seed + 1)
+    scale_bytes = rng.integers(0, 0x7F, (rows, cols // 8), dtype=np.uint8)  # finite, either sign bit
+    scale_bytes |= (rng.random(scale_bytes.shape) < 0.3).astype(np.uint8) << 7
+    return packed, scale_bytes
+
+
+def test_e4m3_value_table_is_torchs() -> None:
+    torch = pytest.importorskip("torch")
+    want = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float().numpy()
+    assert np.array_equal(P.E4M3_VALUES, want, equal_nan=True)
+    assert np.array_equal(P.E4M3_VALUES.view(np.uint32)[~np.isnan(want)], want.view(np.uint32)[~np.isnan(want)])
+
+
+@pytest.mark.parametrize("kind", ["random", "skewed", "zeros", "fifteens"])
+@pytest.mark.parametrize("rows,cols", SHAPES)
+def test_split_and_measure_e4m3_matches_references(rows: int, cols: int, kind: str) -> None:
+    # the raw-scale-byte kernel against the float32-scale kernel and the plain references
+    packed, scale_bytes = _e4m3_inputs(rows, cols, kind, seed=rows * 31 + cols)
+    scales = P.E4M3_VALUES[scale_bytes]
+    _check(lambda p, _s: P.split_and_measure_e4m3(p, scale_bytes), packed, scales,
+           err_rel=1e-9 if P.KERNEL == "c" else 1e-6)
+    got, want = P.split_and_measure_e4m3(packed, scale_bytes), P.split_and_measure(packed, scales)
+    assert all(np.array_equal(a, b) for a, b in zip(got[:3], want[:3]))
+    assert got[3] == pytest.approx(want[3], rel=1e-12, abs=1e-300)
+    assert got[4] == pytest.approx(want[4], rel=1e-12, abs=1e-300)
+
+
+def test_e4m3_nan_scale_poisons_the_sums_like_float32(monkeypatch: pytest.MonkeyPatch) -> None:
+    packed, scale_bytes = _e4m3_inputs(4, 64, "random", seed=3)
+    scale_bytes[2, 3] = 0x7F  # NaN
+    for path in ("c", "numpy"):
+        if path == "numpy":
+            monkeypatch.setattr(P, "_kernels", None)
+        base, delta, table, err, energy = P.split_and_measure_e4m3(packed, scale_bytes)
+        assert np.isnan(err) and np.isnan(energy)
+        assert np.array_equal(base, P.split_planes_reference(packed)[0])
+
+
+def test_e4m3_fallback_when_the_extension_is_absent(monkeypatch: pytest.MonkeyPatch) -> None:
+    packed, scale_bytes = _e4m3_inputs(9, 96, "skewed", seed=5)
+    want = P.split_and_measure_e4m3(packed, scale_bytes)
+    monkeypatch.setattr(P, "_kernels", None)
+    got = P.split_and_measure_e4m3(packed, scale_bytes)
+    assert all(np.array_equal(a, b) for a, b in zip(got[:3], want[:3]))
+    assert got[3] == pytest.approx(want[3], rel=1e-6) and got[4] == pytest.approx(want[4], rel=1e-9)
+
+
+@pytest.mark.skipif(not HAVE_C, reason="the C extension is not built")
+def test_e4m3_kernel_argument_checks() -> None:
+    from moet_cache import _kernels
+    packed, scale_bytes = _e4m3_inputs(2, 16, "random", seed=3)
+    base = np.empty((2, 8), np.uint8)
+    delta = np.empty_like(base)
+    counts, weighted = _kernels.split_measure_e4m3(packed, scale_bytes, base, delta)
+    assert sum(counts) == packed.size * 2 and len(weighted) == 16
+    with pytest.raises(ValueError):
+        _kernels.split_measure_e4m3(packed, scale_bytes[:1], base, delta)
+    with pytest.raises(ValueError):
+        _kernels.split_measure_e4m3(packed, scale_bytes, base[:1], delta)
+    with pytest.raises(TypeError):  # read-only output
+        ro = np.empty_like(base)
+        ro.setflags(write=False)
+        _kernels.split_measure_e4m3(packed, scale_bytes, ro, delta)
