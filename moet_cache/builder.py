@@ -14,10 +14,10 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import nullcontext
-from functools import partial
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import nullcontext
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import TypeVar
 
@@ -26,21 +26,61 @@ import torch
 from safetensors import safe_open
 
 from . import layout as L
-from .checkpoint import COMPRESSED_TENSORS, INDEX_NAME, PROJECTIONS, Checkpoint, ExpertTensors, \
-    layer_of, open_checkpoint, tensor_bytes
+from .checkpoint import (
+    COMPRESSED_TENSORS,
+    INDEX_NAME,
+    PROJECTIONS,
+    Checkpoint,
+    layer_of,
+    open_checkpoint,
+    tensor_bytes,
+)
 from .errors import EnvironmentProblem, InputError
-from .fsutil import CacheLock, atomic_write_bytes, check_free_space, fsync_dir, read_json_file, refuse_links
+from .fsutil import (
+    CacheLock,
+    atomic_write_bytes,
+    check_free_space,
+    fsync_dir,
+    read_json_file,
+    refuse_links,
+)
 from .hashing import xxh3_file_hex, xxh3_hex
-from .manifest import (CACHE_MANIFEST, COMMIT_RECORD, FORMAT_VERSION, BuildParams, CacheManifest,
-                       CommitRecord, DeltaIndex, FileEntry, LayerManifest, LayerRef, ManifestError,
-                       PartManifest, TensorEntry, load_record, write_record)
+from .manifest import (
+    CACHE_MANIFEST,
+    COMMIT_RECORD,
+    FORMAT_VERSION,
+    BuildParams,
+    CacheManifest,
+    CommitRecord,
+    DeltaIndex,
+    FileEntry,
+    LayerManifest,
+    LayerRef,
+    ManifestError,
+    PartManifest,
+    TensorEntry,
+    load_record,
+    write_record,
+)
 from .modelconfig import parse_layer_selection
-from .planes import code_histogram_torch, error_and_energy_torch, fit_table, split_and_measure_e4m3, \
-    split_planes, split_planes_torch
+from .planes import (
+    code_histogram_torch,
+    error_and_energy_torch,
+    fit_table,
+    split_and_measure_e4m3,
+    split_planes,
+    split_planes_torch,
+)
 from .progress import NullProgress, Progress
 from .stwriter import SafetensorsWriter, TensorSpec, WrittenFile
-from .tiering import DEFAULT_DELTA_BUDGET, Candidate, RoutingProfile, check_profile, choose_tier, \
-    load_profile
+from .tiering import (
+    DEFAULT_DELTA_BUDGET,
+    Candidate,
+    RoutingProfile,
+    check_profile,
+    choose_tier,
+    load_profile,
+)
 from .units import parse_budget
 from .verifier import record_verified_state
 from .version import __version__
@@ -105,9 +145,26 @@ def _write_json_entry(root: Path, rel: str, record: object, role: str) -> FileEn
 
 
 @dataclass(frozen=True)
+class RawExpert:
+    """One projection of one routed expert as the source's bytes (no torch: the build's hot loop)."""
+    codes: np.ndarray                 # uint8 [out, in/2], packed FP4
+    scale_bytes: np.ndarray           # uint8 [out, in/16], float8_e4m3fn block scales
+    global_scale: np.ndarray          # float32, the source's shape and convention
+    input_scale: np.ndarray | None
+
+
+def multiply_convention(layout: str, scalar: np.ndarray) -> float:
+    """Checkpoint.multiply_global_scale for a float32 numpy scalar (the same float, without torch)."""
+    v = float(np.float64(scalar.reshape(-1)[0]))
+    if layout == COMPRESSED_TENSORS:
+        return float(np.float32(1.0 / v)) if v != 0 else 0.0
+    return v
+
+
+@dataclass(frozen=True)
 class _Planes:
     """One projection of one expert, split and measured by a worker thread."""
-    x: ExpertTensors
+    x: RawExpert
     base: np.ndarray
     delta: np.ndarray
     table: np.ndarray
@@ -138,11 +195,10 @@ class SourceReader:
                     head = os.pread(fd, 8, 0)
                     n = int.from_bytes(head, "little") if len(head) == 8 else -1
                     doc = json.loads(os.pread(fd, n, 8)) if 0 <= n <= 100 << 20 else None
-                    if not isinstance(doc, dict):
-                        raise ValueError("bad header")
+                    # a non-dict header fails in .items(): AttributeError, below
                     self._offsets[shard] = {k: (8 + n + int(v["data_offsets"][0]), 8 + n + int(v["data_offsets"][1]))
                                             for k, v in doc.items() if k != "__metadata__"}
-                except (ValueError, TypeError, KeyError, IndexError, UnicodeDecodeError):
+                except (ValueError, TypeError, KeyError, IndexError, AttributeError):
                     os.close(fd)
                     raise InputError(f"{shard} changed since it was opened: its header cannot be read",
                                      "run the build again") from None
@@ -164,24 +220,6 @@ class SourceReader:
                 raise InputError(f"cannot read tensor {name} from {info.shard}: the file ends early",
                                  "the shard may be truncated or corrupt")
             view, pos = view[n:], pos + n
-
-    def willneed(self, names: Iterable[str]) -> int:
-        """Ask the kernel to start reading these tensors now (async readahead); returns their bytes.
-
-        The plane workers read different experts at once through one descriptor, which defeats the
-        kernel's sequential readahead: this keeps the disk busy ahead of them instead.
-        """
-        total = 0
-        for name in names:
-            info = self.ckpt.tensors.get(name)
-            if info is None:
-                continue
-            fd, offsets = self._shard(info.shard)
-            begin, end = offsets.get(name, (0, 0))
-            if end > begin and hasattr(os, "posix_fadvise"):
-                os.posix_fadvise(fd, begin, end - begin, os.POSIX_FADV_WILLNEED)
-            total += max(0, end - begin)
-        return total
 
     def read(self, name: str, pooled: bool = False) -> np.ndarray:
         """A tensor's bytes as a 1-D uint8 array: a new one, or with pooled=True one given back by release().
@@ -209,19 +247,17 @@ class SourceReader:
                 if len(free) < 32:
                     free.append(base)
 
-    def read_expert(self, layer: int, expert: int, proj: str) -> ExpertTensors:
-        """Checkpoint.read_expert's tensors (the same bytes), read without the shard maps."""
+    def read_expert(self, layer: int, expert: int, proj: str) -> RawExpert:
+        """The bytes of Checkpoint.read_expert's tensors, read without the shard maps or torch."""
         ck = self.ckpt
         names = ck.expert_names(layer, expert, proj)
         codes = self.read(names["codes"], pooled=True).reshape(ck.tensors[names["codes"]].shape[0], -1)
-        info = ck.tensors[names["block_scale"]]
-        scale = torch.from_numpy(self.read(names["block_scale"])).view(torch.float8_e4m3fn).reshape(info.shape)
+        scale = self.read(names["block_scale"]).reshape(ck.tensors[names["block_scale"]].shape)
 
-        def scalar(name: str) -> torch.Tensor:  # F32 (validate_experts), little-endian in the file
-            raw = self.read(name).view("<f4").astype(np.float32, copy=False)
-            return torch.from_numpy(raw).reshape(ck.tensors[name].shape)
+        def scalar(name: str) -> np.ndarray:  # F32 (validate_experts), little-endian in the file
+            return self.read(name).view("<f4").astype(np.float32, copy=False).reshape(ck.tensors[name].shape)
         iscale = scalar(names["input_scale"]) if names["input_scale"] in ck.tensors else None
-        return ExpertTensors(codes, scale, scalar(names["global_scale"]), iscale)
+        return RawExpert(codes, scale, scalar(names["global_scale"]), iscale)
 
     def close(self) -> None:
         with self._lock:
@@ -236,12 +272,13 @@ def _plane_work(reader: SourceReader, layer: int, expert: int, device: str | Non
     out = []
     for x in (reader.read_expert(layer, expert, p) for p in PROJECTIONS):
         if device is None or (device != "cpu" and x.codes.nbytes < _DEVICE_MIN_BYTES):
-            base, delta, table, er, eg = split_and_measure_e4m3(x.codes, tensor_bytes(x.block_scale))
+            base, delta, table, er, eg = split_and_measure_e4m3(x.codes, x.scale_bytes)
         else:  # the same maths in torch on the device; the planes and table are bit-identical
             codes = torch.from_numpy(x.codes).to(device)
             tbase, tdelta = split_planes_torch(codes)
             table = fit_table(code_histogram_torch(codes))
-            er, eg = error_and_energy_torch(codes, x.block_scale.to(device).to(torch.float32), table)
+            scales = torch.from_numpy(x.scale_bytes).view(torch.float8_e4m3fn).to(device).to(torch.float32)
+            er, eg = error_and_energy_torch(codes, scales, table)
             base, delta = tbase.cpu().numpy(), tdelta.cpu().numpy()
         out.append(_Planes(x, base, delta, table, er, eg))
     return out
@@ -263,7 +300,6 @@ def _plane_device() -> str | None:
     return None
 
 
-_READAHEAD_BYTES = 64 << 20  # source bytes asked of the kernel's readahead ahead of the plane workers
 _DENSE_CHUNK = 16 << 20  # dense tensors are copied in chunks of this size (bounded memory, reused buffers)
 _DEVICE_MIN_BYTES = 512 << 10  # smaller tensors stay on the host: ~20 launches and 3 syncs cost more than them
 
@@ -302,6 +338,7 @@ class _Builder:
         self._committer: ThreadPoolExecutor  # set in run()
         self._in_flight: Future[object] | None = None
         self.reader = SourceReader(ckpt)
+        self._count_lock = threading.Lock()
 
     # --- planning ----------------------------------------------------------------------------
     def _make_plan(self) -> _Plan:
@@ -370,18 +407,21 @@ class _Builder:
         self.progress.start(expert_bytes + dense_bytes, "build")
         files = self._copy_aux()
         manifests: dict[int, tuple[LayerManifest, FileEntry]] = {}
-        # Each dense file and built layer is fsynced, hashed and renamed, and then its record or
-        # manifest written, on a committer thread while the next part is read and split (the disk
-        # writes one part back while it reads the next); the order within a part is unchanged.
-        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="moet-commit") as self._committer:
-            dense = [self._dense(shard, names) for shard, names in sorted(self.plan.dense_by_shard.items())]
+        # The dense copy (disk-bound) runs on its own thread beside the layers (CPU-bound). Each built
+        # layer is fsynced, hashed and renamed, and then its manifest written, on a committer thread
+        # while the next layer is read and split (the disk writes one back while it reads the next).
+        # Within a part the order is unchanged: its files are durable before the record naming them.
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="moet-commit") as self._committer, \
+                ThreadPoolExecutor(max_workers=1, thread_name_prefix="moet-dense") as dense_pool:
+            dense = [dense_pool.submit(self._dense, shard, names)
+                     for shard, names in sorted(self.plan.dense_by_shard.items())]
             done: list[Callable[[], tuple[LayerManifest, FileEntry]]] = []
             for layer in self.plan.served:
                 done.append(self._layer(layer))
                 self.ckpt.close()  # unmap the shards read so far (reopened on demand): bounded RSS
                 self.progress.layer_done(layer)
             for entries in dense:
-                files.extend(entries())
+                files.extend(entries.result())
             for layer, result in zip(self.plan.served, done):
                 manifests[layer] = result()
         files.extend(self._tier(manifests, budget))
@@ -465,32 +505,31 @@ class _Builder:
         fut = self._in_flight = self._committer.submit(commit)
         return fut.result
 
-    def _dense(self, shard: str, names: list[str]) -> Callable[[], list[FileEntry]]:
-        """Copy one shard's dense tensors; returns what gives the file and part-record entries once committed."""
+    def _dense(self, shard: str, names: list[str]) -> list[FileEntry]:
+        """Copy one shard's dense tensors (on the dense thread); returns the file's and its part record's entries."""
         rel, rec = L.dense_file(shard), L.dense_record(shard)
         key = _key({"v": FORMAT_VERSION, "src": self.fingerprint, "shard": shard, "names": names})
         part = self._reusable_part(rec, key)
         if part is not None:
-            self.progress.advance(sum(self._nbytes(n) for n in names))
+            self._advance(sum(self._nbytes(n) for n in names), read=False)
             data = (self.root / rec).read_bytes()
-            entries = [part.files[0], FileEntry(rec, len(data), xxh3_hex(data), L.ROLE_PART)]
-            return lambda: entries
+            return [part.files[0], FileEntry(rec, len(data), xxh3_hex(data), L.ROLE_PART)]
         specs = [TensorSpec(n, self.ckpt.tensors[n].dtype, self.ckpt.tensors[n].shape) for n in names]
         with SafetensorsWriter(self.root / rel, specs, self.ckpt.shard_metadata.get(shard)) as w:
             for n, chunk in self._chunks(names):
                 w.write(n, chunk)
-                self.read_bytes += chunk.nbytes
-                self.progress.advance(chunk.nbytes)
-            w.check_full()
+                self._advance(chunk.nbytes)
+            written = w.commit()
+        fe, tensors = _entries(rel, written, L.ROLE_DENSE)
+        part = PartManifest(key, (fe,), tuple(tensors), self.ckpt.shard_metadata.get(shard))
+        return [fe, _write_json_entry(self.root, rec, part, L.ROLE_PART)]  # the record after its file
 
-        def commit() -> list[FileEntry]:
-            try:
-                fe, tensors = _entries(rel, w.commit(), L.ROLE_DENSE)
-            finally:
-                w.abort()  # a no-op once committed
-            part = PartManifest(key, (fe,), tuple(tensors), self.ckpt.shard_metadata.get(shard))
-            return [fe, _write_json_entry(self.root, rec, part, L.ROLE_PART)]  # the record after its file
-        return self._commit_later(commit)
+    def _advance(self, nbytes: int, read: bool = True) -> None:
+        """Count source bytes read and report progress; called from the main and the dense thread."""
+        with self._count_lock:
+            if read:
+                self.read_bytes += nbytes
+            self.progress.advance(nbytes)
 
     def _chunks(self, names: list[str]) -> Iterator[tuple[str, np.ndarray]]:
         """(name, bytes) chunks of these tensors in order; the next two are read on a thread while one is written.
@@ -533,7 +572,7 @@ class _Builder:
                 lm = None
         if lm is not None:
             self.reused.append(layer)
-            self.progress.advance(lm.source_bytes)
+            self._advance(lm.source_bytes, read=False)
             return partial(self._manifest_entry, lm)
         committed = self._commit_later(self._build_layer(layer, key))
         self.built.append(layer)
@@ -582,7 +621,6 @@ class _Builder:
         workers, device = _plane_workers(), _plane_device()
         reader = self.reader
         pending: deque[Future[list[_Planes]]] = deque()
-        hinted = hinted_bytes = consumed = 0  # experts and bytes handed to the kernel's readahead, bytes used
         ahead = 0
         # Without --lossless the delta planes are not written here: the tier pack takes the chosen
         # experts' planes from the source at the end (one write of the few chosen, not a staged copy of all).
@@ -593,35 +631,29 @@ class _Builder:
                 while ahead < E and len(pending) < 2 * workers:
                     pending.append(pool.submit(_plane_work, reader, layer, ahead, device))
                     ahead += 1
-                while hinted < E and hinted_bytes - consumed < _READAHEAD_BYTES:
-                    hinted_bytes += reader.willneed(n for p in PROJECTIONS
-                                                    for n in ck.expert_names(layer, hinted, p).values())
-                    hinted += 1
                 work = pending.popleft().result()
                 err = en = 0.0
                 for j, proj in enumerate(PROJECTIONS):
                     x, base, delta, table = work[j].x, work[j].base, work[j].delta, work[j].table
-                    g = ck.multiply_global_scale(x.global_scale)
+                    g = multiply_convention(ck.layout, x.global_scale)
                     err, en = err + work[j].error * g * g, en + work[j].energy * g * g
                     w13 = proj != "down_proj"
                     bw.write(L.W13_BASE if w13 else L.W2_BASE, base)
                     if dw is not None:
                         dw.write(L.W13_DELTA if w13 else L.W2_DELTA, delta)
-                    scale_raw = tensor_bytes(x.block_scale)
+                    scale_raw = x.scale_bytes
                     bw.write(L.W13_SCALE if w13 else L.W2_SCALE, scale_raw)
                     scale2[e, j], tables[e, j] = g, table
-                    raw_scalars.setdefault((proj, "global_scale"), []).append(tensor_bytes(x.global_scale))
+                    raw_scalars.setdefault((proj, "global_scale"), []).append(x.global_scale.reshape(-1))
                     if self.plan.has_input_scale:
                         if x.input_scale is None:
                             raise InputError(f"layer {layer} expert {e} {proj} has no input scale, expert 0 has")
-                        iscale[e, j] = ck.multiply_global_scale(x.input_scale)
-                        raw_scalars.setdefault((proj, "input_scale"), []).append(tensor_bytes(x.input_scale))
+                        iscale[e, j] = multiply_convention(ck.layout, x.input_scale)
+                        raw_scalars.setdefault((proj, "input_scale"), []).append(x.input_scale.reshape(-1))
                     n = x.codes.nbytes + scale_raw.nbytes + 8
                     reader.release(x.codes)  # split and measured: the buffer reads another expert
-                    consumed += n
                     source_bytes += n
-                    self.read_bytes += n
-                    self.progress.advance(n)
+                    self._advance(n)
                 sq_error.append(err)
                 energy.append(en)
             bw.write(L.W13_SCALE_2, scale2[:, :2])
@@ -865,4 +897,4 @@ def retier_cache(cache: str | os.PathLike[str], delta_budget: str, profile: str 
                             prof is not None)
 
 
-__all__ = ["retier_cache", "RetierResult", "BuildOptions", "BuildResult", "build_cache", "file_matches", "read_json_file"]
+__all__ = ["BuildOptions", "BuildResult", "RetierResult", "build_cache", "file_matches", "read_json_file", "retier_cache"]

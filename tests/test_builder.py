@@ -211,15 +211,35 @@ def test_source_reader_reads_what_safetensors_reads(ckpt: Path) -> None:
                 proj = PROJECTIONS[int(rng.integers(3))]
                 want, got = ck.read_expert(layer, e, proj), reader.read_expert(layer, e, proj)
                 assert np.array_equal(want.codes, got.codes) and want.codes.shape == got.codes.shape
-                for a, b in ((want.block_scale, got.block_scale), (want.global_scale, got.global_scale),
-                             (want.input_scale, got.input_scale)):
+                assert got.scale_bytes.dtype == np.uint8 and got.scale_bytes.shape == tuple(want.block_scale.shape)
+                assert np.array_equal(_raw(want.block_scale), got.scale_bytes.reshape(-1))
+                for a, b in ((want.global_scale, got.global_scale), (want.input_scale, got.input_scale)):
                     assert (a is None) == (b is None)
                     if a is not None:
-                        assert a.dtype == b.dtype and a.shape == b.shape and np.array_equal(_raw(a), _raw(b))
+                        assert b.dtype == np.float32 and tuple(a.shape) == b.shape
+                        assert np.array_equal(_raw(a), b.reshape(-1).view(np.uint8))
+                        assert B.multiply_convention(ck.layout, b) == ck.multiply_global_scale(a)
             for name in rng.choice(sorted(ck.tensors), 20, replace=False):
                 assert np.array_equal(reader.read(str(name)), ck.get_raw(str(name)).reshape(-1))
         finally:
             reader.close()
+
+
+@pytest.mark.parametrize("layout", ["modelopt", "compressed-tensors"])
+def test_multiply_convention_is_the_checkpoints(layout: str) -> None:
+    # the build's torch-free copy of Checkpoint.multiply_global_scale, on awkward float32 values
+    from moet_cache import builder as B
+    from moet_cache.checkpoint import COMPRESSED_TENSORS, MODELOPT, Checkpoint
+    ck = Checkpoint.__new__(Checkpoint)
+    ck.layout = MODELOPT if layout == "modelopt" else COMPRESSED_TENSORS
+    rng = np.random.default_rng(3)
+    vals = np.concatenate([rng.standard_normal(200) * 10.0 ** rng.integers(-30, 30, 200),
+                           [0.0, -0.0, 1e-45, 3.4e38, np.inf, -np.inf, np.nan]]).astype(np.float32)
+    with np.errstate(over="ignore"):  # 1 / 1e-45 overflows float32 on both sides
+        for v in vals:
+            want = ck.multiply_global_scale(torch.tensor([v]))
+            got = B.multiply_convention(ck.layout, np.array([v], dtype=np.float32))
+            assert (np.isnan(want) and np.isnan(got)) or got == want, v
 
 
 def test_dense_chunks_reassemble_the_tensors(ckpt_modelopt: Path, tmp_path: Path,
