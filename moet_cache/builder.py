@@ -244,7 +244,7 @@ class SourceReader:
         if isinstance(base, np.ndarray) and base.ndim == 1 and base.dtype == np.uint8:
             with self._lock:
                 free = self._pool.setdefault(base.nbytes, [])
-                if len(free) < 32:
+                if len(free) < 8:  # enough for the experts in flight; more would only hold memory
                     free.append(base)
 
     def read_expert(self, layer: int, expert: int, proj: str) -> RawExpert:
