@@ -8,6 +8,7 @@ from rich.progress import (BarColumn, DownloadColumn, Progress as RichProgress, 
 from moet_cache.progress import NullProgress, Progress
 
 from ._output import Output
+from ._signals import InterruptGate, InterruptibleProgress
 
 
 class RichBytesProgress:
@@ -38,4 +39,6 @@ class RichBytesProgress:
 
 
 def progress_for(out: Output) -> Progress:
-    return RichBytesProgress(out) if out.show_progress else NullProgress()
+    drawn: Progress = RichBytesProgress(out) if out.show_progress else NullProgress()
+    gate = InterruptGate.installed()
+    return InterruptibleProgress(drawn, gate) if gate is not None else drawn

@@ -3,19 +3,17 @@
 from __future__ import annotations
 
 import os
-import signal
 import sys
 import traceback
-from types import FrameType
 
 import typer
 
-from moet_cache.errors import Interrupted
 from moet_cache.version import __version__
 
 from . import build, demo, export, inspect_cmd, verify
 from . import plan, serve
 from ._errors import EXIT_USAGE, exit_code_for, message_for
+from ._signals import InterruptGate
 
 HELP = """Turn an NVFP4 MoE checkpoint into a verified 2-bit base-plane + FP4 delta-tier cache, and serve it.
 
@@ -52,17 +50,10 @@ def _split_debug(args: list[str]) -> tuple[list[str], bool]:
     return head + args[cut:], len(head) != cut
 
 
-def _interrupt(signum: int, frame: FrameType | None) -> None:
-    # typer turns KeyboardInterrupt into a silent exit 130; our own error goes through the table (exit 3)
-    raise Interrupted(f"interrupted by {signal.Signals(signum).name}",
-                      "nothing is lost: run the same command again to resume")
-
-
 def main(argv: list[str] | None = None) -> int:
     args, debug = _split_debug(list(sys.argv[1:] if argv is None else argv))
-    if argv is None:  # the console script, not an in-process call
-        signal.signal(signal.SIGINT, _interrupt)
-        signal.signal(signal.SIGTERM, _interrupt)
+    if argv is None:  # the console script, not an in-process call; progress_for() finds it as the handler
+        InterruptGate().install()
     debug = debug or os.environ.get("MOET_CACHE_DEBUG", "") not in ("", "0")
     try:
         rv = app(args=args, prog_name="moet-cache", standalone_mode=False)

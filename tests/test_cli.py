@@ -169,3 +169,19 @@ def test_manifest_path_leaving_the_cache_is_refused(tmp_path: Path, ckpt_modelop
     assert r.returncode == 1 and "absolute or leaves the cache" in r.stdout and "Traceback" not in r.stderr
     r = run("inspect", str(cache))
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "absolute or leaves the cache" in r.stderr
+
+
+def test_interrupt_gate_holds_a_signal_until_the_next_progress_report() -> None:
+    from moet_cache.cli._signals import InterruptGate, InterruptibleProgress
+    from moet_cache.errors import Interrupted
+    from moet_cache.progress import NullProgress
+    gate = InterruptGate()
+    progress = InterruptibleProgress(NullProgress(), gate)
+    with pytest.raises(Interrupted):  # no long work under way: the handler raises at once
+        gate._on_signal(signal.SIGTERM, None)
+    progress.start(10, "build")
+    gate._on_signal(signal.SIGINT, None)  # held: raising inside torch or a weakref callback loses it
+    assert gate.pending == "SIGINT"
+    with pytest.raises(Interrupted, match="SIGINT"):
+        progress.advance(1)
+    assert not gate.deferring
