@@ -101,11 +101,34 @@ static int get_buffer(PyObject *obj, Py_buffer *view, int flags, const char *nam
     return 0;
 }
 
+/* (counts, weighted) as two tuples of 16; NULL with an exception set on failure. */
+static PyObject *histogram_pair(const uint64_t *c16, const double *w16)
+{
+    PyObject *result = NULL, *counts = PyTuple_New(16), *weighted = PyTuple_New(16);
+    if (!counts || !weighted)
+        goto done;
+    for (int c = 0; c < 16; c++) {
+        PyObject *ci = PyLong_FromUnsignedLongLong(c16[c]);
+        if (!ci)
+            goto done;
+        PyTuple_SET_ITEM(counts, c, ci);
+        PyObject *wf = PyFloat_FromDouble(w16[c]);
+        if (!wf)
+            goto done;
+        PyTuple_SET_ITEM(weighted, c, wf);
+    }
+    result = PyTuple_Pack(2, counts, weighted);
+done:
+    Py_XDECREF(counts);
+    Py_XDECREF(weighted);
+    return result;
+}
+
 static PyObject *split_measure(PyObject *self, PyObject *args)
 {
     PyObject *o_packed, *o_scales, *o_base, *o_delta;
     Py_buffer packed, scales, base, delta;
-    PyObject *counts = NULL, *weighted = NULL, *result = NULL;
+    PyObject *result = NULL;
     (void)self;
 
     if (!PyArg_ParseTuple(args, "OOOO:split_measure", &o_packed, &o_scales, &o_base, &o_delta))
@@ -157,25 +180,8 @@ static PyObject *split_measure(PyObject *self, PyObject *args)
     }
     PyMem_RawFree(bins);
 
-    counts = PyTuple_New(16);
-    weighted = PyTuple_New(16);
-    if (!counts || !weighted)
-        goto release_all;
-    for (int c = 0; c < 16; c++) {
-        PyObject *ci = PyLong_FromUnsignedLongLong(c16[c]);
-        if (!ci)
-            goto release_all;
-        PyTuple_SET_ITEM(counts, c, ci);
-        PyObject *wf = PyFloat_FromDouble(w16[c]);
-        if (!wf)
-            goto release_all;
-        PyTuple_SET_ITEM(weighted, c, wf);
-    }
-    result = PyTuple_Pack(2, counts, weighted);
-
+    result = histogram_pair(c16, w16);
 release_all:
-    Py_XDECREF(counts);
-    Py_XDECREF(weighted);
     PyBuffer_Release(&delta);
 release_base:
     PyBuffer_Release(&base);
@@ -242,7 +248,7 @@ static PyObject *split_measure_e4m3(PyObject *self, PyObject *args)
 {
     PyObject *o_packed, *o_scales, *o_base, *o_delta;
     Py_buffer packed, scales, base, delta;
-    PyObject *counts = NULL, *weighted = NULL, *result = NULL;
+    PyObject *result = NULL;
     (void)self;
 
     if (!PyArg_ParseTuple(args, "OOOO:split_measure_e4m3", &o_packed, &o_scales, &o_base, &o_delta))
@@ -308,25 +314,8 @@ static PyObject *split_measure_e4m3(PyObject *self, PyObject *args)
     }
     PyMem_RawFree(codes);
 
-    counts = PyTuple_New(16);
-    weighted = PyTuple_New(16);
-    if (!counts || !weighted)
-        goto release_all;
-    for (int c = 0; c < 16; c++) {
-        PyObject *ci = PyLong_FromUnsignedLongLong(c16[c]);
-        if (!ci)
-            goto release_all;
-        PyTuple_SET_ITEM(counts, c, ci);
-        PyObject *wf = PyFloat_FromDouble(w16[c]);
-        if (!wf)
-            goto release_all;
-        PyTuple_SET_ITEM(weighted, c, wf);
-    }
-    result = PyTuple_Pack(2, counts, weighted);
-
+    result = histogram_pair(c16, w16);
 release_all:
-    Py_XDECREF(counts);
-    Py_XDECREF(weighted);
     PyBuffer_Release(&delta);
 release_base:
     PyBuffer_Release(&base);
