@@ -52,8 +52,9 @@ def _split_debug(args: list[str]) -> tuple[list[str], bool]:
 
 def main(argv: list[str] | None = None) -> int:
     args, debug = _split_debug(list(sys.argv[1:] if argv is None else argv))
-    if argv is None:  # the console script, not an in-process call; progress_for() finds it as the handler
-        InterruptGate().install()
+    gate = InterruptGate() if argv is None else None  # the console script, not an in-process call
+    if gate is not None:
+        gate.install()  # progress_for() finds it as the SIGINT handler
     debug = debug or os.environ.get("MOET_CACHE_DEBUG", "") not in ("", "0")
     try:
         rv = app(args=args, prog_name="moet-cache", standalone_mode=False)
@@ -75,6 +76,9 @@ def main(argv: list[str] | None = None) -> int:
             return 70
         sys.stderr.write(f"Error: {message_for(e)}\n")
         return code
+    finally:
+        if gate is not None:  # the outcome is decided: a signal now (shutdown, finalizers) is held, not raised
+            gate.deferring = True
 
 
 def run() -> None:
