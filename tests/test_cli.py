@@ -127,7 +127,8 @@ def test_sigkill_during_build_then_resume(tmp_path: Path) -> None:
             p.send_signal(signal.SIGKILL)
             kills += 1
         p.wait()
-        if p.returncode != 0 and boot_check(cache).complete:
+        # a kill during the interpreter start comes before the cache folder exists
+        if p.returncode != 0 and cache.is_dir() and boot_check(cache).complete:
             assert full_verify(cache).ok  # killed after the commit point: complete must mean complete
     assert kills >= 1
     assert run("build", str(src), str(cache), "-q").returncode == 0
