@@ -151,7 +151,8 @@ def test_interrupt_exits_3(tmp_path: Path, sig: signal.Signals) -> None:
     p.send_signal(sig)
     _, err = p.communicate(timeout=60)
     assert p.returncode == 3 and "interrupted" in err and "Traceback" not in err
-    assert not boot_check(tmp_path / "cache").complete
+    if boot_check(tmp_path / "cache").complete:  # on a loaded machine the signal can land after the commit point
+        assert full_verify(tmp_path / "cache").ok
 
 
 @pytest.mark.parametrize("bad_path", ["../../etc/passwd", "/etc/passwd"])
