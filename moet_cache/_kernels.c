@@ -124,32 +124,57 @@ done:
     return result;
 }
 
+/* The four buffers of a split kernel, taken together and released together. */
+typedef struct {
+    Py_buffer packed, scales, base, delta;
+} split_buffers;
+
+/* Parse (packed, scales, base_out, delta_out): 0, or -1 with an exception set and nothing held. */
+static int get_split_buffers(PyObject *args, const char *format, int scale_flags, const char *scale_name,
+                             split_buffers *sb)
+{
+    PyObject *o[4];
+    if (!PyArg_ParseTuple(args, format, &o[0], &o[1], &o[2], &o[3]))
+        return -1;
+    Py_buffer *views[4] = {&sb->packed, &sb->scales, &sb->base, &sb->delta};
+    const int flags[4] = {PyBUF_C_CONTIGUOUS, PyBUF_C_CONTIGUOUS | scale_flags,
+                          PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE};
+    const char *names[4] = {"packed", scale_name, "base_out", "delta_out"};
+    for (int i = 0; i < 4; i++) {
+        if (get_buffer(o[i], views[i], flags[i], names[i]) < 0) {
+            while (i--)
+                PyBuffer_Release(views[i]);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+static void release_split_buffers(split_buffers *sb)
+{
+    PyBuffer_Release(&sb->delta);
+    PyBuffer_Release(&sb->base);
+    PyBuffer_Release(&sb->scales);
+    PyBuffer_Release(&sb->packed);
+}
+
 static PyObject *split_measure(PyObject *self, PyObject *args)
 {
-    PyObject *o_packed, *o_scales, *o_base, *o_delta;
-    Py_buffer packed, scales, base, delta;
+    split_buffers sb;
     PyObject *result = NULL;
     (void)self;
 
-    if (!PyArg_ParseTuple(args, "OOOO:split_measure", &o_packed, &o_scales, &o_base, &o_delta))
+    if (get_split_buffers(args, "OOOO:split_measure", PyBUF_FORMAT, "scales", &sb) < 0)
         return NULL;
-    if (get_buffer(o_packed, &packed, PyBUF_C_CONTIGUOUS, "packed") < 0)
-        return NULL;
-    if (get_buffer(o_scales, &scales, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT, "scales") < 0)
-        goto release_packed;
-    if (get_buffer(o_base, &base, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE, "base_out") < 0)
-        goto release_scales;
-    if (get_buffer(o_delta, &delta, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE, "delta_out") < 0)
-        goto release_base;
 
-    Py_ssize_t n = packed.len;
-    const char *fmt = scales.format ? scales.format : "B";
-    if (scales.itemsize != 4 || !(strcmp(fmt, "f") == 0 || strcmp(fmt, "<f") == 0
+    Py_ssize_t n = sb.packed.len;
+    const char *fmt = sb.scales.format ? sb.scales.format : "B";
+    if (sb.scales.itemsize != 4 || !(strcmp(fmt, "f") == 0 || strcmp(fmt, "<f") == 0
                                   || strcmp(fmt, "=f") == 0)) {
         PyErr_SetString(PyExc_TypeError, "scales must be float32");
         goto release_all;
     }
-    if (n % 8 || scales.len != (n / 8) * 4 || base.len != n / 2 || delta.len != n / 2) {
+    if (n % 8 || sb.scales.len != (n / 8) * 4 || sb.base.len != n / 2 || sb.delta.len != n / 2) {
         PyErr_SetString(PyExc_ValueError,
                         "sizes must be: packed n bytes (n % 8 == 0), scales n/8 float32, "
                         "base_out and delta_out n/2 bytes each");
@@ -162,8 +187,8 @@ static PyObject *split_measure(PyObject *self, PyObject *args)
         goto release_all;
     }
     Py_BEGIN_ALLOW_THREADS
-    split_measure_loop((const uint8_t *)packed.buf, (const float *)scales.buf, n / 8,
-                       (uint8_t *)base.buf, (uint8_t *)delta.buf, bins);
+    split_measure_loop((const uint8_t *)sb.packed.buf, (const float *)sb.scales.buf, n / 8,
+                       (uint8_t *)sb.base.buf, (uint8_t *)sb.delta.buf, bins);
     Py_END_ALLOW_THREADS
 
     /* Fold the byte bins into code bins: a byte holds the codes (b & 15) and (b >> 4). */
@@ -182,13 +207,7 @@ static PyObject *split_measure(PyObject *self, PyObject *args)
 
     result = histogram_pair(c16, w16);
 release_all:
-    PyBuffer_Release(&delta);
-release_base:
-    PyBuffer_Release(&base);
-release_scales:
-    PyBuffer_Release(&scales);
-release_packed:
-    PyBuffer_Release(&packed);
+    release_split_buffers(&sb);
     return result;
 }
 
@@ -246,24 +265,15 @@ static void split_count_loop(const uint8_t *src, const uint8_t *scales, Py_ssize
 
 static PyObject *split_measure_e4m3(PyObject *self, PyObject *args)
 {
-    PyObject *o_packed, *o_scales, *o_base, *o_delta;
-    Py_buffer packed, scales, base, delta;
+    split_buffers sb;
     PyObject *result = NULL;
     (void)self;
 
-    if (!PyArg_ParseTuple(args, "OOOO:split_measure_e4m3", &o_packed, &o_scales, &o_base, &o_delta))
+    if (get_split_buffers(args, "OOOO:split_measure_e4m3", 0, "scale_bytes", &sb) < 0)
         return NULL;
-    if (get_buffer(o_packed, &packed, PyBUF_C_CONTIGUOUS, "packed") < 0)
-        return NULL;
-    if (get_buffer(o_scales, &scales, PyBUF_C_CONTIGUOUS, "scale_bytes") < 0)
-        goto release_packed;
-    if (get_buffer(o_base, &base, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE, "base_out") < 0)
-        goto release_scales;
-    if (get_buffer(o_delta, &delta, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE, "delta_out") < 0)
-        goto release_base;
 
-    Py_ssize_t n = packed.len;
-    if (n % 8 || scales.len != n / 8 || base.len != n / 2 || delta.len != n / 2) {
+    Py_ssize_t n = sb.packed.len;
+    if (n % 8 || sb.scales.len != n / 8 || sb.base.len != n / 2 || sb.delta.len != n / 2) {
         PyErr_SetString(PyExc_ValueError,
                         "sizes must be: packed n bytes (n % 8 == 0), scale_bytes n/8 bytes, "
                         "base_out and delta_out n/2 bytes each");
@@ -278,11 +288,11 @@ static PyObject *split_measure_e4m3(PyObject *self, PyObject *args)
         goto release_all;
     }
     Py_BEGIN_ALLOW_THREADS
-    const uint8_t *src = (const uint8_t *)packed.buf, *sc = (const uint8_t *)scales.buf;
+    const uint8_t *src = (const uint8_t *)sb.packed.buf, *sc = (const uint8_t *)sb.scales.buf;
     for (Py_ssize_t i = 0; i < n / 8; i += E4M3_FLUSH) {
         Py_ssize_t k = n / 8 - i < E4M3_FLUSH ? n / 8 - i : E4M3_FLUSH;
         uint8_t seen[256] = {0};
-        split_count_loop(src + 8 * i, sc + i, k, (uint8_t *)base.buf + 4 * i, (uint8_t *)delta.buf + 4 * i,
+        split_count_loop(src + 8 * i, sc + i, k, (uint8_t *)sb.base.buf + 4 * i, (uint8_t *)sb.delta.buf + 4 * i,
                          pairs, seen);
         /* a byte holds the codes (b & 15) and (b >> 4) */
         for (int s = 0; s < 256; s++)
@@ -316,13 +326,7 @@ static PyObject *split_measure_e4m3(PyObject *self, PyObject *args)
 
     result = histogram_pair(c16, w16);
 release_all:
-    PyBuffer_Release(&delta);
-release_base:
-    PyBuffer_Release(&base);
-release_scales:
-    PyBuffer_Release(&scales);
-release_packed:
-    PyBuffer_Release(&packed);
+    release_split_buffers(&sb);
     return result;
 }
 
