@@ -244,7 +244,7 @@ class SourceReader:
         if isinstance(base, np.ndarray) and base.ndim == 1 and base.dtype == np.uint8:
             with self._lock:
                 free = self._pool.setdefault(base.nbytes, [])
-                if len(free) < 8:  # enough for the experts in flight; more would only hold memory
+                if len(free) < 32:  # enough for the experts in flight (_read_window); more would only hold memory
                     free.append(base)
 
     def read_expert(self, layer: int, expert: int, proj: str) -> RawExpert:
@@ -267,10 +267,15 @@ class SourceReader:
             self._offsets.clear()
 
 
-def _plane_work(reader: SourceReader, layer: int, expert: int, device: str | None = None) -> list[_Planes]:
-    """Read one expert's three projections and split and measure each (on a worker thread)."""
+def _read_expert(reader: SourceReader, layer: int, expert: int) -> list[RawExpert]:
+    """One expert's three projections, read from the source (on a read thread)."""
+    return [reader.read_expert(layer, expert, p) for p in PROJECTIONS]
+
+
+def _plane_work(read: Future[list[RawExpert]], device: str | None = None) -> list[_Planes]:
+    """Split and measure one expert's three projections once they are read (on a plane worker)."""
     out = []
-    for x in (reader.read_expert(layer, expert, p) for p in PROJECTIONS):
+    for x in read.result():
         if device is None or (device != "cpu" and x.codes.nbytes < _DEVICE_MIN_BYTES):
             base, delta, table, er, eg = split_and_measure_e4m3(x.codes, x.scale_bytes)
         else:  # the same maths in torch on the device; the planes and table are bit-identical
@@ -302,6 +307,16 @@ def _plane_device() -> str | None:
 
 _DENSE_CHUNK = 16 << 20  # dense tensors are copied in chunks of this size (bounded memory, reused buffers)
 _DEVICE_MIN_BYTES = 512 << 10  # smaller tensors stay on the host: ~20 launches and 3 syncs cost more than them
+
+
+READ_THREADS = 2                 # source reads in flight beside the plane workers (the disk wants a queue)
+_READ_AHEAD_BYTES = 256 << 20    # source bytes read ahead of the writer at most (bounded memory)
+
+
+def _read_window(workers: int, expert_bytes: int) -> int:
+    """Experts in flight (read, being split, or waiting to be written): enough to keep the reads going
+    while the workers compute, never more than _READ_AHEAD_BYTES of source."""
+    return max(2, min(4 * workers, _READ_AHEAD_BYTES // max(1, expert_bytes)))
 
 
 def _plane_workers() -> int:
@@ -616,9 +631,13 @@ class _Builder:
         raw_scalars: dict[tuple[str, str], list[np.ndarray]] = {}
         sq_error, energy = [], []
         source_bytes = 0
-        # A pipeline in bounded memory: this thread reads expert e + 2*workers and writes expert e, while
-        # worker threads split and measure the experts in between (numpy releases the GIL in them).
+        # A pipeline in bounded memory: read threads keep the disk busy up to `window` experts ahead,
+        # plane workers split and measure what is read (the kernels release the GIL), and this thread
+        # writes expert e. Reads on their own threads: a worker that read its own expert left the
+        # disk idle while it computed, and the CPU idle while it waited for the disk.
         workers, device = _plane_workers(), _plane_device()
+        window = _read_window(workers, 3 * sum(self._nbytes(n) for n in ck.expert_names(layer, 0, PROJECTIONS[0]).values()
+                                              if n in ck.tensors))
         reader = self.reader
         pending: deque[Future[list[_Planes]]] = deque()
         ahead = 0
@@ -626,10 +645,11 @@ class _Builder:
         # experts' planes from the source at the end (one write of the few chosen, not a staged copy of all).
         with SafetensorsWriter(self.root / L.base_file(layer), base_specs) as bw, \
                 (SafetensorsWriter(self.root / delta_rel, delta_specs) if lossless else nullcontext()) as dw, \
-                ThreadPoolExecutor(max_workers=workers, thread_name_prefix="moet-planes") as pool:
+                ThreadPoolExecutor(max_workers=workers, thread_name_prefix="moet-planes") as pool, \
+                ThreadPoolExecutor(max_workers=READ_THREADS, thread_name_prefix="moet-read") as reads:
             for e in range(E):
-                while ahead < E and len(pending) < 2 * workers:
-                    pending.append(pool.submit(_plane_work, reader, layer, ahead, device))
+                while ahead < E and len(pending) < window:
+                    pending.append(pool.submit(_plane_work, reads.submit(_read_expert, reader, layer, ahead), device))
                     ahead += 1
                 work = pending.popleft().result()
                 err = en = 0.0
@@ -709,11 +729,25 @@ class _Builder:
         return [*part.files, part_fe]
 
     def _source_deltas(self, layer: int, which: str, experts: tuple[int, ...]) -> Iterator[np.ndarray]:
-        """The delta planes of these experts, split again from the source (the same planes, bit for bit)."""
+        """The delta planes of these experts, split again from the source (the same planes, bit for bit),
+        read and split on worker threads a few experts ahead of the pack's writer."""
         projs = ("gate_proj", "up_proj") if which == L.W13_DELTA else ("down_proj",)
-        for e in experts:
-            for proj in projs:
-                yield split_planes(self.reader.read_expert(layer, e, proj).codes)[1]
+        reader = self.reader
+
+        def delta(e: int, proj: str) -> np.ndarray:
+            x = reader.read_expert(layer, e, proj)
+            out = split_planes(x.codes)[1]
+            reader.release(x.codes)
+            return out
+        workers = _plane_workers()
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="moet-tier") as pool:
+            pending: deque[Future[np.ndarray]] = deque()
+            for e, proj in ((e, proj) for e in experts for proj in projs):
+                pending.append(pool.submit(delta, e, proj))
+                if len(pending) > 2 * workers:
+                    yield pending.popleft().result()
+            while pending:
+                yield pending.popleft().result()
 
     def _source_map(self) -> FileEntry:
         ck = self.ckpt
