@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import errno
 import fcntl
+import functools
 import json
 import os
 import shutil
@@ -21,6 +24,33 @@ def fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+_SYNC_FILE_RANGE_WRITE = 2  # linux/fs.h: start writeback of the dirty pages, do not wait for it
+
+
+@functools.lru_cache(maxsize=1)
+def _sync_file_range() -> Any:
+    """libc's sync_file_range (Linux), or None where there is none."""
+    try:
+        fn = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def start_writeback(fd: int) -> None:
+    """Ask the kernel to start writing this file's dirty pages now (no wait, pages stay cached).
+
+    A build writes faster than the kernel's dirty thresholds start writeback, so every fsync found
+    a whole layer to write while the source reads waited; written back as they come, the writes
+    share the disk with the reads instead. A hint: where the call is missing or fails, nothing changes.
+    """
+    fn = _sync_file_range()
+    if fn is not None:
+        fn(fd, 0, 0, _SYNC_FILE_RANGE_WRITE)  # ctypes releases the GIL around the call
 
 
 def tmp_path_for(path: Path) -> Path:
