@@ -10,6 +10,8 @@
  *   weighted:  tuple of 16 floats, for each code the sum over its occurrences of (double)scale^2.
  * The loop runs without the GIL. Plain CPython C API and the buffer protocol; no numpy headers.
  *
+ * split(packed, base_out, delta_out): the planes alone, the same bit order, no statistics.
+ *
  * split_measure_e4m3(packed, scale_bytes, base_out, delta_out) -> (counts, weighted)
  *   The same results from the raw float8_e4m3fn block scales (n/8 bytes), a little faster: a block scale
  *   takes one of 256 byte values, so the pass only counts (scale byte, packed byte) pairs in
@@ -229,20 +231,25 @@ static double e4m3_value(unsigned v)
 #define E4M3_CHUNK 2048  /* blocks per pass: the planes of a chunk stay in L1 between the two loops */
 #define E4M3_FLUSH (1 << 28)  /* blocks between flushes of the uint32 pair counts (8 per block < 2^32) */
 
+/* The split of blocks [0, nblocks) alone: no scatter in this loop, so the compiler vectorises it. */
+static void split_loop(const uint8_t *src, Py_ssize_t nblocks, uint8_t *base, uint8_t *delta)
+{
+    const uint64_t m33 = 0x3333333333333333ULL;
+    for (Py_ssize_t i = 0; i < nblocks; i++) {
+        uint64_t w = load_le64(src + 8 * i);
+        store_le32(base + 4 * i, compact((w >> 2) & m33));
+        store_le32(delta + 4 * i, compact(w & m33));
+    }
+}
+
 /* pairs[s][b]: how many packed bytes of value b sit in blocks whose scale byte is s. A row is
  * zeroed when first used (seen[s]): a tensor's scales take few values, so most rows stay untouched. */
 static void split_count_loop(const uint8_t *src, const uint8_t *scales, Py_ssize_t nblocks,
                              uint8_t *base, uint8_t *delta, uint32_t (*pairs)[256], uint8_t *seen)
 {
-    const uint64_t m33 = 0x3333333333333333ULL;
     for (Py_ssize_t i0 = 0; i0 < nblocks; i0 += E4M3_CHUNK) {
         Py_ssize_t i1 = i0 + E4M3_CHUNK < nblocks ? i0 + E4M3_CHUNK : nblocks;
-        /* The split alone first: no scatter in this loop, so the compiler can vectorise it. */
-        for (Py_ssize_t i = i0; i < i1; i++) {
-            uint64_t w = load_le64(src + 8 * i);
-            store_le32(base + 4 * i, compact((w >> 2) & m33));
-            store_le32(delta + 4 * i, compact(w & m33));
-        }
+        split_loop(src + 8 * i0, i1 - i0, base + 4 * i0, delta + 4 * i0);  /* the split first: it vectorises */
         for (Py_ssize_t i = i0; i < i1; i++) {
             uint64_t w = load_le64(src + 8 * i);
             uint32_t *row = pairs[scales[i]];
@@ -330,7 +337,44 @@ release_all:
     return result;
 }
 
+static PyObject *split(PyObject *self, PyObject *args)
+{
+    PyObject *o[3];
+    Py_buffer v[3];
+    const int flags[3] = {PyBUF_C_CONTIGUOUS, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE,
+                          PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE};
+    const char *names[3] = {"packed", "base_out", "delta_out"};
+    (void)self;
+    if (!PyArg_ParseTuple(args, "OOO:split", &o[0], &o[1], &o[2]))
+        return NULL;
+    for (int i = 0; i < 3; i++) {
+        if (get_buffer(o[i], &v[i], flags[i], names[i]) < 0) {
+            while (i--)
+                PyBuffer_Release(&v[i]);
+            return NULL;
+        }
+    }
+    Py_ssize_t n = v[0].len;
+    PyObject *result = NULL;
+    if (n % 8 || v[1].len != n / 2 || v[2].len != n / 2) {
+        PyErr_SetString(PyExc_ValueError, "sizes must be: packed n bytes (n % 8 == 0), base_out and delta_out n/2 each");
+    } else {
+        Py_BEGIN_ALLOW_THREADS
+        split_loop((const uint8_t *)v[0].buf, n / 8, (uint8_t *)v[1].buf, (uint8_t *)v[2].buf);
+        Py_END_ALLOW_THREADS
+        Py_INCREF(Py_None);
+        result = Py_None;
+    }
+    for (int i = 3; i--;)
+        PyBuffer_Release(&v[i]);
+    return result;
+}
+
 static PyMethodDef methods[] = {
+    {"split", split, METH_VARARGS,
+     "split(packed, base_out, delta_out) -> None\n\n"
+     "The planes alone (as planes.split_planes) of n packed FP4 bytes (n % 8 == 0) into base_out and\n"
+     "delta_out (n/2 bytes each). Releases the GIL."},
     {"split_measure", split_measure, METH_VARARGS,
      "split_measure(packed, scales, base_out, delta_out) -> (counts[16], weighted[16])\n\n"
      "One pass over packed FP4 bytes (n % 8 == 0) with float32 block scales (n/8): writes the base\n"

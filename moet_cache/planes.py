@@ -74,6 +74,17 @@ def split_planes(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     words = _as_u16(packed)
     if words.size % 4:  # rows not a whole number of uint64 words: the lookup path
         return np.take(_BASE_LUT, words), np.take(_DELTA_LUT, words)
+    if _kernels is not None and hasattr(_kernels, "split"):  # the same planes at ~3x the speed, GIL released
+        base = np.empty(words.size, dtype=np.uint8)
+        delta = np.empty(words.size, dtype=np.uint8)
+        _kernels.split(np.ascontiguousarray(packed).reshape(-1), base, delta)
+        return base.reshape(words.shape), delta.reshape(words.shape)
+    return split_planes_numpy(packed)
+
+
+def split_planes_numpy(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """split_planes in numpy alone (where moet_cache._kernels is not built), whole uint64 words only."""
+    words = _as_u16(packed)
     w64 = words.reshape(-1).view(np.uint64)
     base = np.empty(words.size, dtype=np.uint8)
     delta = np.empty(words.size, dtype=np.uint8)
