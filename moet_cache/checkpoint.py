@@ -313,8 +313,14 @@ def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
         wm = index.get("weight_map") if isinstance(index, dict) else None
         if not isinstance(wm, dict) or not wm:
             raise InputError(f"{INDEX_NAME} has no weight_map object", "regenerate the index")
-        shard_of = {str(k): _checked_shard_name(v, root) for k, v in wm.items()}
-        shard_names = sorted(set(shard_of.values()))
+        # each distinct name checked once: an index names a few shards for tens of thousands of tensors
+        checked: set[str] = set()
+        shard_of = {}
+        for k, v in wm.items():
+            if not (isinstance(v, str) and v in checked):
+                checked.add(_checked_shard_name(v, root))
+            shard_of[str(k)] = v
+        shard_names = sorted(checked)
     elif (root / SINGLE_NAME).is_file():
         shard_of, shard_names = None, [SINGLE_NAME]
     else:
