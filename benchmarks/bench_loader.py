@@ -196,7 +196,8 @@ def _h2d(nbytes: int, device: str, reps: int) -> float:
 
 def run(size_bytes: int, device: str = "cpu", workers: tuple[int, ...] = (4,), reps: int = 3,
         workdir: str | None = None, keep: bool = False, with_source: bool = True,
-        big_layers: bool = True, gpu_slots: tuple[tuple[int, int], ...] = ()) -> dict[str, Any]:
+        big_layers: bool = True, gpu_slots: tuple[tuple[int, int], ...] = (),
+        gpu_reads: tuple[str, ...] = ("pread",)) -> dict[str, Any]:
     """Build a synthetic cache of about `size_bytes` of experts and measure every figure on it."""
     work = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="moet-bench-loader-"))
     res: dict[str, Any] = {"size_bytes": size_bytes, "device": device, "cpus": os.cpu_count()}
@@ -246,14 +247,19 @@ def run(size_bytes: int, device: str = "cpu", workers: tuple[int, ...] = (4,), r
             nb0 = _loader(fresh, dev, max(workers))[0]
             res["gpu_first_load_GBps"] = nb0 / (time.perf_counter() - t0) / 1e9
             fresh.release()
-            for w in workers:
-                for verify in ("none", "boot", "hash"):
-                    nb = [0]
-                    t = _best(lambda: nb.__setitem__(0, _loader(cache, dev, w, verify)[0]), reps)
-                    res[f"gpu_w{w}_{verify}_GBps"] = nb[0] / t / 1e9
+            import moet_cache.loader as ld
+            default_read = ld.GPU_READ
+            for mode in (default_read, *[m for m in gpu_reads if m != default_read]):  # how the staging is filled: pread, or a copy out of a map
+                ld.GPU_READ = mode
+                tag = "" if mode == default_read else f"{mode}_"
+                for w in workers:
+                    for verify in ("none", "boot", "hash"):
+                        nb = [0]
+                        t = _best(lambda: nb.__setitem__(0, _loader(cache, dev, w, verify)[0]), reps)
+                        res[f"gpu_{tag}w{w}_{verify}_GBps"] = nb[0] / t / 1e9
+            ld.GPU_READ = default_read
             wbest = max(workers, key=lambda w: res[f"gpu_w{w}_boot_GBps"])
             res["load_gpu_GBps"] = res[f"gpu_w{wbest}_boot_GBps"]
-            import moet_cache.loader as ld
             default_slots = (ld.GPU_SLOT, ld.GPU_SLOTS_PER_WORKER)
             for size, per_worker in gpu_slots:  # staging shapes to compare (slot bytes, slots a worker)
                 ld.GPU_SLOT, ld.GPU_SLOTS_PER_WORKER = size, per_worker
@@ -295,6 +301,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-source", action="store_true", help="skip the (slow) source-split baseline")
     ap.add_argument("--small-layers", action="store_true", help="spec_for_size's small layers (many per GiB)")
     ap.add_argument("--gpu-slots", default="", help="staging shapes to compare, e.g. 16MiB:3,8MiB:2,4MiB:2")
+    ap.add_argument("--gpu-read", default="", help="staging fill methods to compare, e.g. pread,mmap "
+                    "(moet_cache.loader.GPU_READ; the default's figures are the headline)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--probe", action="store_true", help="only measure the staging options of this machine")
     a = ap.parse_args(argv)
@@ -303,7 +311,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     res = run(parse_size(a.size), a.device, tuple(int(x) for x in a.workers.split(",")), a.reps,
               a.workdir, with_source=not a.no_source, big_layers=not a.small_layers,
-              gpu_slots=tuple((parse_size(x.split(":")[0]), int(x.split(":")[1])) for x in a.gpu_slots.split(",") if x))
+              gpu_slots=tuple((parse_size(x.split(":")[0]), int(x.split(":")[1])) for x in a.gpu_slots.split(",") if x),
+              gpu_reads=tuple(x for x in a.gpu_read.split(",") if x) or ("pread",))
     if a.json:
         print(json.dumps(res, indent=1))
     else:

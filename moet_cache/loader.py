@@ -16,6 +16,7 @@ complete; an error, a closed generator or Ctrl-C stops every worker and frees wh
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import queue
 import threading
@@ -44,6 +45,7 @@ VERIFY_MODES = ("boot", "hash", "none")
 CHUNK = 8 << 20                 # one read on the CPU path: big enough for disk speed, small for the cache
 GPU_SLOT = 16 << 20             # one pinned staging slot = one host-to-device copy
 GPU_SLOTS_PER_WORKER = 3        # slots a worker may hold at most (staging = workers x this x GPU_SLOT)
+GPU_READ = "pread"              # how a GPU load fills its staging: "pread" or "mmap" (copy from a map)
 DELTA_EXPERTS = "delta_experts"  # int64 [n]: which experts the w13_delta / w2_delta rows belong to
 MAX_HEADER = 100 << 20
 
@@ -148,12 +150,25 @@ def parse_header(path: Path, rel: str) -> tuple[int, dict[str, tuple[str, tuple[
 
 # --- the pipeline --------------------------------------------------------------------------------
 class _Files:
-    """Open file descriptors of one load (pread is safe from many threads on one descriptor)."""
+    """Open file descriptors of one load (pread is safe from many threads on one descriptor), and
+    read-only maps of them for the GPU path's copies."""
 
     def __init__(self, root: Path) -> None:
         self.root = root
         self._fds: dict[str, tuple[int, int]] = {}
+        self._maps: dict[str, tuple[mmap.mmap, np.ndarray]] = {}
         self._lock = threading.Lock()
+
+    def mapped(self, rel: str) -> np.ndarray:
+        """The whole file as a read-only uint8 array (mapped once per load)."""
+        fd, size = self.fd(rel)
+        with self._lock:
+            got = self._maps.get(rel)
+            if got is None:
+                m = mmap.mmap(fd, size, prot=mmap.PROT_READ) if size else None
+                got = (m, np.frombuffer(m, dtype=np.uint8) if m is not None else np.empty(0, np.uint8))
+                self._maps[rel] = got  # type: ignore[assignment]
+            return got[1]
 
     def fd(self, rel: str) -> tuple[int, int]:
         with self._lock:
@@ -166,6 +181,13 @@ class _Files:
 
     def close(self) -> None:
         with self._lock:
+            maps = [m for m, _ in self._maps.values() if m is not None]
+            self._maps.clear()  # drops our arrays over the maps
+            for m in maps:
+                try:
+                    m.close()
+                except BufferError:  # a view still held somewhere (a traceback): freed with it
+                    pass
             for fd, _ in self._fds.values():
                 os.close(fd)
             self._fds.clear()
@@ -259,6 +281,7 @@ class _Pipeline:
         self.local = threading.local()
         self.slots: _Slots | None = None
         self.pinned = pinned or _PinnedPool()
+        self.gpu_read = GPU_READ
         if device.type == "cuda":
             # Staging = bytes in flight: 2-4 slots a worker, never more than max_inflight.
             chunk = max(1 << 20, min(GPU_SLOT, max_inflight // (2 * workers)))
@@ -317,17 +340,22 @@ class _Pipeline:
                     r, fd = reads[ri], self.files.fd(reads[ri].path)[0]
                     start = offs[ri] + rpos
                     k = min(sizes[ri] - rpos, wend - start)
-                    mv = memoryview(arr[start - win:start - win + k])
-                    done = 0
-                    while done < k:
+                    dst = arr[start - win:start - win + k]
+                    if self.gpu_read == "mmap":  # a memcpy from the page cache: no syscall, no kernel copy
                         if self.stop.is_set():
                             raise _Stopped
-                        got = os.preadv(fd, [mv[done:]], r.begin + rpos + done)
-                        if got <= 0:
-                            raise _short(r)
-                        done += got
+                        np.copyto(dst, self.files.mapped(r.path)[r.begin + rpos:r.begin + rpos + k])
+                    else:
+                        mv, done = memoryview(dst), 0
+                        while done < k:
+                            if self.stop.is_set():
+                                raise _Stopped
+                            got = os.preadv(fd, [mv[done:]], r.begin + rpos + done)
+                            if got <= 0:
+                                raise _short(r)
+                            done += got
                     if hashers[ri] is not None:
-                        hashers[ri].update(mv)
+                        hashers[ri].update(dst)
                     rpos += k
                     if rpos == sizes[ri]:
                         ri, rpos = ri + 1, 0

@@ -21,9 +21,13 @@ def built(tmp_path_factory: pytest.TempPathFactory):
     return src, work / "cache"
 
 
+@pytest.mark.parametrize("read", ["pread", "mmap"])
 @pytest.mark.parametrize("expand", [False, True])
 @pytest.mark.parametrize("delta", ["tier", "all", "none"])
-def test_gpu_load_equals_cpu_load(built, delta: str, expand: bool) -> None:
+def test_gpu_load_equals_cpu_load(built, delta: str, expand: bool, read: str,
+                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    import moet_cache.loader as ld
+    monkeypatch.setattr(ld, "GPU_READ", read)  # both ways of filling the staging slots
     cache = open_cache(built[1])
     cpu = {x.index: x.tensors for x in cache.load(device="cpu", delta=delta, expand=expand)}
     # A tiny in-flight budget forces the staging slots to be reused many times.
