@@ -274,3 +274,25 @@ def test_truncated_shard_is_bad_input_not_a_crash(src_copy: Path) -> None:
                         reader.read(n)
         finally:
             reader.close()
+
+
+def test_read_window_is_bounded_by_bytes_and_workers() -> None:
+    from moet_cache import builder as B
+    assert B._read_window(2, 3 << 20) == 8                       # small experts: 4 a worker
+    assert B._read_window(8, 64 << 20) == 4                      # 256 MiB of big experts
+    assert B._read_window(2, 1 << 30) == 2                       # never fewer than two in flight
+    assert B._read_window(1, 0) == 4
+
+
+@pytest.mark.parametrize("read_threads", [1, 3])
+def test_reads_ahead_build_the_same_planes(ckpt_modelopt: Path, tmp_path: Path, read_threads: int,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    # another read-thread count and a one-expert window: the same files, byte for byte
+    from moet_cache import builder as B
+    build_cache(ckpt_modelopt, tmp_path / "ref", BuildOptions(delta_budget="30%"))
+    monkeypatch.setattr(B, "READ_THREADS", read_threads)
+    monkeypatch.setattr(B, "_READ_AHEAD_BYTES", 1)
+    build_cache(ckpt_modelopt, tmp_path / "c", BuildOptions(delta_budget="30%"))
+    ref = {f.path: f.xxh3 for f, _ in load_cache_files(tmp_path / "ref").files}
+    got = {f.path: f.xxh3 for f, _ in load_cache_files(tmp_path / "c").files}
+    assert got == ref and full_verify(tmp_path / "c").ok

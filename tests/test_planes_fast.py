@@ -21,10 +21,11 @@ blocked = st.integers(1, 5).flatmap(lambda rows: st.integers(1, 6).flatmap(
 @settings(max_examples=60, deadline=None)
 @given(blocked)
 def test_split_matches_reference(packed: np.ndarray) -> None:
-    base, delta = P.split_planes(packed)
     rbase, rdelta = P.split_planes_reference(packed)
-    assert base.dtype == rbase.dtype == np.uint8 and base.shape == rbase.shape
-    assert np.array_equal(base, rbase) and np.array_equal(delta, rdelta)
+    for split in (P.split_planes, P.split_planes_numpy):  # the C kernel where built, and numpy's
+        base, delta = split(packed)
+        assert base.dtype == rbase.dtype == np.uint8 and base.shape == rbase.shape
+        assert np.array_equal(base, rbase) and np.array_equal(delta, rdelta)
 
 
 @settings(max_examples=60, deadline=None)
@@ -40,7 +41,7 @@ def test_split_crosses_chunk_boundaries(monkeypatch: pytest.MonkeyPatch) -> None
     # several chunks and a short last one: every chunk boundary must land on the right output byte
     monkeypatch.setattr(P, "_CHUNK_WORDS", 7)
     packed = np.random.default_rng(3).integers(0, 256, (9, 40), dtype=np.uint8)
-    base, delta = P.split_planes(packed)
+    base, delta = P.split_planes_numpy(packed)
     rbase, rdelta = P.split_planes_reference(packed)
     assert np.array_equal(base, rbase) and np.array_equal(delta, rdelta)
 
@@ -48,6 +49,30 @@ def test_split_crosses_chunk_boundaries(monkeypatch: pytest.MonkeyPatch) -> None
 def test_split_of_a_non_contiguous_view() -> None:
     packed = np.random.default_rng(4).integers(0, 256, (16, 64), dtype=np.uint8)[::2, 8:40]
     assert np.array_equal(P.split_planes(packed)[0], P.split_planes_reference(packed)[0])
+
+
+def test_split_without_the_extension_is_the_same(monkeypatch: pytest.MonkeyPatch) -> None:
+    packed = np.random.default_rng(5).integers(0, 256, (33, 256), dtype=np.uint8)
+    want = P.split_planes(packed)
+    monkeypatch.setattr(P, "_kernels", None)
+    got = P.split_planes(packed)
+    assert all(np.array_equal(a, b) for a, b in zip(got, want))
+
+
+def test_c_split_argument_checks() -> None:
+    kernels = pytest.importorskip("moet_cache._kernels")
+    packed = np.random.default_rng(6).integers(0, 256, 64, dtype=np.uint8)
+    base, delta = np.empty(32, np.uint8), np.empty(32, np.uint8)
+    assert kernels.split(packed, base, delta) is None
+    assert np.array_equal(base, P.split_planes_reference(packed.reshape(1, -1))[0].reshape(-1))
+    with pytest.raises(ValueError):
+        kernels.split(packed[:12], base[:6], delta[:6])  # not whole 8-byte blocks
+    with pytest.raises(ValueError):
+        kernels.split(packed, base[:8], delta)
+    ro = np.empty(32, np.uint8)
+    ro.setflags(write=False)
+    with pytest.raises(TypeError):
+        kernels.split(packed, ro, delta)
 
 
 @settings(max_examples=60, deadline=None)
