@@ -135,4 +135,3 @@ def test_boot_check_reads_manifests_not_tensor_data(cache: Path) -> None:
     assert boot_check(cache, check_source=False).ok
     read = _rchar() - before
     assert read < 2 * json_bytes + 65536 and read < tensor_bytes / 10, (read, json_bytes, tensor_bytes)
-
