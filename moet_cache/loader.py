@@ -20,6 +20,7 @@ import mmap
 import os
 import queue
 import threading
+import warnings
 from collections import deque
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
@@ -45,7 +46,9 @@ VERIFY_MODES = ("boot", "hash", "none")
 CHUNK = 8 << 20                 # one read on the CPU path: big enough for disk speed, small for the cache
 GPU_SLOT = 16 << 20             # one pinned staging slot = one host-to-device copy
 GPU_SLOTS_PER_WORKER = 3        # slots a worker may hold at most (staging = workers x this x GPU_SLOT)
-GPU_READ = "pread"              # how a GPU load fills its staging: "pread" or "mmap" (copy from a map)
+GPU_READ = "pread"              # how a GPU load reads: "pread" or "mmap" (copy from a map) into the
+                                # staging, or "register" (page-lock the maps, copy straight from them)
+_HOST_REGISTER_READ_ONLY = 0x08  # cudaHostRegisterReadOnly
 DELTA_EXPERTS = "delta_experts"  # int64 [n]: which experts the w13_delta / w2_delta rows belong to
 MAX_HEADER = 100 << 20
 
@@ -157,6 +160,7 @@ class _Files:
         self.root = root
         self._fds: dict[str, tuple[int, int]] = {}
         self._maps: dict[str, tuple[mmap.mmap, np.ndarray]] = {}
+        self._registered: dict[str, torch.Tensor] = {}
         self._lock = threading.Lock()
 
     def mapped(self, rel: str) -> np.ndarray:
@@ -170,6 +174,22 @@ class _Files:
                 self._maps[rel] = got  # type: ignore[assignment]
             return got[1]
 
+    def registered(self, rel: str) -> torch.Tensor:
+        """The whole file as a uint8 tensor over its map, page-locked for the GPU's copy engine
+        (cudaHostRegister, read-only): copies to the device read the page cache itself, no staging."""
+        arr = self.mapped(rel)
+        with self._lock:
+            got = self._registered.get(rel)
+            if got is None:
+                with warnings.catch_warnings():  # a read-only map: we only ever read it
+                    warnings.simplefilter("ignore", UserWarning)
+                    got = torch.from_numpy(arr)
+                if arr.nbytes:
+                    torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(
+                        arr.ctypes.data, arr.nbytes, _HOST_REGISTER_READ_ONLY))
+                self._registered[rel] = got
+            return got
+
     def fd(self, rel: str) -> tuple[int, int]:
         with self._lock:
             got = self._fds.get(rel)
@@ -180,7 +200,12 @@ class _Files:
             return got
 
     def close(self) -> None:
+        """After every copy from the maps has finished (the caller synchronises)."""
         with self._lock:
+            for t in self._registered.values():
+                if t.numel():
+                    torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
+            self._registered.clear()
             maps = [m for m, _ in self._maps.values() if m is not None]
             self._maps.clear()  # drops our arrays over the maps
             for m in maps:
@@ -282,7 +307,7 @@ class _Pipeline:
         self.slots: _Slots | None = None
         self.pinned = pinned or _PinnedPool()
         self.gpu_read = GPU_READ
-        if device.type == "cuda":
+        if device.type == "cuda" and self.gpu_read != "register":
             # Staging = bytes in flight: 2-4 slots a worker, never more than max_inflight.
             chunk = max(1 << 20, min(GPU_SLOT, max_inflight // (2 * workers)))
             count = max(2 * workers, min(GPU_SLOTS_PER_WORKER * workers, max_inflight // chunk))
@@ -312,7 +337,6 @@ class _Pipeline:
         """A job's tensors laid out (256-byte aligned) in ONE device buffer, streamed through the
         pinned slots window by window: one copy and one event per window, whatever the tensor
         count, because each CUDA call costs tens of microseconds on the virtual machines we run on."""
-        assert self.slots is not None
         reads, offs, sizes, pos = job.reads, [], [], 0
         for r in reads:
             fd_size = self.files.fd(r.path)[1]
@@ -325,6 +349,9 @@ class _Pipeline:
         total = pos
         flat = torch.empty(total, dtype=torch.uint8, device=self.device)
         stream.wait_stream(torch.cuda.default_stream(self.device))  # flat may be in use there until now
+        if self.gpu_read == "register":
+            return self._gpu_job_registered(reads, offs, sizes, flat, stream)
+        assert self.slots is not None
         hashers = [xxh3_128() if self.hash and r.xxh3 else None for r in reads]
         ri, rpos, win = 0, 0, 0
         while win < total:
@@ -369,6 +396,25 @@ class _Pipeline:
         for r, h, o, n in zip(reads, hashers, offs, sizes):
             if h is not None and h.hexdigest() != r.xxh3:
                 raise _mismatch(r)
+            tdt, shape, _ = _storage(r.dtype, r.shape)
+            out[r.name] = flat[o:o + n].view(tdt).reshape(shape)
+        return out
+
+    def _gpu_job_registered(self, reads: tuple[_Read, ...], offs: list[int], sizes: list[int], flat: torch.Tensor,
+                            stream: torch.cuda.Stream) -> dict[str, torch.Tensor]:
+        """Each tensor copied by the GPU straight out of the page-locked map; hashed from the map meanwhile."""
+        out: dict[str, torch.Tensor] = {}
+        for r, o, n in zip(reads, offs, sizes):
+            if self.stop.is_set():
+                raise _Stopped
+            if n:
+                with torch.cuda.stream(stream):
+                    flat[o:o + n].copy_(self.files.registered(r.path)[r.begin:r.end], non_blocking=True)
+            if self.hash and r.xxh3:
+                h = xxh3_128()
+                h.update(self.files.mapped(r.path)[r.begin:r.end])
+                if h.hexdigest() != r.xxh3:
+                    raise _mismatch(r)
             tdt, shape, _ = _storage(r.dtype, r.shape)
             out[r.name] = flat[o:o + n].view(tdt).reshape(shape)
         return out
@@ -433,6 +479,8 @@ class _Pipeline:
                 self.slots.drain()  # the workers are gone and every copy from staging is done
                 self.pinned.give(self.slots.buffer)
                 self.slots = None
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)  # no copy still reads a map we are about to unregister
             self.files.close()
             progress.finish()
 

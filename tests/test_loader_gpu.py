@@ -21,7 +21,7 @@ def built(tmp_path_factory: pytest.TempPathFactory):
     return src, work / "cache"
 
 
-@pytest.mark.parametrize("read", ["pread", "mmap"])
+@pytest.mark.parametrize("read", ["pread", "mmap", "register"])
 @pytest.mark.parametrize("expand", [False, True])
 @pytest.mark.parametrize("delta", ["tier", "all", "none"])
 def test_gpu_load_equals_cpu_load(built, delta: str, expand: bool, read: str,
