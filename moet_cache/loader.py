@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import json
 import mmap
+import bisect
 import os
 import queue
 import threading
-import warnings
 from collections import deque
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
@@ -46,9 +46,9 @@ VERIFY_MODES = ("boot", "hash", "none")
 CHUNK = 8 << 20                 # one read on the CPU path: big enough for disk speed, small for the cache
 GPU_SLOT = 16 << 20             # one pinned staging slot = one host-to-device copy
 GPU_SLOTS_PER_WORKER = 3        # slots a worker may hold at most (staging = workers x this x GPU_SLOT)
-GPU_READ = "pread"              # how a GPU load reads: "pread" or "mmap" (copy from a map) into the
-                                # staging, or "register" (page-lock the maps, copy straight from them)
-_HOST_REGISTER_READ_ONLY = 0x08  # cudaHostRegisterReadOnly
+GPU_READ = "pread"              # how a GPU load fills its staging: "pread" or "mmap" (copy from a map)
+GPU_JOBS_IN_FLIGHT = 3          # layers whose windows are queued at once (no hashing): enough to keep
+                                # every worker busy across a layer's end, few enough to finish in order
 DELTA_EXPERTS = "delta_experts"  # int64 [n]: which experts the w13_delta / w2_delta rows belong to
 MAX_HEADER = 100 << 20
 
@@ -160,7 +160,6 @@ class _Files:
         self.root = root
         self._fds: dict[str, tuple[int, int]] = {}
         self._maps: dict[str, tuple[mmap.mmap, np.ndarray]] = {}
-        self._registered: dict[str, torch.Tensor] = {}
         self._lock = threading.Lock()
 
     def mapped(self, rel: str) -> np.ndarray:
@@ -174,22 +173,6 @@ class _Files:
                 self._maps[rel] = got  # type: ignore[assignment]
             return got[1]
 
-    def registered(self, rel: str) -> torch.Tensor:
-        """The whole file as a uint8 tensor over its map, page-locked for the GPU's copy engine
-        (cudaHostRegister, read-only): copies to the device read the page cache itself, no staging."""
-        arr = self.mapped(rel)
-        with self._lock:
-            got = self._registered.get(rel)
-            if got is None:
-                with warnings.catch_warnings():  # a read-only map: we only ever read it
-                    warnings.simplefilter("ignore", UserWarning)
-                    got = torch.from_numpy(arr)
-                if arr.nbytes:
-                    torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(
-                        arr.ctypes.data, arr.nbytes, _HOST_REGISTER_READ_ONLY))
-                self._registered[rel] = got
-            return got
-
     def fd(self, rel: str) -> tuple[int, int]:
         with self._lock:
             got = self._fds.get(rel)
@@ -200,12 +183,7 @@ class _Files:
             return got
 
     def close(self) -> None:
-        """After every copy from the maps has finished (the caller synchronises)."""
         with self._lock:
-            for t in self._registered.values():
-                if t.numel():
-                    torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
-            self._registered.clear()
             maps = [m for m, _ in self._maps.values() if m is not None]
             self._maps.clear()  # drops our arrays over the maps
             for m in maps:
@@ -305,9 +283,10 @@ class _Pipeline:
         self.stop = threading.Event()
         self.local = threading.local()
         self.slots: _Slots | None = None
+        self.window_pool: ThreadPoolExecutor | None = None
         self.pinned = pinned or _PinnedPool()
         self.gpu_read = GPU_READ
-        if device.type == "cuda" and self.gpu_read != "register":
+        if device.type == "cuda":
             # Staging = bytes in flight: 2-4 slots a worker, never more than max_inflight.
             chunk = max(1 << 20, min(GPU_SLOT, max_inflight // (2 * workers)))
             count = max(2 * workers, min(GPU_SLOTS_PER_WORKER * workers, max_inflight // chunk))
@@ -333,65 +312,87 @@ class _Pipeline:
         if h is not None and h.hexdigest() != r.xxh3:
             raise _mismatch(r)
 
+    def _stream(self) -> torch.cuda.Stream:
+        """This thread's copy stream (each worker thread copies on its own)."""
+        stream = getattr(self.local, "stream", None)
+        if stream is None:
+            stream = self.local.stream = torch.cuda.Stream(device=self.device)
+        return stream
+
+    def _read_piece(self, r: _Read, pos: int, dst: np.ndarray) -> None:
+        """Bytes [pos, pos + len(dst)) of tensor r into dst (a part of a pinned slot)."""
+        if self.stop.is_set():
+            raise _Stopped
+        begin = r.begin + pos
+        if self.gpu_read == "mmap":  # a memcpy out of the page cache's map: no syscall
+            np.copyto(dst, self.files.mapped(r.path)[begin:begin + len(dst)])
+            return
+        fd = self.files.fd(r.path)[0]
+        mv, done = memoryview(dst), 0
+        while done < len(dst):
+            got = os.preadv(fd, [mv[done:]], begin + done)
+            if got <= 0:
+                raise _short(r)
+            done += got
+            if self.stop.is_set():
+                raise _Stopped
+
+    def _window(self, reads: Sequence[_Read], offs: list[int], sizes: list[int], win: int, wend: int,
+                flat: torch.Tensor, ready: torch.cuda.Event, hashers: list[Any] | None = None) -> torch.cuda.Event:
+        """flat[win:wend] (its pieces of the tensors laid out at offs) through one pinned slot to the
+        device, on this thread's stream; returns an event that completes with the copy. hashers: the
+        tensors' digests, updated in order (only when one thread does a job's windows in order)."""
+        assert self.slots is not None
+        stream = self._stream()
+        buf, ev = self.slots.take(self.stop)
+        try:
+            ev.synchronize()  # the slot's previous copy to the GPU has finished (releases the GIL)
+            arr = buf.numpy()
+            ri = max(0, bisect.bisect_right(offs, win) - 1)
+            while ri < len(reads) and offs[ri] < wend:
+                a, b = max(win, offs[ri]), min(wend, offs[ri] + sizes[ri])
+                if a < b:
+                    piece = arr[a - win:b - win]
+                    self._read_piece(reads[ri], a - offs[ri], piece)
+                    if hashers is not None and hashers[ri] is not None:
+                        hashers[ri].update(piece)
+                ri += 1
+            done = torch.cuda.Event()
+            with torch.cuda.stream(stream):
+                stream.wait_event(ready)  # flat's memory may be in use on the default stream until then
+                flat[win:wend].copy_(buf[:wend - win], non_blocking=True)
+                ev.record(stream)
+                done.record(stream)
+        finally:
+            self.slots.give(buf, ev)
+        return done
+
     def _gpu_job(self, job: _Job, stream: torch.cuda.Stream) -> dict[str, torch.Tensor]:
-        """A job's tensors laid out (256-byte aligned) in ONE device buffer, streamed through the
-        pinned slots window by window: one copy and one event per window, whatever the tensor
-        count, because each CUDA call costs tens of microseconds on the virtual machines we run on."""
+        """A job's tensors laid out (256-byte aligned) in ONE device buffer, moved window by window
+        through the pinned slots: one copy and one event per window, whatever the tensor count (each
+        CUDA call costs tens of microseconds on the virtual machines we run on). Without hashing the
+        windows go to every worker at once, so a layer never waits on one thread; with hashing one
+        thread reads them in order (a digest takes its bytes in order)."""
         reads, offs, sizes, pos = job.reads, [], [], 0
         for r in reads:
-            fd_size = self.files.fd(r.path)[1]
-            _check_read(r, fd_size)
+            _check_read(r, self.files.fd(r.path)[1])
             n = _storage(r.dtype, r.shape)[2]
             pos = (pos + 255) // 256 * 256
             offs.append(pos)
             sizes.append(n)
             pos += n
-        total = pos
-        flat = torch.empty(total, dtype=torch.uint8, device=self.device)
-        stream.wait_stream(torch.cuda.default_stream(self.device))  # flat may be in use there until now
-        if self.gpu_read == "register":
-            return self._gpu_job_registered(reads, offs, sizes, flat, stream)
-        assert self.slots is not None
+        flat = torch.empty(pos, dtype=torch.uint8, device=self.device)
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.default_stream(self.device))
+        windows = [(w, min(w + self.chunk, pos)) for w in range(0, pos, self.chunk)]
         hashers = [xxh3_128() if self.hash and r.xxh3 else None for r in reads]
-        ri, rpos, win = 0, 0, 0
-        while win < total:
-            buf, ev = self.slots.take(self.stop)
-            try:
-                ev.synchronize()  # the slot's previous copy to the GPU has finished (releases the GIL)
-                wend = min(win + buf.numel(), total)
-                arr = buf.numpy()
-                while ri < len(reads) and offs[ri] + rpos < wend:
-                    if sizes[ri] == 0:
-                        ri += 1
-                        continue
-                    r, fd = reads[ri], self.files.fd(reads[ri].path)[0]
-                    start = offs[ri] + rpos
-                    k = min(sizes[ri] - rpos, wend - start)
-                    dst = arr[start - win:start - win + k]
-                    if self.gpu_read == "mmap":  # a memcpy from the page cache: no syscall, no kernel copy
-                        if self.stop.is_set():
-                            raise _Stopped
-                        np.copyto(dst, self.files.mapped(r.path)[r.begin + rpos:r.begin + rpos + k])
-                    else:
-                        mv, done = memoryview(dst), 0
-                        while done < k:
-                            if self.stop.is_set():
-                                raise _Stopped
-                            got = os.preadv(fd, [mv[done:]], r.begin + rpos + done)
-                            if got <= 0:
-                                raise _short(r)
-                            done += got
-                    if hashers[ri] is not None:
-                        hashers[ri].update(dst)
-                    rpos += k
-                    if rpos == sizes[ri]:
-                        ri, rpos = ri + 1, 0
-                with torch.cuda.stream(stream):
-                    flat[win:wend].copy_(buf[:wend - win], non_blocking=True)
-                    ev.record(stream)
-            finally:
-                self.slots.give(buf, ev)
-            win = wend
+        if any(h is not None for h in hashers) or self.window_pool is None:
+            events = [self._window(reads, offs, sizes, a, b, flat, ready, hashers) for a, b in windows]
+        else:
+            futs = [self.window_pool.submit(self._window, reads, offs, sizes, a, b, flat, ready) for a, b in windows]
+            events = [f.result() for f in futs]
+        for e in events:
+            stream.wait_event(e)
         out: dict[str, torch.Tensor] = {}
         for r, h, o, n in zip(reads, hashers, offs, sizes):
             if h is not None and h.hexdigest() != r.xxh3:
@@ -400,30 +401,9 @@ class _Pipeline:
             out[r.name] = flat[o:o + n].view(tdt).reshape(shape)
         return out
 
-    def _gpu_job_registered(self, reads: tuple[_Read, ...], offs: list[int], sizes: list[int], flat: torch.Tensor,
-                            stream: torch.cuda.Stream) -> dict[str, torch.Tensor]:
-        """Each tensor copied by the GPU straight out of the page-locked map; hashed from the map meanwhile."""
-        out: dict[str, torch.Tensor] = {}
-        for r, o, n in zip(reads, offs, sizes):
-            if self.stop.is_set():
-                raise _Stopped
-            if n:
-                with torch.cuda.stream(stream):
-                    flat[o:o + n].copy_(self.files.registered(r.path)[r.begin:r.end], non_blocking=True)
-            if self.hash and r.xxh3:
-                h = xxh3_128()
-                h.update(self.files.mapped(r.path)[r.begin:r.end])
-                if h.hexdigest() != r.xxh3:
-                    raise _mismatch(r)
-            tdt, shape, _ = _storage(r.dtype, r.shape)
-            out[r.name] = flat[o:o + n].view(tdt).reshape(shape)
-        return out
-
     def run_job(self, job: _Job) -> dict[str, torch.Tensor]:
         if self.device.type == "cuda":
-            stream = getattr(self.local, "stream", None)
-            if stream is None:
-                stream = self.local.stream = torch.cuda.Stream(device=self.device)
+            stream = self._stream()
             out = self._gpu_job(job, stream)
             with torch.cuda.stream(stream):
                 result = self.finish(job, out, stream)
@@ -449,10 +429,15 @@ class _Pipeline:
         # the staging bytes; jobs on the device are bounded by the workers.
         budget = self.max_inflight if self.slots is None else 1 << 62
         pool = ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="moet-load")
+        max_jobs = 2 * self.workers
+        if self.slots is not None and not self.hash:
+            # GPU without hashing: the workers share each job's windows (_gpu_job); the job threads only wait
+            self.window_pool = ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="moet-window")
+            max_jobs = GPU_JOBS_IN_FLIGHT
         progress.start(sum(j.nbytes for j in jobs), what)
         try:
             while pending or running:
-                while pending and len(running) < 2 * self.workers and \
+                while pending and len(running) < max_jobs and \
                         (not running or inflight + pending[0].nbytes <= budget):
                     job = pending.popleft()
                     inflight += job.nbytes
@@ -474,13 +459,14 @@ class _Pipeline:
             for fut in running:
                 fut.cancel()
             pool.shutdown(wait=True, cancel_futures=True)
+            if self.window_pool is not None:
+                self.window_pool.shutdown(wait=True, cancel_futures=True)
+                self.window_pool = None
             running.clear()
             if self.slots is not None:
                 self.slots.drain()  # the workers are gone and every copy from staging is done
                 self.pinned.give(self.slots.buffer)
                 self.slots = None
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)  # no copy still reads a map we are about to unregister
             self.files.close()
             progress.finish()
 

@@ -21,17 +21,18 @@ def built(tmp_path_factory: pytest.TempPathFactory):
     return src, work / "cache"
 
 
-@pytest.mark.parametrize("read", ["pread", "mmap", "register"])
+@pytest.mark.parametrize("verify", ["hash", "boot"])  # one thread a layer, in order / windows on all workers
+@pytest.mark.parametrize("read", ["pread", "mmap"])
 @pytest.mark.parametrize("expand", [False, True])
 @pytest.mark.parametrize("delta", ["tier", "all", "none"])
-def test_gpu_load_equals_cpu_load(built, delta: str, expand: bool, read: str,
+def test_gpu_load_equals_cpu_load(built, delta: str, expand: bool, read: str, verify: str,
                                   monkeypatch: pytest.MonkeyPatch) -> None:
     import moet_cache.loader as ld
     monkeypatch.setattr(ld, "GPU_READ", read)  # both ways of filling the staging slots
     cache = open_cache(built[1])
     cpu = {x.index: x.tensors for x in cache.load(device="cpu", delta=delta, expand=expand)}
     # A tiny in-flight budget forces the staging slots to be reused many times.
-    got = list(cache.load(device="cuda:0", delta=delta, expand=expand, verify="hash", workers=3,
+    got = list(cache.load(device="cuda:0", delta=delta, expand=expand, verify=verify, workers=3,
                           max_inflight="1MiB"))
     assert sorted(x.index for x in got) == sorted(cpu)
     for x in got:
@@ -65,3 +66,13 @@ def test_gpu_hash_names_flipped_tensor(built, tmp_path) -> None:
     with pytest.raises(VerificationError, match="w2_base"):
         for _ in open_cache(root).load(device="cuda:0", verify="hash", max_inflight="1MiB"):
             pass
+
+
+def test_gpu_abandoned_load_stops_its_workers(built) -> None:
+    import threading
+    cache = open_cache(built[1])
+    it = cache.load(device="cuda:0", verify="boot", workers=3, max_inflight="1MiB")
+    next(it)
+    it.close()  # the generator's finally: stop, shut both pools down, drain the staging
+    assert not [t.name for t in threading.enumerate() if t.name.startswith(("moet-load", "moet-window"))]
+    assert len(list(cache.load(device="cuda:0", verify="boot"))) == len(cache.layers)
