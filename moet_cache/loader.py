@@ -21,6 +21,7 @@ import bisect
 import os
 import queue
 import threading
+import warnings
 from collections import deque
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
@@ -44,9 +45,12 @@ from .verifier import (CORRUPT, INCOMPLETE, STALE, VERIFIED, CacheFiles, Problem
 DELTA_MODES = ("tier", "none", "all")
 VERIFY_MODES = ("boot", "hash", "none")
 CHUNK = 8 << 20                 # one read on the CPU path: big enough for disk speed, small for the cache
-GPU_SLOT = 16 << 20             # one pinned staging slot = one host-to-device copy
-GPU_SLOTS_PER_WORKER = 3        # slots a worker may hold at most (staging = workers x this x GPU_SLOT)
-GPU_READ = "pread"              # how a GPU load fills its staging: "pread" or "mmap" (copy from a map)
+GPU_SLOT = 32 << 20             # one pinned staging slot = one host-to-device copy
+GPU_SLOTS_PER_WORKER = 2        # slots a worker may hold at most (staging = workers x this x GPU_SLOT)
+GPU_READ = "pread"              # how a GPU load fills its staging: "pread" or "mmap" (copy from a map);
+                                # "hybrid": every other layer DMA'd straight from the page cache (_direct)
+_HOST_REGISTER_READ_ONLY = 0x08  # cudaHostRegisterReadOnly
+_PAGE = mmap.PAGESIZE
 GPU_JOBS_IN_FLIGHT = 3          # layers whose windows are queued at once (no hashing): enough to keep
                                 # every worker busy across a layer's end, few enough to finish in order
 DELTA_EXPERTS = "delta_experts"  # int64 [n]: which experts the w13_delta / w2_delta rows belong to
@@ -160,6 +164,8 @@ class _Files:
         self.root = root
         self._fds: dict[str, tuple[int, int]] = {}
         self._maps: dict[str, tuple[mmap.mmap, np.ndarray]] = {}
+        self._tensors: dict[str, torch.Tensor] = {}
+        self._file_locks: dict[str, threading.Lock] = {}
         self._lock = threading.Lock()
 
     def mapped(self, rel: str) -> np.ndarray:
@@ -173,6 +179,22 @@ class _Files:
                 self._maps[rel] = got  # type: ignore[assignment]
             return got[1]
 
+    def lock(self, rel: str) -> threading.Lock:
+        """A lock of its own for this file."""
+        with self._lock:
+            return self._file_locks.setdefault(rel, threading.Lock())
+
+    def tensor(self, rel: str) -> torch.Tensor:
+        """mapped() as a uint8 tensor (for the GPU's copies out of a page-locked range)."""
+        arr = self.mapped(rel)
+        with self._lock:
+            got = self._tensors.get(rel)
+            if got is None:
+                with warnings.catch_warnings():  # a read-only map: we only ever read it
+                    warnings.simplefilter("ignore", UserWarning)
+                    got = self._tensors[rel] = torch.from_numpy(arr)
+            return got
+
     def fd(self, rel: str) -> tuple[int, int]:
         with self._lock:
             got = self._fds.get(rel)
@@ -184,6 +206,7 @@ class _Files:
 
     def close(self) -> None:
         with self._lock:
+            self._tensors.clear()
             maps = [m for m, _ in self._maps.values() if m is not None]
             self._maps.clear()  # drops our arrays over the maps
             for m in maps:
@@ -367,6 +390,34 @@ class _Pipeline:
             self.slots.give(buf, ev)
         return done
 
+    def _direct(self, reads: Sequence[_Read], offs: list[int], sizes: list[int], flat: torch.Tensor,
+                ready: torch.cuda.Event, stream: torch.cuda.Stream) -> None:
+        """The job's tensors copied by the GPU straight out of the page cache: each file's byte range
+        page-locked (cudaHostRegister, read-only) for the copies, then released. No CPU copy, so it
+        does not compete with the staged jobs for memory bandwidth."""
+        by_file: dict[str, list[int]] = {}
+        for i, r in enumerate(reads):
+            if sizes[i]:
+                by_file.setdefault(r.path, []).append(i)
+        stream.wait_event(ready)
+        cudart = torch.cuda.cudart()
+        for rel, idx in by_file.items():
+            arr = self.files.mapped(rel)
+            lo = min(reads[i].begin for i in idx) // _PAGE * _PAGE
+            hi = min(arr.nbytes, -(-max(reads[i].end for i in idx) // _PAGE) * _PAGE)
+            ptr = arr.ctypes.data + lo
+            with self.files.lock(rel):  # no two jobs lock the same page of a file (the pack) at once
+                torch.cuda.check_error(cudart.cudaHostRegister(ptr, hi - lo, _HOST_REGISTER_READ_ONLY))
+                try:
+                    src = self.files.tensor(rel)
+                    with torch.cuda.stream(stream):
+                        for i in idx:
+                            flat[offs[i]:offs[i] + sizes[i]].copy_(src[reads[i].begin:reads[i].end],
+                                                                   non_blocking=True)
+                    stream.synchronize()
+                finally:
+                    cudart.cudaHostUnregister(ptr)
+
     def _gpu_job(self, job: _Job, stream: torch.cuda.Stream) -> dict[str, torch.Tensor]:
         """A job's tensors laid out (256-byte aligned) in ONE device buffer, moved window by window
         through the pinned slots: one copy and one event per window, whatever the tensor count (each
@@ -388,6 +439,9 @@ class _Pipeline:
         hashers = [xxh3_128() if self.hash and r.xxh3 else None for r in reads]
         if any(h is not None for h in hashers) or self.window_pool is None:
             events = [self._window(reads, offs, sizes, a, b, flat, ready, hashers) for a, b in windows]
+        elif self.gpu_read == "hybrid" and isinstance(job.key, int) and job.key % 2:  # every other layer
+            self._direct(reads, offs, sizes, flat, ready, stream)
+            events = []
         else:
             futs = [self.window_pool.submit(self._window, reads, offs, sizes, a, b, flat, ready) for a, b in windows]
             events = [f.result() for f in futs]

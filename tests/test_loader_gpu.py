@@ -22,7 +22,7 @@ def built(tmp_path_factory: pytest.TempPathFactory):
 
 
 @pytest.mark.parametrize("verify", ["hash", "boot"])  # one thread a layer, in order / windows on all workers
-@pytest.mark.parametrize("read", ["pread", "mmap"])
+@pytest.mark.parametrize("read", ["pread", "mmap", "hybrid"])
 @pytest.mark.parametrize("expand", [False, True])
 @pytest.mark.parametrize("delta", ["tier", "all", "none"])
 def test_gpu_load_equals_cpu_load(built, delta: str, expand: bool, read: str, verify: str,
