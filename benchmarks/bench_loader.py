@@ -196,8 +196,7 @@ def _h2d(nbytes: int, device: str, reps: int) -> float:
 
 def run(size_bytes: int, device: str = "cpu", workers: tuple[int, ...] = (4,), reps: int = 3,
         workdir: str | None = None, keep: bool = False, with_source: bool = True,
-        big_layers: bool = True, gpu_slots: tuple[tuple[int, int], ...] = (),
-        gpu_reads: tuple[str, ...] = ("pread",)) -> dict[str, Any]:
+        big_layers: bool = True, gpu_slots: tuple[tuple[int, int], ...] = ()) -> dict[str, Any]:
     """Build a synthetic cache of about `size_bytes` of experts and measure every figure on it."""
     work = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="moet-bench-loader-"))
     res: dict[str, Any] = {"size_bytes": size_bytes, "device": device, "cpus": os.cpu_count()}
@@ -247,17 +246,12 @@ def run(size_bytes: int, device: str = "cpu", workers: tuple[int, ...] = (4,), r
             nb0 = _loader(fresh, dev, max(workers))[0]
             res["gpu_first_load_GBps"] = nb0 / (time.perf_counter() - t0) / 1e9
             fresh.release()
+            for w in workers:
+                for verify in ("none", "boot", "hash"):
+                    nb = [0]
+                    t = _best(lambda: nb.__setitem__(0, _loader(cache, dev, w, verify)[0]), reps)
+                    res[f"gpu_w{w}_{verify}_GBps"] = nb[0] / t / 1e9
             import moet_cache.loader as ld
-            default_read = ld.GPU_READ
-            for mode in (default_read, *[m for m in gpu_reads if m != default_read]):  # how the staging is filled: pread, or a copy out of a map
-                ld.GPU_READ = mode
-                tag = "" if mode == default_read else f"{mode}_"
-                for w in workers:
-                    for verify in ("none", "boot", "hash"):
-                        nb = [0]
-                        t = _best(lambda: nb.__setitem__(0, _loader(cache, dev, w, verify)[0]), reps)
-                        res[f"gpu_{tag}w{w}_{verify}_GBps"] = nb[0] / t / 1e9
-            ld.GPU_READ = default_read
             wbest = max(workers, key=lambda w: res[f"gpu_w{w}_boot_GBps"])
             res["load_gpu_GBps"] = res[f"gpu_w{wbest}_boot_GBps"]
             default_slots = (ld.GPU_SLOT, ld.GPU_SLOTS_PER_WORKER)
@@ -301,100 +295,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-source", action="store_true", help="skip the (slow) source-split baseline")
     ap.add_argument("--small-layers", action="store_true", help="spec_for_size's small layers (many per GiB)")
     ap.add_argument("--gpu-slots", default="", help="staging shapes to compare, e.g. 16MiB:3,8MiB:2,4MiB:2")
-    ap.add_argument("--gpu-read", default="", help="staging fill methods to compare, e.g. pread,mmap "
-                    "(moet_cache.loader.GPU_READ; the default's figures are the headline)")
     ap.add_argument("--json", action="store_true")
-    ap.add_argument("--probe", action="store_true", help="only measure the staging options of this machine")
     a = ap.parse_args(argv)
-    if a.probe:
-        print(json.dumps(probe_staging(), indent=1))
-        return 0
     res = run(parse_size(a.size), a.device, tuple(int(x) for x in a.workers.split(",")), a.reps,
               a.workdir, with_source=not a.no_source, big_layers=not a.small_layers,
-              gpu_slots=tuple((parse_size(x.split(":")[0]), int(x.split(":")[1])) for x in a.gpu_slots.split(",") if x),
-              gpu_reads=tuple(x for x in a.gpu_read.split(",") if x) or ("pread",))
+              gpu_slots=tuple((parse_size(x.split(":")[0]), int(x.split(":")[1])) for x in a.gpu_slots.split(",") if x))
     if a.json:
         print(json.dumps(res, indent=1))
     else:
         for k, v in res.items():
             print(f"{k:32s} {v:.3f}" if isinstance(v, float) else f"{k:32s} {v}")
     return 0
-
-
-
-
-def probe_staging(total: int = 2 << 30, threads: tuple[int, ...] = (1, 4, 8), chunk: int = 8 << 20) -> dict[str, float]:
-    """Where reading page-cache data towards a GPU can go fast on this machine (GB/s per method)."""
-    import mmap
-
-    import numpy as np
-    work = Path(tempfile.mkdtemp(prefix="moet-probe-"))
-    out: dict[str, float] = {}
-    try:
-        n_files = 8
-        per = total // n_files
-        paths = []
-        for i in range(n_files):
-            p = work / f"f{i}"
-            p.write_bytes(np.random.default_rng(i).integers(0, 255, per, dtype=np.uint8).tobytes())
-            paths.append(p)
-        _plain_read(paths)
-        fds = [os.open(p, os.O_RDONLY) for p in paths]
-        jobs = [(fd, off) for fd in fds for off in range(0, per, chunk)]
-
-        def run_threads(n: int, make_buf: Any, sink: Any = None) -> float:
-            bufs = [make_buf() for _ in range(n)]
-            def work_(k: int) -> None:
-                buf = bufs[k]
-                mv = memoryview(buf.numpy() if isinstance(buf, torch.Tensor) else buf)
-                for fd, off in jobs[k::n]:
-                    os.preadv(fd, [mv], off)
-                    if sink is not None:
-                        sink(k, buf)
-            def go() -> None:
-                with ThreadPoolExecutor(n) as pool:
-                    list(pool.map(work_, range(n)))
-                if sink is not None:
-                    torch.cuda.synchronize()
-            go()
-            return total / _best(go, 2) / 1e9
-
-        for n in threads:
-            out[f"pread_pageable_t{n}"] = run_threads(n, lambda: np.ones(chunk, np.uint8))
-            if torch.cuda.is_available():
-                out[f"pread_pinned_t{n}"] = run_threads(n, lambda: torch.ones(chunk, dtype=torch.uint8).pin_memory())
-                dev = torch.empty(chunk, dtype=torch.uint8, device="cuda")
-                streams = [torch.cuda.Stream() for _ in range(n)]
-                def h2d(k: int, buf: Any) -> None:
-                    with torch.cuda.stream(streams[k]):
-                        dev.copy_(buf if isinstance(buf, torch.Tensor) else torch.from_numpy(buf), non_blocking=True)
-                    streams[k].synchronize()
-                out[f"pread_pinned_h2d_t{n}"] = run_threads(n, lambda: torch.ones(chunk, dtype=torch.uint8).pin_memory(), h2d)
-                out[f"pread_pageable_h2d_t{n}"] = run_threads(n, lambda: np.ones(chunk, np.uint8), h2d)
-        # mmap the files and copy straight from the mapping (no read syscalls)
-        if torch.cuda.is_available():
-            maps = [mmap.mmap(fd, per, prot=mmap.PROT_READ) for fd in fds]
-            for n in threads:
-                dst = [torch.ones(chunk, dtype=torch.uint8).pin_memory() for _ in range(n)]
-                def mm_work(k: int) -> None:
-                    for i in range(k, len(jobs), n):
-                        fi, off = divmod(i, per // chunk)
-                        src = torch.frombuffer(maps[fi], dtype=torch.uint8, count=chunk, offset=off * chunk)
-                        dst[k].copy_(src)
-                def go_mm() -> None:
-                    with ThreadPoolExecutor(n) as pool:
-                        list(pool.map(mm_work, range(n)))
-                go_mm()
-                out[f"mmap_copy_pinned_t{n}"] = total / _best(go_mm, 2) / 1e9
-            t0 = time.perf_counter()
-            pin = torch.empty(total, dtype=torch.uint8, pin_memory=True)
-            out["pin_alloc_2GiB_s"] = time.perf_counter() - t0
-            del pin
-        for fd in fds:
-            os.close(fd)
-        return out
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -15,13 +15,11 @@ complete; an error, a closed generator or Ctrl-C stops every worker and frees wh
 
 from __future__ import annotations
 
-import json
-import mmap
 import bisect
+import json
 import os
 import queue
 import threading
-import warnings
 from collections import deque
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
@@ -47,10 +45,6 @@ VERIFY_MODES = ("boot", "hash", "none")
 CHUNK = 8 << 20                 # one read on the CPU path: big enough for disk speed, small for the cache
 GPU_SLOT = 32 << 20             # one pinned staging slot = one host-to-device copy
 GPU_SLOTS_PER_WORKER = 2        # slots a worker may hold at most (staging = workers x this x GPU_SLOT)
-GPU_READ = "pread"              # how a GPU load fills its staging: "pread" or "mmap" (copy from a map);
-                                # "hybrid": every other layer DMA'd straight from the page cache (_direct)
-_HOST_REGISTER_READ_ONLY = 0x08  # cudaHostRegisterReadOnly
-_PAGE = mmap.PAGESIZE
 GPU_JOBS_IN_FLIGHT = 3          # layers whose windows are queued at once (no hashing): enough to keep
                                 # every worker busy across a layer's end, few enough to finish in order
 DELTA_EXPERTS = "delta_experts"  # int64 [n]: which experts the w13_delta / w2_delta rows belong to
@@ -157,43 +151,12 @@ def parse_header(path: Path, rel: str) -> tuple[int, dict[str, tuple[str, tuple[
 
 # --- the pipeline --------------------------------------------------------------------------------
 class _Files:
-    """Open file descriptors of one load (pread is safe from many threads on one descriptor), and
-    read-only maps of them for the GPU path's copies."""
+    """Open file descriptors of one load (pread is safe from many threads on one descriptor)."""
 
     def __init__(self, root: Path) -> None:
         self.root = root
         self._fds: dict[str, tuple[int, int]] = {}
-        self._maps: dict[str, tuple[mmap.mmap, np.ndarray]] = {}
-        self._tensors: dict[str, torch.Tensor] = {}
-        self._file_locks: dict[str, threading.Lock] = {}
         self._lock = threading.Lock()
-
-    def mapped(self, rel: str) -> np.ndarray:
-        """The whole file as a read-only uint8 array (mapped once per load)."""
-        fd, size = self.fd(rel)
-        with self._lock:
-            got = self._maps.get(rel)
-            if got is None:
-                m = mmap.mmap(fd, size, prot=mmap.PROT_READ) if size else None
-                got = (m, np.frombuffer(m, dtype=np.uint8) if m is not None else np.empty(0, np.uint8))
-                self._maps[rel] = got  # type: ignore[assignment]
-            return got[1]
-
-    def lock(self, rel: str) -> threading.Lock:
-        """A lock of its own for this file."""
-        with self._lock:
-            return self._file_locks.setdefault(rel, threading.Lock())
-
-    def tensor(self, rel: str) -> torch.Tensor:
-        """mapped() as a uint8 tensor (for the GPU's copies out of a page-locked range)."""
-        arr = self.mapped(rel)
-        with self._lock:
-            got = self._tensors.get(rel)
-            if got is None:
-                with warnings.catch_warnings():  # a read-only map: we only ever read it
-                    warnings.simplefilter("ignore", UserWarning)
-                    got = self._tensors[rel] = torch.from_numpy(arr)
-            return got
 
     def fd(self, rel: str) -> tuple[int, int]:
         with self._lock:
@@ -206,14 +169,6 @@ class _Files:
 
     def close(self) -> None:
         with self._lock:
-            self._tensors.clear()
-            maps = [m for m, _ in self._maps.values() if m is not None]
-            self._maps.clear()  # drops our arrays over the maps
-            for m in maps:
-                try:
-                    m.close()
-                except BufferError:  # a view still held somewhere (a traceback): freed with it
-                    pass
             for fd, _ in self._fds.values():
                 os.close(fd)
             self._fds.clear()
@@ -308,7 +263,6 @@ class _Pipeline:
         self.slots: _Slots | None = None
         self.window_pool: ThreadPoolExecutor | None = None
         self.pinned = pinned or _PinnedPool()
-        self.gpu_read = GPU_READ
         if device.type == "cuda":
             # Staging = bytes in flight: 2-4 slots a worker, never more than max_inflight.
             chunk = max(1 << 20, min(GPU_SLOT, max_inflight // (2 * workers)))
@@ -347,9 +301,6 @@ class _Pipeline:
         if self.stop.is_set():
             raise _Stopped
         begin = r.begin + pos
-        if self.gpu_read == "mmap":  # a memcpy out of the page cache's map: no syscall
-            np.copyto(dst, self.files.mapped(r.path)[begin:begin + len(dst)])
-            return
         fd = self.files.fd(r.path)[0]
         mv, done = memoryview(dst), 0
         while done < len(dst):
@@ -390,34 +341,6 @@ class _Pipeline:
             self.slots.give(buf, ev)
         return done
 
-    def _direct(self, reads: Sequence[_Read], offs: list[int], sizes: list[int], flat: torch.Tensor,
-                ready: torch.cuda.Event, stream: torch.cuda.Stream) -> None:
-        """The job's tensors copied by the GPU straight out of the page cache: each file's byte range
-        page-locked (cudaHostRegister, read-only) for the copies, then released. No CPU copy, so it
-        does not compete with the staged jobs for memory bandwidth."""
-        by_file: dict[str, list[int]] = {}
-        for i, r in enumerate(reads):
-            if sizes[i]:
-                by_file.setdefault(r.path, []).append(i)
-        stream.wait_event(ready)
-        cudart = torch.cuda.cudart()
-        for rel, idx in by_file.items():
-            arr = self.files.mapped(rel)
-            lo = min(reads[i].begin for i in idx) // _PAGE * _PAGE
-            hi = min(arr.nbytes, -(-max(reads[i].end for i in idx) // _PAGE) * _PAGE)
-            ptr = arr.ctypes.data + lo
-            with self.files.lock(rel):  # no two jobs lock the same page of a file (the pack) at once
-                torch.cuda.check_error(cudart.cudaHostRegister(ptr, hi - lo, _HOST_REGISTER_READ_ONLY))
-                try:
-                    src = self.files.tensor(rel)
-                    with torch.cuda.stream(stream):
-                        for i in idx:
-                            flat[offs[i]:offs[i] + sizes[i]].copy_(src[reads[i].begin:reads[i].end],
-                                                                   non_blocking=True)
-                    stream.synchronize()
-                finally:
-                    cudart.cudaHostUnregister(ptr)
-
     def _gpu_job(self, job: _Job, stream: torch.cuda.Stream) -> dict[str, torch.Tensor]:
         """A job's tensors laid out (256-byte aligned) in ONE device buffer, moved window by window
         through the pinned slots: one copy and one event per window, whatever the tensor count (each
@@ -439,9 +362,6 @@ class _Pipeline:
         hashers = [xxh3_128() if self.hash and r.xxh3 else None for r in reads]
         if any(h is not None for h in hashers) or self.window_pool is None:
             events = [self._window(reads, offs, sizes, a, b, flat, ready, hashers) for a, b in windows]
-        elif self.gpu_read == "hybrid" and isinstance(job.key, int) and job.key % 2:  # every other layer
-            self._direct(reads, offs, sizes, flat, ready, stream)
-            events = []
         else:
             futs = [self.window_pool.submit(self._window, reads, offs, sizes, a, b, flat, ready) for a, b in windows]
             events = [f.result() for f in futs]
@@ -646,9 +566,11 @@ class Cache:
                 "run moet-cache verify --full once, or load with verify='hash'", list(report.problems))
 
     def load(self, device: str | torch.device = "cpu", delta: str = "tier", verify: str = "boot",
-             workers: int = 4, max_inflight: str | int = "2GiB", progress: Progress | None = None,
+             workers: int | None = None, max_inflight: str | int = "2GiB", progress: Progress | None = None,
              expand: bool = False, layers: Sequence[int] | None = None) -> Iterator[LoadedLayer]:
         """Yield every served layer (or those in `layers`) as it completes; see docs/LOADER.md."""
+        dev = _device(device)
+        workers = default_workers(dev) if workers is None else workers
         if delta not in DELTA_MODES:
             raise InputError(f"delta must be one of {', '.join(DELTA_MODES)}, got {delta!r}")
         if delta == "all" and not self.lossless:
@@ -656,7 +578,6 @@ class Cache:
                              "use delta='tier', or build with --lossless")
         if workers < 1:
             raise InputError(f"workers must be at least 1, got {workers}")
-        dev = _device(device)
         budget = parse_size(max_inflight, what="max_inflight")
         if budget < 64 << 10:
             raise InputError(f"max_inflight must be at least 64 KiB, got {budget} bytes")
@@ -726,10 +647,11 @@ class Cache:
                 out.append(t)
         return out
 
-    def load_dense(self, device: str | torch.device = "cpu", verify: str = "boot", workers: int = 4,
+    def load_dense(self, device: str | torch.device = "cpu", verify: str = "boot", workers: int | None = None,
                    max_inflight: str | int = "2GiB", progress: Progress | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield (source name, tensor) for every dense tensor, with the checks of `load`."""
         dev = _device(device)
+        workers = default_workers(dev) if workers is None else workers
         budget = parse_size(max_inflight, what="max_inflight")
         self._check_verify(verify)
         if verify == "boot":
@@ -748,6 +670,18 @@ class Cache:
                          self._pinned)
         for _, tensors in pipe.run(jobs, progress or NullProgress(), "load dense"):
             yield from tensors.items()
+
+
+def default_workers(device: torch.device) -> int:
+    """Reader threads when the caller names none: 4 into host memory; into a GPU, 12 (the fastest on
+    the 16-core H200 machine, docs/LOADER.md), never more than the cores this process may use."""
+    if device.type != "cuda":
+        return 4
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    return max(1, min(12, cores))
 
 
 def _device(device: str | torch.device) -> torch.device:

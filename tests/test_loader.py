@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import signal
 import subprocess
@@ -331,3 +332,10 @@ def test_open_cache_is_exported() -> None:
     import moet_cache
     assert moet_cache.open_cache is open_cache
     assert moet_cache.LoadedLayer.__name__ == "LoadedLayer"
+
+
+def test_default_workers() -> None:
+    from moet_cache.loader import default_workers
+    assert default_workers(torch.device("cpu")) == 4
+    n = default_workers(torch.device("cuda", 0))  # a device object needs no GPU
+    assert 1 <= n <= min(12, len(os.sched_getaffinity(0)))
