@@ -45,6 +45,7 @@ from .fsutil import (
     refuse_links,
 )
 from .hashing import xxh3_file_hex, xxh3_hex
+from .machine import usable_cores
 from .manifest import (
     CACHE_MANIFEST,
     COMMIT_RECORD,
@@ -320,12 +321,8 @@ def _read_window(workers: int, expert_bytes: int) -> int:
 
 
 def _plane_workers() -> int:
-    """Threads for the split: the cores this process may run on (taskset and cgroups narrow it), at most 8."""
-    try:
-        n = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        n = os.cpu_count() or 1
-    return max(1, min(8, n))
+    """Threads for the split: the cores this process may use, at most 8."""
+    return min(8, usable_cores())
 
 
 @dataclass
@@ -636,8 +633,9 @@ class _Builder:
         # writes expert e. Reads on their own threads: a worker that read its own expert left the
         # disk idle while it computed, and the CPU idle while it waited for the disk.
         workers, device = _plane_workers(), _plane_device()
-        window = _read_window(workers, 3 * sum(self._nbytes(n) for n in ck.expert_names(layer, 0, PROJECTIONS[0]).values()
-                                              if n in ck.tensors))
+        expert_bytes = sum(self._nbytes(n) for p in PROJECTIONS for n in ck.expert_names(layer, 0, p).values()
+                           if n in ck.tensors)
+        window = _read_window(workers, expert_bytes)
         reader = self.reader
         pending: deque[Future[list[_Planes]]] = deque()
         ahead = 0

@@ -34,6 +34,7 @@ from .errors import InputError, VerificationError
 from .expand import expand_projection
 from .fsutil import resolve_inside
 from .hashing import xxh3_file_hex, xxh3_hex
+from .machine import usable_cores
 from .manifest import DeltaIndex, FileEntry, LayerManifest, PartManifest, TensorEntry
 from .progress import NullProgress, Progress
 from .units import parse_size
@@ -264,7 +265,7 @@ class _Pipeline:
         self.window_pool: ThreadPoolExecutor | None = None
         self.pinned = pinned or _PinnedPool()
         if device.type == "cuda":
-            # Staging = bytes in flight: 2-4 slots a worker, never more than max_inflight.
+            # Staging = bytes in flight: GPU_SLOTS_PER_WORKER slots a worker (at least 2), never more than max_inflight.
             chunk = max(1 << 20, min(GPU_SLOT, max_inflight // (2 * workers)))
             count = max(2 * workers, min(GPU_SLOTS_PER_WORKER * workers, max_inflight // chunk))
             self.chunk = chunk
@@ -675,13 +676,7 @@ class Cache:
 def default_workers(device: torch.device) -> int:
     """Reader threads when the caller names none: 4 into host memory; into a GPU, 12 (the fastest on
     the 16-core H200 machine, docs/LOADER.md), never more than the cores this process may use."""
-    if device.type != "cuda":
-        return 4
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cores = os.cpu_count() or 1
-    return max(1, min(12, cores))
+    return 4 if device.type != "cuda" else min(12, usable_cores())
 
 
 def _device(device: str | torch.device) -> torch.device:

@@ -16,6 +16,7 @@ from . import layout as L
 from .errors import InputError, UnsafePathError, VerificationError
 from .fsutil import atomic_write_json, lock_is_held, read_json_file, refuse_links, resolve_inside
 from .hashing import xxh3_file_hex, xxh3_hex
+from .machine import usable_cores
 from .manifest import (CACHE_MANIFEST, COMMIT_RECORD, VERIFIED_STATE, CacheManifest, CommitRecord,
                        DeltaIndex, FileEntry, LayerManifest, ManifestError, TensorEntry, loads_record)
 from .progress import NullProgress, Progress
@@ -313,7 +314,7 @@ def full_verify(root: str | os.PathLike[str], workers: int | None = None,
     problems = [p for p in boot.problems if p.kind not in ("changed",)]
     hashed = 0
     layer_of = {f.path: layer for f, layer in cf.files}
-    with ThreadPoolExecutor(max_workers=workers or min(8, (os.cpu_count() or 2))) as pool:
+    with ThreadPoolExecutor(max_workers=workers or min(8, usable_cores())) as pool:
         for f, digest in pool.map(lambda fe: _hash_file(root, fe[0]), cf.files):
             progress.advance(f.size)
             if digest is None:
