@@ -76,16 +76,25 @@ typedef struct {
 #define BIN_ADD(b, s2) ((b)->d[0] += (s2), (b)->d[1] += 1.0)
 #endif
 
-static void split_measure_loop(const uint8_t *src, const float *scales, Py_ssize_t nblocks,
-                               uint8_t *base, uint8_t *delta, bin_t (*bins)[256])
+/* The split of blocks [0, nblocks) alone: no scatter in this loop, so the compiler vectorises it. */
+static void split_loop(const uint8_t *src, Py_ssize_t nblocks, uint8_t *base, uint8_t *delta)
 {
     const uint64_t m33 = 0x3333333333333333ULL;
     for (Py_ssize_t i = 0; i < nblocks; i++) {
         uint64_t w = load_le64(src + 8 * i);
-        double s = (double)scales[i];
-        double s2 = s * s;
         store_le32(base + 4 * i, compact((w >> 2) & m33));
         store_le32(delta + 4 * i, compact(w & m33));
+    }
+}
+
+static void split_measure_loop(const uint8_t *src, const float *scales, Py_ssize_t nblocks,
+                               uint8_t *base, uint8_t *delta, bin_t (*bins)[256])
+{
+    split_loop(src, nblocks, base, delta);
+    for (Py_ssize_t i = 0; i < nblocks; i++) {
+        uint64_t w = load_le64(src + 8 * i);
+        double s = (double)scales[i];
+        double s2 = s * s;
         for (int j = 0; j < 8; j++) {
             bin_t *b = &bins[j & (NCOPY - 1)][(w >> (8 * j)) & 0xFF];
             BIN_ADD(b, s2);
@@ -131,6 +140,20 @@ typedef struct {
     Py_buffer packed, scales, base, delta;
 } split_buffers;
 
+/* The buffers of objs[0..n): 0, or -1 with an exception set and none of them held. */
+static int get_buffers(PyObject *const *objs, Py_buffer *const *views, const int *flags, const char *const *names,
+                       int n)
+{
+    for (int i = 0; i < n; i++) {
+        if (get_buffer(objs[i], views[i], flags[i], names[i]) < 0) {
+            while (i--)
+                PyBuffer_Release(views[i]);
+            return -1;
+        }
+    }
+    return 0;
+}
+
 /* Parse (packed, scales, base_out, delta_out): 0, or -1 with an exception set and nothing held. */
 static int get_split_buffers(PyObject *args, const char *format, int scale_flags, const char *scale_name,
                              split_buffers *sb)
@@ -142,14 +165,7 @@ static int get_split_buffers(PyObject *args, const char *format, int scale_flags
     const int flags[4] = {PyBUF_C_CONTIGUOUS, PyBUF_C_CONTIGUOUS | scale_flags,
                           PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE};
     const char *names[4] = {"packed", scale_name, "base_out", "delta_out"};
-    for (int i = 0; i < 4; i++) {
-        if (get_buffer(o[i], views[i], flags[i], names[i]) < 0) {
-            while (i--)
-                PyBuffer_Release(views[i]);
-            return -1;
-        }
-    }
-    return 0;
+    return get_buffers(o, views, flags, names, 4);
 }
 
 static void release_split_buffers(split_buffers *sb)
@@ -230,17 +246,6 @@ static double e4m3_value(unsigned v)
 
 #define E4M3_CHUNK 2048  /* blocks per pass: the planes of a chunk stay in L1 between the two loops */
 #define E4M3_FLUSH (1 << 28)  /* blocks between flushes of the uint32 pair counts (8 per block < 2^32) */
-
-/* The split of blocks [0, nblocks) alone: no scatter in this loop, so the compiler vectorises it. */
-static void split_loop(const uint8_t *src, Py_ssize_t nblocks, uint8_t *base, uint8_t *delta)
-{
-    const uint64_t m33 = 0x3333333333333333ULL;
-    for (Py_ssize_t i = 0; i < nblocks; i++) {
-        uint64_t w = load_le64(src + 8 * i);
-        store_le32(base + 4 * i, compact((w >> 2) & m33));
-        store_le32(delta + 4 * i, compact(w & m33));
-    }
-}
 
 /* pairs[s][b]: how many packed bytes of value b sit in blocks whose scale byte is s. A row is
  * zeroed when first used (seen[s]): a tensor's scales take few values, so most rows stay untouched. */
@@ -341,19 +346,13 @@ static PyObject *split(PyObject *self, PyObject *args)
 {
     PyObject *o[3];
     Py_buffer v[3];
+    Py_buffer *views[3] = {&v[0], &v[1], &v[2]};
     const int flags[3] = {PyBUF_C_CONTIGUOUS, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE,
                           PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE};
     const char *names[3] = {"packed", "base_out", "delta_out"};
     (void)self;
-    if (!PyArg_ParseTuple(args, "OOO:split", &o[0], &o[1], &o[2]))
+    if (!PyArg_ParseTuple(args, "OOO:split", &o[0], &o[1], &o[2]) || get_buffers(o, views, flags, names, 3) < 0)
         return NULL;
-    for (int i = 0; i < 3; i++) {
-        if (get_buffer(o[i], &v[i], flags[i], names[i]) < 0) {
-            while (i--)
-                PyBuffer_Release(&v[i]);
-            return NULL;
-        }
-    }
     Py_ssize_t n = v[0].len;
     PyObject *result = NULL;
     if (n % 8 || v[1].len != n / 2 || v[2].len != n / 2) {
