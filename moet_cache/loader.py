@@ -274,19 +274,14 @@ class _Pipeline:
             self.chunk = CHUNK
 
     # each worker ---------------------------------------------------------------------------
-    def _read_cpu(self, r: _Read, fd: int, mv: memoryview) -> None:
+    def _read_cpu(self, r: _Read, dst: np.ndarray) -> None:
+        """Tensor r into dst, a chunk at a time, hashed as it arrives when verifying."""
         h = xxh3_128() if self.hash and r.xxh3 else None
-        pos, n = 0, len(mv)
-        while pos < n:
-            if self.stop.is_set():
-                raise _Stopped
-            k = min(self.chunk, n - pos)
-            got = os.preadv(fd, [mv[pos:pos + k]], r.begin + pos)
-            if got <= 0:
-                raise _short(r)
+        for pos in range(0, len(dst), self.chunk):
+            piece = dst[pos:pos + self.chunk]
+            self._read_piece(r, pos, piece)
             if h is not None:
-                h.update(mv[pos:pos + got])  # xxhash releases the GIL on large buffers
-            pos += got
+                h.update(piece)  # xxhash releases the GIL on large buffers
         if h is not None and h.hexdigest() != r.xxh3:
             raise _mismatch(r)
 
@@ -298,7 +293,7 @@ class _Pipeline:
         return stream
 
     def _read_piece(self, r: _Read, pos: int, dst: np.ndarray) -> None:
-        """Bytes [pos, pos + len(dst)) of tensor r into dst (a part of a pinned slot)."""
+        """Bytes [pos, pos + len(dst)) of tensor r into dst (a part of a pinned slot, or of a host tensor)."""
         if self.stop.is_set():
             raise _Stopped
         begin = r.begin + pos
@@ -386,11 +381,10 @@ class _Pipeline:
             return result
         out = {}
         for r in job.reads:
-            fd, size = self.files.fd(r.path)
-            _check_read(r, size)
+            _check_read(r, self.files.fd(r.path)[1])
             tdt, shape, n = _storage(r.dtype, r.shape)
             flat = torch.empty(n, dtype=torch.uint8)
-            self._read_cpu(r, fd, memoryview(flat.numpy()))
+            self._read_cpu(r, flat.numpy())
             out[r.name] = flat.view(tdt).reshape(shape)
         return self.finish(job, out, None)
 
