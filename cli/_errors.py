@@ -26,14 +26,24 @@ def exit_code_for(exc: BaseException) -> int | None:
     return None
 
 
-def message_for(exc: BaseException) -> str:
+def message_for(exc: BaseException, with_hint: bool = True) -> str:
+    """The one-line message (with its hint in parentheses unless `with_hint` is False)."""
     if isinstance(exc, KeyboardInterrupt):
         return "interrupted; a build resumes where it stopped when run again"
     if isinstance(exc, (MoetError, Interrupted)):
-        return str(exc)
+        return str(exc) if with_hint else exc.message
     if isinstance(exc, MemoryError):
         return "out of memory; close other programs or use a machine with more memory"
     if isinstance(exc, OSError):
         where = f" ({exc.filename})" if getattr(exc, "filename", None) else ""
-        return f"{exc.strerror or exc}{where}; check the disk and the permissions"
+        return f"{exc.strerror or exc}{where}" + ("; check the disk and the permissions" if with_hint else "")
     return str(exc)
+
+
+def hint_for(exc: BaseException) -> str | None:
+    """What to do about it, as a separate string (the JSON document's `hint`)."""
+    if isinstance(exc, (MoetError, Interrupted)):
+        return exc.hint
+    if isinstance(exc, OSError):
+        return "check the disk and the permissions"
+    return None

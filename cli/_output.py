@@ -23,8 +23,28 @@ def to_jsonable(obj: Any) -> Any:
     return obj
 
 
+# The keys every JSON document carries, whatever the command and however it ended (README "JSON output").
+ENVELOPE_KEYS = ("command", "ok", "exit_code", "error", "hint")
+
+
+def envelope(command: str | None, exit_code: int, error: str | None = None, hint: str | None = None,
+             error_type: str | None = None) -> dict[str, Any]:
+    """The keys every `--json` document starts with; a failed command's document is this alone."""
+    doc: dict[str, Any] = {"command": command, "ok": exit_code == 0, "exit_code": exit_code,
+                           "error": error, "hint": hint}
+    if error_type is not None:
+        doc["error_type"] = error_type
+    return doc
+
+
+def write_json(doc: Any) -> None:
+    sys.stdout.write(json.dumps(to_jsonable(doc), indent=2) + "\n")
+    sys.stdout.flush()
+
+
 class Output:
-    """How a command talks: `--json` gives one JSON document on stdout; `--quiet` keeps stderr quiet."""
+    """How a command talks: `--json` gives one JSON document on stdout; `--quiet` prints no summaries and
+    no notes (errors and warnings still go to stderr)."""
 
     def __init__(self, json_mode: bool = False, quiet: bool = False) -> None:
         self.json_mode = json_mode
@@ -36,12 +56,17 @@ class Output:
     def show_progress(self) -> bool:
         return not (self.json_mode or self.quiet) and self.err.is_terminal
 
-    def json(self, doc: Any) -> None:
-        sys.stdout.write(json.dumps(to_jsonable(doc), indent=2) + "\n")
-        sys.stdout.flush()
+    def json(self, doc: dict[str, Any], exit_code: int = 0) -> None:
+        """The command's one JSON document: its own keys and the envelope's (`ok` is `exit_code == 0`)."""
+        write_json({**doc, **envelope(doc.get("command"), exit_code)})
 
     def print(self, *items: Any) -> None:
-        """Human output on stdout (skipped in JSON mode: the JSON document is the output)."""
+        """A summary on stdout (skipped in JSON mode, where the document is the output, and with --quiet)."""
+        if not (self.json_mode or self.quiet):
+            self.out.print(*items)
+
+    def result(self, *items: Any) -> None:
+        """What the command was asked for (e.g. serve --dry-run's command line): printed even with --quiet."""
         if not self.json_mode:
             self.out.print(*items)
 

@@ -8,39 +8,61 @@ import traceback
 
 import typer
 
-from moet_cache.version import __version__
-
 from . import build, demo, export, inspect_cmd, verify
 from . import plan, serve
-from ._errors import EXIT_USAGE, exit_code_for, message_for
+from ._common import MoetCommand, version_text
+from ._errors import EXIT_USAGE, exit_code_for, hint_for, message_for
+from ._output import envelope, write_json
 from ._signals import InterruptGate
 
-HELP = """Turn an NVFP4 MoE checkpoint into a verified 2-bit base-plane + FP4 delta-tier cache, and serve it.
+HELP = """Turn an NVFP4 MoE checkpoint into a verified 2-bit base-plane + FP4
+delta-tier cache, and serve it.
 
-Exit codes: 0 ok; 1 verification found a problem; 2 bad input or usage; 3 environment (lock held, disk full, interrupted). Add --debug (or MOET_CACHE_DEBUG=1) for tracebacks."""
+\b
+Exit codes: 0 ok; 1 verification found a problem (incomplete, unverified,
+stale, corrupt, mismatch); 2 bad input or usage; 3 environment (lock held,
+disk full, interrupted).
 
-app = typer.Typer(help=HELP, no_args_is_help=True, pretty_exceptions_enable=False,
+\b
+Every command takes --json (one JSON document on stdout on every exit, with
+command, ok, exit_code, error and hint) and --quiet (no summaries or notes).
+--debug, anywhere before a bare --, adds tracebacks to errors.
+
+\b
+Environment variables:
+  MOET_CACHE_DEBUG=1           same as --debug
+  MOET_CACHE_SPLIT_DEVICE=...  build: auto (default), cpu, torch-cpu, cuda
+  MOET_CACHE_KERNELS=numpy     force the numpy kernels (A/B runs)
+  MOET_CACHE_TEST_KILL_AT=W    tests only: SIGKILL this process at commit
+                               window W (docs/GUARANTEES.md)"""
+
+app = typer.Typer(help=HELP, no_args_is_help=True, pretty_exceptions_enable=False, rich_markup_mode=None,
                   add_completion=False, context_settings={"help_option_names": ["-h", "--help"]})
-app.command("build")(build.build)
-app.command("verify")(verify.verify)
-app.command("inspect")(inspect_cmd.inspect)
-app.command("export")(export.export)
-app.command("retier")(build.retier)
-app.command("demo")(demo.demo)
-app.command("plan")(plan.plan)
-app.command("serve")(serve.serve)
+for _name, _fn in (("build", build.build), ("verify", verify.verify), ("inspect", inspect_cmd.inspect),
+                   ("export", export.export), ("retier", build.retier), ("demo", demo.demo),
+                   ("plan", plan.plan), ("serve", serve.serve)):
+    app.command(_name, cls=MoetCommand)(_fn)
+COMMANDS = ("build", "verify", "inspect", "export", "retier", "demo", "plan", "serve")
 
 
 def _version_callback(value: bool) -> None:
     if value:
-        print(f"moet-cache {__version__}")
+        print(version_text())
         raise typer.Exit(0)
 
 
 @app.callback()
-def _root(version: bool = typer.Option(False, "--version", callback=_version_callback, is_eager=True,
-                                       help="Print the version and exit.")) -> None:
+def _root(version: bool = typer.Option(False, "--version", "-V", callback=_version_callback, is_eager=True,
+                                       help="Print the versions of moet-cache, torch and vLLM, and whether "
+                                            "the C kernels are built; then exit.")) -> None:
     pass
+
+
+def _command_and_json(args: list[str]) -> tuple[str | None, bool]:
+    """The command named in the arguments and whether --json was given (before a bare --)."""
+    cut = args.index("--") if "--" in args else len(args)
+    name = next((a for a in args[:cut] if not a.startswith("-")), None)
+    return (name if name in COMMANDS else None), "--json" in args[:cut]
 
 
 def _split_debug(args: list[str]) -> tuple[list[str], bool]:
@@ -56,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     if gate is not None:
         gate.install()  # progress_for() finds it as the SIGINT handler
     debug = debug or os.environ.get("MOET_CACHE_DEBUG", "") not in ("", "0")
+    command, json_mode = _command_and_json(args)
     try:
         rv = app(args=args, prog_name="moet-cache", standalone_mode=False)
         return rv if isinstance(rv, int) else 0
@@ -67,14 +90,24 @@ def main(argv: list[str] | None = None) -> int:
         code = exit_code_for(e)
         if code is None and hasattr(e, "show") and isinstance(getattr(e, "exit_code", None), int):
             e.show()  # a usage error from typer: it prints its own one-line message
-            return EXIT_USAGE if e.exit_code == 2 else e.exit_code
+            code = EXIT_USAGE if e.exit_code == 2 else e.exit_code
+            if json_mode:
+                write_json(envelope(command, code, getattr(e, "format_message", lambda: str(e))(),
+                                    "see `moet-cache --help`", "UsageError"))
+            return code
         if debug:
             traceback.print_exc()
         if code is None:
             sys.stderr.write(f"Error: internal error: {type(e).__name__}: {e}\n"
                              "This is a bug in moet-cache; rerun with --debug and report the traceback.\n")
+            if json_mode:
+                write_json(envelope(command, 70, f"internal error: {type(e).__name__}: {e}",
+                                    "this is a bug in moet-cache; rerun with --debug and report the traceback",
+                                    type(e).__name__))
             return 70
         sys.stderr.write(f"Error: {message_for(e)}\n")
+        if json_mode:
+            write_json(envelope(command, code, message_for(e, with_hint=False), hint_for(e), type(e).__name__))
         return code
     finally:
         if gate is not None:  # the outcome is decided: a signal now (shutdown, finalizers) is held, not raised

@@ -16,14 +16,14 @@ from ._progress import progress_for
 
 
 def build(
-    src: Annotated[Path, typer.Argument(help="The NVFP4 checkpoint folder (config.json, shards).")],
+    src: Annotated[Path, typer.Argument(metavar="SRC", show_default=False, help="The NVFP4 checkpoint folder (config.json, shards).")],
     cache: Annotated[Path, typer.Argument(help="The cache folder to build or resume.")],
-    delta_budget: Annotated[str, typer.Option(help="Bytes of FP4 delta planes to keep (4.5GB, 2GiB, 25%).")] = DEFAULT_DELTA_BUDGET,
-    profile: Annotated[Optional[Path], typer.Option(help="Routing profile JSON (per-layer per-expert token counts).")] = None,
-    lossless: Annotated[bool, typer.Option(help="Also keep every expert's delta planes: export and retier without the source.")] = False,
-    layers: Annotated[Optional[str], typer.Option(help="Served MoE layers, e.g. 3-60 or 3,5,7-9 (default: all).")] = None,
-    include_mtp: Annotated[bool, typer.Option(help="Also build planes for the MTP (speculative) layers.")] = False,
-    wait: Annotated[bool, typer.Option(help="Wait for another build of this cache instead of failing.")] = False,
+    delta_budget: Annotated[str, typer.Option(metavar="SIZE", help="Bytes of FP4 delta planes to keep (4.5GB, 2GiB, 25%).")] = DEFAULT_DELTA_BUDGET,
+    profile: Annotated[Optional[Path], typer.Option(metavar="PROFILE.json", help="Routing profile JSON (per-layer per-expert token counts).")] = None,
+    lossless: Annotated[bool, typer.Option("--lossless", help="Also keep every expert's delta planes: export and retier without the source.")] = False,
+    layers: Annotated[Optional[str], typer.Option(metavar="LAYERS", help="Served MoE layers, e.g. 3-60 or 3,5,7-9 (default: all).")] = None,
+    include_mtp: Annotated[bool, typer.Option("--include-mtp", help="Also build planes for the MTP (speculative) layers.")] = False,
+    wait: Annotated[bool, typer.Option("--wait", help="Wait for another build of this cache instead of failing.")] = False,
     json_: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
@@ -47,9 +47,9 @@ def build(
 
 def retier(
     cache: Annotated[Path, typer.Argument(help="A cache built with --lossless.")],
-    delta_budget: Annotated[str, typer.Option(help="New tier budget (4.5GB, 2GiB, 25%).")] = DEFAULT_DELTA_BUDGET,
-    profile: Annotated[Optional[Path], typer.Option(help="Routing profile JSON.")] = None,
-    wait: Annotated[bool, typer.Option(help="Wait for a running build instead of failing.")] = False,
+    delta_budget: Annotated[str, typer.Option(metavar="SIZE", help="New tier budget (4.5GB, 2GiB, 25%).")] = DEFAULT_DELTA_BUDGET,
+    profile: Annotated[Optional[Path], typer.Option(metavar="PROFILE.json", help="Routing profile JSON.")] = None,
+    wait: Annotated[bool, typer.Option("--wait", help="Wait for a running build instead of failing.")] = False,
     json_: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:

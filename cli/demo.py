@@ -48,7 +48,7 @@ def demo(
                "verify_full": full.state, "verify_against": against.state, "inspect": info.__dict__,
                "seconds": time.perf_counter() - t0}
         if out.json_mode:
-            out.json(doc)
+            out.json(doc, EXIT_OK if ok else EXIT_PROBLEM)
         else:
             out.print(f"build: {len(built.layers)} layers, {built.tier_experts} tier experts, {built.seconds:.2f} s")
             out.print(f"verify (boot check): {boot.state_text} in {boot.seconds * 1000:.1f} ms")

@@ -121,7 +121,7 @@ def plan(
         activation_reserve=parse_size(activation_reserve, what="--activation-reserve") if activation_reserve else None)
     p = vram.plan_for(path, settings, delta_budget)
     if out.json_mode:
-        out.json(plan_document(p))
+        out.json(plan_document(p), EXIT_OK if p.fits else EXIT_PROBLEM)
     else:
         show_plan(out, p)
     raise typer.Exit(EXIT_OK if p.fits else EXIT_PROBLEM)

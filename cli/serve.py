@@ -51,7 +51,7 @@ def serve(
                       "plan": None if pre is None else pre.__dict__})
         else:
             env = "\n".join(f"  {k}={v}" for k, v in cmd.env_added) or "  (inherited unchanged)"
-            out.print(Text(f"environment added:\n{env}"))
-            out.print(Text(cmd.shell()))  # plain text: no rich markup in paths and JSON
+            out.result(Text(f"environment added:\n{env}"))
+            out.result(Text(cmd.shell()))  # plain text: no rich markup in paths and JSON
         return
     serving.exec_vllm(cmd)

@@ -24,8 +24,8 @@ def report_exit_code(r: VerifyReport) -> int:
 
 def show_report(out: Output, r: VerifyReport, cache: Path) -> None:
     if out.json_mode:
-        out.json({"command": "verify", "cache": str(cache), "ok": r.ok, "complete": r.complete,
-                  "state_text": r.state_text, **r.__dict__})
+        out.json({"command": "verify", "cache": str(cache), "complete": r.complete,
+                  "state_text": r.state_text, **r.__dict__}, report_exit_code(r))
         return
     style = "green" if r.ok else "yellow" if r.complete else "red"
     extra = f", verified by {r.verified_by} at {r.verified_at}" if r.ok and r.verified_by else ""
@@ -47,7 +47,7 @@ def show_report(out: Output, r: VerifyReport, cache: Path) -> None:
 def verify(
     cache: Annotated[Path, typer.Argument(help="The cache folder.")],
     full: Annotated[bool, typer.Option("--full", help="Re-hash every byte (and record it for the boot check).")] = False,
-    against: Annotated[Optional[Path], typer.Option("--against", help="Check every plane against this source checkpoint.")] = None,
+    against: Annotated[Optional[Path], typer.Option("--against", metavar="SRC", help="Check every plane against this source checkpoint.")] = None,
     workers: Annotated[Optional[int], typer.Option(min=1, max=64, help="Hashing threads for --full.")] = None,
     json_: JsonOpt = False,
     quiet: QuietOpt = False,

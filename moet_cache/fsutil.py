@@ -101,8 +101,8 @@ def read_json_file(path: Path, *, limit: int = MAX_JSON_BYTES) -> Any:
         raise
     except FileNotFoundError:
         raise InputError(f"{path} does not exist") from None
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
-        raise InputError(f"{path.name} is not valid JSON: {e}", "fix or regenerate the file") from None
+    except (ValueError, RecursionError) as e:  # bad UTF-8, bad JSON, an integer of more than 4300 digits
+        raise InputError(f"{path.name} is not valid JSON: {str(e)[:200]}", "fix or regenerate the file") from None
     except OSError as e:
         raise InputError(f"cannot read {path}: {e.strerror}") from None
 
