@@ -1,0 +1,133 @@
+"""Plane maths in torch: unpack 2-bit planes, the two block-scale forms, one expert's weights.
+
+Shared facts (CONTRACT.md fact 2, docs/FORMAT.md): element 4k+j of a plane row sits in bits 2j..2j+1
+of byte k; W[o, i] = v(code)[o, i] * float(block_scale[o, i // group]) * scale_2, with
+v = table[base] for a base-only expert and E2M1[(base << 2) | delta] for a tier expert. The group is
+in_features // block_scale.shape[-1]: 16 for float8_e4m3fn scales, 32 for the compact
+float8_e8m0fnu form.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import InputError
+
+#: E2M1 value of each 4-bit code (bit 3 sign, bits 0-2 magnitude index).
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+_SCALE_DTYPES = (torch.float8_e4m3fn, torch.float8_e8m0fnu)
+
+
+def unpack_plane(plane: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., n/4] plane -> uint8 [..., n] 2-bit codes (element 4k+j from bits 2j..2j+1)."""
+    shifts = torch.arange(0, 8, 2, dtype=torch.uint8, device=plane.device)
+    codes = (plane.unsqueeze(-1) >> shifts) & 3
+    return codes.reshape(plane.shape[:-1] + (plane.shape[-1] * 4,))
+
+
+def expand_block_scale(scale: torch.Tensor, in_features: int) -> torch.Tensor:
+    """Block scales [..., in/group] (e4m3 or e8m0) -> float32 [..., in], each repeated over its group."""
+    if scale.dtype not in _SCALE_DTYPES:
+        raise InputError(f"block scales must be float8_e4m3fn or float8_e8m0fnu, not {scale.dtype}")
+    groups = scale.shape[-1]
+    if groups == 0 or in_features % groups:
+        raise InputError(f"{in_features} input features do not split into {groups} scale groups")
+    return scale.float().repeat_interleave(in_features // groups, dim=-1)
+
+
+@dataclass(frozen=True)
+class LayerPlanes:
+    """One layer's tensors as `Cache.load(..., expand=False)` yields them, checked and named."""
+
+    w13_base: torch.Tensor          # uint8 [E, 2I, H/4]
+    w2_base: torch.Tensor           # uint8 [E, H, I/4]
+    w13_scale: torch.Tensor         # e4m3 [E, 2I, H/16] or e8m0 [E, 2I, H/32]
+    w2_scale: torch.Tensor          # e4m3 [E, H, I/16] or e8m0 [E, H, I/32]
+    w13_scale_2: torch.Tensor       # float32 [E, 2] (gate, up)
+    w2_scale_2: torch.Tensor        # float32 [E]
+    w13_table: torch.Tensor         # float32 [E, 2, 4]
+    w2_table: torch.Tensor          # float32 [E, 4]
+    w13_delta: torch.Tensor         # uint8 [n, 2I, H/4]
+    w2_delta: torch.Tensor          # uint8 [n, H, I/4]
+    delta_experts: torch.Tensor     # int64 [n]
+
+    @property
+    def num_experts(self) -> int:
+        return self.w13_base.shape[0]
+
+    @property
+    def hidden(self) -> int:
+        return self.w13_base.shape[2] * 4
+
+    @property
+    def inter(self) -> int:
+        return self.w13_base.shape[1] // 2
+
+    @classmethod
+    def from_tensors(cls, t: dict[str, torch.Tensor]) -> "LayerPlanes":
+        """Check names, shapes and dtypes; a layer loaded with delta="none" gets an empty tier."""
+        missing = [n for n in ("w13_base", "w2_base", "w13_weight_scale", "w2_weight_scale",
+                               "w13_weight_scale_2", "w2_weight_scale_2", "w13_table", "w2_table")
+                   if n not in t]
+        if missing:
+            raise InputError(f"the layer's tensors lack {', '.join(missing)}",
+                             "pass what Cache.load(..., expand=False) yields")
+        b13, b2 = t["w13_base"], t["w2_base"]
+        E, two_i, h4 = b13.shape
+        H, I = h4 * 4, two_i // 2
+        if b2.shape != (E, H, I // 4) or two_i % 2 or b13.dtype != torch.uint8 or b2.dtype != torch.uint8:
+            raise InputError(f"w13_base {tuple(b13.shape)} and w2_base {tuple(b2.shape)} do not fit "
+                             "[E, 2I, H/4] and [E, H, I/4] uint8")
+        dev = b13.device
+        if "delta_experts" in t:
+            d13, d2, idx = t["w13_delta"], t["w2_delta"], t["delta_experts"]
+        else:
+            d13 = torch.empty((0, two_i, h4), dtype=torch.uint8, device=dev)
+            d2 = torch.empty((0, H, I // 4), dtype=torch.uint8, device=dev)
+            idx = torch.empty((0,), dtype=torch.int64, device=dev)
+        n = idx.shape[0]
+        if d13.shape != (n, two_i, h4) or d2.shape != (n, H, I // 4):
+            raise InputError(f"tier planes {tuple(d13.shape)} / {tuple(d2.shape)} do not fit {n} "
+                             "delta_experts")
+        planes = cls(b13, b2, t["w13_weight_scale"], t["w2_weight_scale"],
+                     t["w13_weight_scale_2"].float().reshape(E, 2), t["w2_weight_scale_2"].float().reshape(E),
+                     t["w13_table"].float().reshape(E, 2, 4), t["w2_table"].float().reshape(E, 4),
+                     d13, d2, idx.long())
+        for name, s, rows, cols in (("w13_weight_scale", planes.w13_scale, two_i, H),
+                                    ("w2_weight_scale", planes.w2_scale, H, I)):
+            if s.dim() != 3 or s.shape[:2] != (E, rows) or s.shape[2] == 0 or cols % s.shape[2]:
+                raise InputError(f"{name} {tuple(s.shape)} does not fit [E, {rows}, {cols}/group]")
+            if s.dtype not in _SCALE_DTYPES:
+                raise InputError(f"{name} must be float8_e4m3fn or float8_e8m0fnu, not {s.dtype}")
+        return planes
+
+    def tier_rows(self) -> dict[int, int]:
+        """expert -> its row in the tier planes."""
+        return {int(e): k for k, e in enumerate(self.delta_experts.tolist())}
+
+
+def _values(base: torch.Tensor, delta: torch.Tensor | None, table: torch.Tensor) -> torch.Tensor:
+    """Code values before scales: E2M1[(base << 2) | delta], or table[base] with one [4] table a row."""
+    codes = unpack_plane(base).long()
+    if delta is not None:
+        e2m1 = torch.tensor(E2M1, dtype=torch.float32, device=base.device)
+        return e2m1[(codes << 2) | unpack_plane(delta).long()]
+    return torch.gather(table, 1, codes)
+
+
+def dequant_expert(planes: LayerPlanes, expert: int, tier_row: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 (w13 [2I, H], w2 [H, I]) of one expert: its FP4 codes when tier_row is given, else its tables."""
+    I, H = planes.inter, planes.hidden
+    d13 = planes.w13_delta[tier_row] if tier_row is not None else None
+    d2 = planes.w2_delta[tier_row] if tier_row is not None else None
+    t13 = planes.w13_table[expert]  # [2, 4]: gate rows take row 0, up rows row 1
+    row_table = t13.repeat_interleave(I, dim=0)  # [2I, 4]
+    v13 = _values(planes.w13_base[expert], d13, row_table)
+    v2 = _values(planes.w2_base[expert], d2, planes.w2_table[expert].expand(H, 4))
+    s2_13 = planes.w13_scale_2[expert].repeat_interleave(I).unsqueeze(1)  # [2I, 1]
+    w13 = v13 * expand_block_scale(planes.w13_scale[expert], H) * s2_13
+    w2 = v2 * expand_block_scale(planes.w2_scale[expert], I) * planes.w2_scale_2[expert]
+    return w13, w2

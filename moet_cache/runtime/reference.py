@@ -1,0 +1,35 @@
+"""The plain torch path: the reference every kernel is tested against, and the CPU runtime.
+
+Weight-only: activations stay in float32 (the layer's input scales, if any, are not used), each
+routed expert's weights are dequantized once per call from its planes, and the output is
+sum_k topk_weights[t, k] * down_e(act(gate_e x_t, up_e x_t)) accumulated in float32.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .activation import swiglu
+from .dequant import LayerPlanes, dequant_expert
+
+
+def fused_moe_reference(x: torch.Tensor, planes: LayerPlanes, topk_weights: torch.Tensor,
+                        topk_ids: torch.Tensor, swiglu_limit: float | None = None) -> torch.Tensor:
+    """float32 [T, H] routed-expert output (the caller casts). Repeated experts in a row count twice."""
+    T, H, I = x.shape[0], planes.hidden, planes.inter
+    out = torch.zeros((T, H), dtype=torch.float32, device=x.device)
+    if T == 0 or topk_ids.numel() == 0:
+        return out
+    xf = x.float()
+    flat_ids = topk_ids.reshape(-1).long()
+    flat_w = topk_weights.reshape(-1).float()
+    tokens = torch.arange(T, device=x.device).repeat_interleave(topk_ids.shape[1])
+    rows = planes.tier_rows()
+    for e in torch.unique(flat_ids).tolist():
+        pick = (flat_ids == e).nonzero().squeeze(1)
+        w13, w2 = dequant_expert(planes, e, rows.get(e))
+        t = tokens[pick]
+        gate_up = xf[t] @ w13.T
+        act = swiglu(gate_up[:, :I], gate_up[:, I:], swiglu_limit)
+        out.index_add_(0, t, (act @ w2.T) * flat_w[pick].unsqueeze(1))
+    return out

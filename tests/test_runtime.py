@@ -1,0 +1,233 @@
+"""fused_moe on the CPU (the reference path) against references computed independently from the
+source checkpoint's FP4 codes: every delta plane, base only, a mixed tier, both block-scale forms."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors import safe_open
+
+from moet_cache.errors import InputError
+from moet_cache.fp4 import E2M1_VALUES, unpack_codes
+from moet_cache.loader import open_cache
+from moet_cache.runtime import fused_moe
+
+PROJ = ("gate_proj", "up_proj", "down_proj")
+
+
+class Source:
+    """The source checkpoint's routed experts, read with safetensors alone (ModelOpt layout)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.index = json.loads((root / "model.safetensors.index.json").read_text())["weight_map"]
+
+    def _get(self, name: str) -> torch.Tensor:
+        with safe_open(str(self.root / self.index[name]), framework="pt") as f:
+            return f.get_tensor(name)
+
+    def codes(self, layer: int, e: int, proj: str) -> tuple[np.ndarray, np.ndarray, float]:
+        """(codes uint8 [out, in], block scales float64 [out, in/16], global scale) of one projection."""
+        p = f"model.layers.{layer}.mlp.experts.{e}.{proj}"
+        codes = unpack_codes(self._get(f"{p}.weight").numpy())
+        scale = self._get(f"{p}.weight_scale").float().numpy().astype(np.float64)
+        return codes, scale, float(self._get(f"{p}.weight_scale_2"))
+
+
+def _weight(codes: np.ndarray, scale: np.ndarray, gscale: float, table: np.ndarray | None) -> np.ndarray:
+    """float64 [out, in]: E2M1[code] (table None) or table[code >> 2], times block and global scales."""
+    v = E2M1_VALUES.astype(np.float64)[codes] if table is None else table.astype(np.float64)[codes >> 2]
+    return v * np.repeat(scale, codes.shape[1] // scale.shape[1], axis=1) * gscale
+
+
+def moe_reference(src: Source, layer: int, tensors: dict[str, torch.Tensor], x: np.ndarray,
+                  weights: np.ndarray, ids: np.ndarray, fp4_experts: set[int],
+                  limit: float | None = None) -> np.ndarray:
+    """float64 MoE output from the source's codes: fp4_experts at FP4, the rest through the cache's tables."""
+    out = np.zeros((x.shape[0], x.shape[1]))
+    for t in range(x.shape[0]):
+        for k in range(ids.shape[1]):
+            e = int(ids[t, k])
+            tab = None if e in fp4_experts else tensors["w13_table"][e].numpy()
+            g = _weight(*src.codes(layer, e, "gate_proj"), None if tab is None else tab[0]) @ x[t]
+            u = _weight(*src.codes(layer, e, "up_proj"), None if tab is None else tab[1]) @ x[t]
+            if limit is not None:
+                g, u = np.minimum(g, limit), np.clip(u, -limit, limit)
+            act = g / (1 + np.exp(-g)) * u
+            t2 = None if e in fp4_experts else tensors["w2_table"][e].numpy()
+            out[t] += weights[t, k] * (_weight(*src.codes(layer, e, "down_proj"), t2) @ act)
+    return out
+
+
+def _routing(T: int, E: int, k: int, seed: int, repeat: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    if repeat and T > 1:
+        ids[1, 1] = ids[1, 0]  # the same expert twice in one row counts twice
+    w = torch.rand((T, k), generator=g) * 1.5  # weights as given, routed_scaling_factor folded in
+    return w, ids
+
+
+def _rel(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+@pytest.fixture(scope="module")
+def layers(lossless: tuple[Path, Path]) -> dict[str, dict[int, dict[str, torch.Tensor]]]:
+    cache = open_cache(lossless[1])
+    return {d: {x.index: x.tensors for x in cache.load(device="cpu", delta=d, workers=1)}
+            for d in ("all", "none", "tier")}
+
+
+def _case(layers: dict, lossless: tuple[Path, Path], delta: str, seed: int = 0, T: int = 5):
+    src = Source(lossless[0])
+    L = min(layers[delta])
+    t = layers[delta][L]
+    E, H = t["w13_base"].shape[0], t["w13_base"].shape[2] * 4
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn((T, H), generator=g)
+    w, ids = _routing(T, E, 6, seed)
+    return src, L, t, x, w, ids
+
+
+def test_delta_all_equals_fp4_layer(layers, lossless) -> None:
+    src, L, t, x, w, ids = _case(layers, lossless, "all")
+    got = fused_moe(x, t, w, ids)
+    assert got.dtype == torch.float32 and got.shape == x.shape
+    ref = moe_reference(src, L, t, x.double().numpy(), w.double().numpy(), ids.numpy(), set(range(16)))
+    assert _rel(got.double().numpy(), ref) < 1e-5
+
+
+def test_base_only_equals_table_layer(layers, lossless) -> None:
+    src, L, t, x, w, ids = _case(layers, lossless, "none", seed=1)
+    assert "delta_experts" not in t
+    got = fused_moe(x, t, w, ids.int())  # int32 ids, as a router may give
+    ref = moe_reference(src, L, t, x.double().numpy(), w.double().numpy(), ids.numpy(), set())
+    assert _rel(got.double().numpy(), ref) < 1e-5
+    fp4 = moe_reference(src, L, t, x.double().numpy(), w.double().numpy(), ids.numpy(), set(range(16)))
+    assert 0.05 < _rel(ref, fp4) < 1.0  # the tables are not the FP4 values: the test can tell them apart
+
+
+def test_mixed_tier(layers, lossless) -> None:
+    src, L, t, x, w, ids = _case(layers, lossless, "tier", seed=2, T=8)
+    tier = set(t["delta_experts"].tolist())
+    assert 0 < len(tier) < 16
+    ids[0, 0] = next(iter(tier))  # at least one tier and one base-only expert routed
+    ids[0, 1] = next(e for e in range(16) if e not in tier and e not in ids[0].tolist())
+    got = fused_moe(x, t, w, ids, swiglu_limit=None)
+    ref = moe_reference(src, L, t, x.double().numpy(), w.double().numpy(), ids.numpy(), tier)
+    assert _rel(got.double().numpy(), ref) < 1e-5
+
+
+def test_empty_and_full_tier(layers, lossless) -> None:
+    _, L, t_all, x, w, ids = _case(layers, lossless, "all", seed=3)
+    empty = dict(t_all, w13_delta=t_all["w13_delta"][:0], w2_delta=t_all["w2_delta"][:0],
+                 delta_experts=t_all["delta_experts"][:0])
+    assert torch.equal(fused_moe(x, empty, w, ids), fused_moe(x, layers["none"][L], w, ids))
+    perm = torch.randperm(16, generator=torch.Generator().manual_seed(5))  # tier rows in any order
+    full = dict(t_all, w13_delta=t_all["w13_delta"][perm], w2_delta=t_all["w2_delta"][perm],
+                delta_experts=t_all["delta_experts"][perm])
+    torch.testing.assert_close(fused_moe(x, full, w, ids), fused_moe(x, t_all, w, ids), rtol=1e-6, atol=1e-6)
+
+
+def test_zero_tokens_and_dtype(layers) -> None:
+    t = next(iter(layers["tier"].values()))
+    H = t["w13_base"].shape[2] * 4
+    out = fused_moe(torch.empty((0, H), dtype=torch.bfloat16), t, torch.empty((0, 6)),
+                    torch.empty((0, 6), dtype=torch.int64))
+    assert out.shape == (0, H) and out.dtype == torch.bfloat16
+    x = torch.randn((3, H), dtype=torch.bfloat16)
+    w, ids = _routing(3, 16, 6, 4)
+    got = fused_moe(x, t, w, ids)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), fused_moe(x.float(), t, w, ids), rtol=1e-2, atol=1e-2)
+
+
+def test_swiglu_limit_clamps_like_vllm(layers, lossless) -> None:
+    src, L, t, x, w, ids = _case(layers, lossless, "all", seed=6, T=4)
+    x = x * 50  # large activations so that gate and up pass the limit
+    limit = 0.5
+    got = fused_moe(x, t, w, ids, swiglu_limit=limit)
+    ref = moe_reference(src, L, t, x.double().numpy(), w.double().numpy(), ids.numpy(), set(range(16)), limit)
+    plain = moe_reference(src, L, t, x.double().numpy(), w.double().numpy(), ids.numpy(), set(range(16)))
+    assert _rel(got.double().numpy(), ref) < 1e-5
+    assert _rel(ref, plain) > 0.1  # the clamp was active
+
+
+def _e8m0_layer(t: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
+    """The compact form: e8m0 block scales per 32 (random powers of two), built directly."""
+    g = torch.Generator().manual_seed(seed)
+    out = dict(t)
+    for name, base in (("w13_weight_scale", "w13_base"), ("w2_weight_scale", "w2_base")):
+        E, rows, cols4 = t[base].shape
+        exps = torch.randint(120, 130, (E, rows, cols4 * 4 // 32), generator=g, dtype=torch.uint8)
+        out[name] = exps.view(torch.float8_e8m0fnu)
+    return out
+
+
+def _dequant_ref(t: dict[str, torch.Tensor], e: int, proj: str, fp4: bool) -> np.ndarray:
+    """float64 [out, in] of one expert's w13 or w2 from the planes (independent numpy bit maths)."""
+    base = t[f"{proj}_base"][e].numpy()
+    codes = np.stack([(base >> (2 * j)) & 3 for j in range(4)], axis=-1).reshape(base.shape[0], -1)
+    if fp4:
+        row = t["delta_experts"].tolist().index(e)
+        d = t[f"{proj}_delta"][row].numpy()
+        delta = np.stack([(d >> (2 * j)) & 3 for j in range(4)], axis=-1).reshape(d.shape[0], -1)
+        v = E2M1_VALUES.astype(np.float64)[(codes << 2) | delta]
+    else:
+        tab = t[f"{proj}_table"][e].double().numpy()
+        tab = np.repeat(tab, codes.shape[0] // 2, axis=0) if proj == "w13" else np.tile(tab, (codes.shape[0], 1))
+        v = np.take_along_axis(tab, codes.astype(np.int64), axis=1)
+    s = t[f"{proj}_weight_scale"][e].float().double().numpy()
+    s2 = t[f"{proj}_weight_scale_2"][e].double().numpy().reshape(-1)
+    s2 = np.repeat(s2, codes.shape[0] // s2.size)[:, None]
+    return v * np.repeat(s, codes.shape[1] // s.shape[1], axis=1) * s2
+
+
+@pytest.mark.parametrize("delta", ["tier", "none"])
+def test_e8m0_compact_scales(layers, lossless, delta: str) -> None:
+    _, _, t, x, w, ids = _case(layers, lossless, delta, seed=7)
+    t = _e8m0_layer(t, 9)
+    assert t["w13_weight_scale"].shape[-1] * 32 == x.shape[1]
+    got = fused_moe(x, t, w, ids).double().numpy()
+    tier = set(t["delta_experts"].tolist()) if "delta_experts" in t else set()
+    I = t["w13_base"].shape[1] // 2
+    ref = np.zeros_like(got)
+    xd = x.double().numpy()
+    for ti in range(x.shape[0]):
+        for k in range(ids.shape[1]):
+            e = int(ids[ti, k])
+            gu = _dequant_ref(t, e, "w13", e in tier) @ xd[ti]
+            g, u = gu[:I], gu[I:]
+            ref[ti] += float(w[ti, k]) * (_dequant_ref(t, e, "w2", e in tier) @ (g / (1 + np.exp(-g)) * u))
+    assert _rel(got, ref) < 1e-5
+
+
+def test_e8m0_equals_paired_e4m3(layers, lossless) -> None:
+    """The MXFP4->NVFP4 cast: e4m3 power-of-two scales equal in pairs give the e8m0 form's output."""
+    _, _, t, x, w, ids = _case(layers, lossless, "tier", seed=8)
+    t8 = _e8m0_layer(t, 10)
+    t4 = dict(t8)
+    for name in ("w13_weight_scale", "w2_weight_scale"):
+        t4[name] = t8[name].float().repeat_interleave(2, dim=-1).to(torch.float8_e4m3fn)
+        assert torch.equal(t4[name].float(), t8[name].float().repeat_interleave(2, dim=-1))
+    assert torch.equal(fused_moe(x, t4, w, ids), fused_moe(x, t8, w, ids))
+
+
+def test_refuses_bad_input(layers) -> None:
+    t = next(iter(layers["tier"].values()))
+    H = t["w13_base"].shape[2] * 4
+    x = torch.randn((2, H))
+    w, ids = _routing(2, 16, 6, 0)
+    with pytest.raises(InputError, match="w2_table"):
+        fused_moe(x, {k: v for k, v in t.items() if k != "w2_table"}, w, ids)
+    with pytest.raises(InputError, match="top_k"):
+        fused_moe(x, t, w[:, :3], ids)
+    with pytest.raises(InputError, match="outside"):
+        fused_moe(x, t, w, ids + 16)
+    with pytest.raises(InputError, match="tokens"):
+        fused_moe(x[:, :8], t, w, ids)
