@@ -297,6 +297,18 @@ def header_digest(path: Path) -> str:
         return xxh3_hex(head + f.read(min(n, 100 << 20)))
 
 
+def _require_plain_file(p: Path) -> None:
+    """A source file must be a regular file (a link to one is fine: Hugging Face snapshots are links)."""
+    import stat
+    try:
+        mode = os.stat(p).st_mode
+    except OSError as e:
+        raise InputError(f"{p.name} cannot be read: {e.strerror}", "copy the checkpoint again") from None
+    if not stat.S_ISREG(mode):
+        raise InputError(f"{p.name} is not a plain file (a FIFO, device or folder)",
+                         "give a checkpoint folder of plain files")
+
+
 def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
     """Open a checkpoint folder: config.json, the index or model.safetensors, every shard's header."""
     root = Path(path)
@@ -329,10 +341,14 @@ def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
     tensors: dict[str, TensorInfo] = {}
     metadata: dict[str, dict[str, str] | None] = {}
     for shard in shard_names:
+        _require_plain_file(root / shard)  # a FIFO would block safe_open forever
         try:
             with safe_open(str(root / shard), framework="pt") as f:
                 metadata[shard] = f.metadata()
                 for name in f.keys():
+                    if name in tensors:
+                        raise InputError(f"{name} is in two shards, {tensors[name].shard} and {shard}",
+                                         "a tensor must be in exactly one shard; remove the duplicate")
                     sl = f.get_slice(name)
                     tensors[name] = TensorInfo(name, shard, sl.get_dtype(),
                                                tuple(int(x) for x in sl.get_shape()))

@@ -10,12 +10,89 @@ import functools
 import json
 import os
 import shutil
+import stat
+import tempfile
 from pathlib import Path, PurePosixPath
 from typing import Any
 
 from .errors import DiskFullError, InputError, LockHeldError, UnsafePathError
 
 MAX_JSON_BYTES = 64 << 20  # manifests and configs are small; refuse anything absurd before parsing
+
+# --- the read seam ---------------------------------------------------------------------------------
+# Every file the library reads (manifests, configs, the lock, the files it hashes) is opened by
+# open_regular() and read by pread_into() / read_all(): one place where a read error (EIO from a
+# failing disk, EACCES) can happen, and one place where a test injects one (tests/faults/test_io.py
+# replaces `_os_open` / `_os_preadv` of this module). No mmap: a mapped page that cannot be read is
+# a SIGBUS that kills the process; a pread that cannot be read is an OSError we report.
+_os_open = os.open
+_os_preadv = os.preadv
+
+
+class NotRegularFileError(OSError):
+    """A path that must name a plain file names a FIFO, a device, a folder or a link."""
+
+
+def open_regular(path: str | os.PathLike[str], flags: int = os.O_RDONLY, mode: int = 0o644) -> int:
+    """Open a plain file and return its descriptor; never block, never follow a final link.
+
+    O_NONBLOCK makes the open of a FIFO return at once (a blocking open would wait for a writer
+    forever); O_NOFOLLOW refuses a final link; fstat then refuses anything but a regular file, and
+    O_NONBLOCK is cleared again for the reads of a real file.
+    """
+    try:
+        fd = _os_open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, mode)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise NotRegularFileError(errno.ELOOP, "a symbolic link, not a plain file", str(path)) from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise NotRegularFileError(errno.EINVAL, "not a plain file (a FIFO, device or folder)", str(path))
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def pread_into(fd: int, buf: memoryview, offset: int) -> int:
+    """Fill `buf` from `offset`; returns the bytes read (fewer only at the end of the file)."""
+    done = 0
+    while done < buf.nbytes:
+        n = _os_preadv(fd, [buf[done:]], offset + done)
+        if n == 0:
+            break
+        done += n
+    return done
+
+
+def read_all(path: str | os.PathLike[str], limit: int | None = None) -> bytes:
+    """The whole of a plain file (through the seam); more than `limit` bytes is an InputError."""
+    fd = open_regular(path)
+    try:
+        size = os.fstat(fd).st_size
+        if limit is not None and size > limit:
+            raise InputError(f"{Path(path).name} is {size} bytes, over the {limit}-byte limit")
+        buf = bytearray(size)  # what fstat saw; a file that changes while it is read fails its digest
+        n = pread_into(fd, memoryview(buf), 0)
+        return bytes(buf) if n == size else bytes(buf[:n])
+    finally:
+        os.close(fd)
+
+
+def create_temp_for(path: Path) -> tuple[int, Path]:
+    """A new temp file beside `path` for an atomic write: exclusive creation (O_EXCL, so never through a
+    link), an unpredictable name `.NAME.tmp-XXXXXXXX`, mode 0644. Returns (fd, temp path)."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
+    try:
+        os.fchmod(fd, 0o644)
+    except BaseException:
+        os.close(fd)
+        os.unlink(tmp)
+        raise
+    return fd, Path(tmp)
 
 
 def fsync_dir(path: Path) -> None:
@@ -53,23 +130,20 @@ def start_writeback(fd: int) -> None:
         fn(fd, 0, 0, _SYNC_FILE_RANGE_WRITE)  # ctypes releases the GIL around the call
 
 
-def tmp_path_for(path: Path) -> Path:
-    return path.with_name(f".{path.name}.tmp-{os.getpid()}")
-
-
 def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write to a temp file in the same folder, fsync, rename over `path`, fsync the folder."""
+    """Write to a new temp file in the same folder, fsync, rename over `path`, fsync the folder."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = tmp_path_for(path)
+    fd, tmp = create_temp_for(path)
     try:
-        with open(tmp, "wb") as f:
+        with open(fd, "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except OSError as e:
+    except BaseException as e:
         tmp.unlink(missing_ok=True)
-        raise_if_disk_full(e, len(data), path)
+        if isinstance(e, OSError):
+            raise_if_disk_full(e, len(data), path)
         raise
     fsync_dir(path.parent)
 
@@ -91,16 +165,14 @@ def raise_if_disk_full(e: OSError, needed: int, path: Path) -> None:
 def read_json_file(path: Path, *, limit: int = MAX_JSON_BYTES) -> Any:
     """Read a JSON file with a size cap; any malformation is an InputError naming the file."""
     try:
-        size = path.stat().st_size
-        if size > limit:
-            raise InputError(f"{path.name} is {size} bytes, over the {limit}-byte limit for a JSON file")
-        with open(path, "rb") as f:
-            data = f.read(limit + 1)
+        data = read_all(path, limit)
         return json.loads(data.decode("utf-8"))
     except InputError:
         raise
     except FileNotFoundError:
         raise InputError(f"{path} does not exist") from None
+    except NotRegularFileError as e:
+        raise InputError(f"{path} is {e.strerror}", "replace it by a plain file") from None
     except (ValueError, RecursionError) as e:  # bad UTF-8, bad JSON, an integer of more than 4300 digits
         raise InputError(f"{path.name} is not valid JSON: {str(e)[:200]}", "fix or regenerate the file") from None
     except OSError as e:
@@ -154,12 +226,10 @@ class CacheLock:
 
     def __enter__(self) -> CacheLock:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        try:  # O_NOFOLLOW: a .lock that is a link must not let us truncate a file elsewhere
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
-        except OSError as e:
-            if e.errno != errno.ELOOP:
-                raise
-            raise UnsafePathError(f"{self.path} is a symbolic link", "remove it; the cache must hold plain files") from None
+        try:  # a .lock that is a link must not let us truncate a file elsewhere, nor a FIFO block us
+            fd = open_regular(self.path, os.O_RDWR | os.O_CREAT)
+        except NotRegularFileError as e:
+            raise UnsafePathError(f"{self.path} is {e.strerror}", "remove it; the cache must hold plain files") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | (0 if self.wait else fcntl.LOCK_NB))
         except BlockingIOError:
@@ -183,9 +253,10 @@ class CacheLock:
 def lock_is_held(root: Path) -> bool:
     """True while a build holds CACHE/.lock (a probe that takes and drops a shared lock)."""
     path = root / ".lock"
-    if not path.exists():
+    try:
+        fd = open_regular(path)
+    except OSError:  # none, or not a plain file: no build can hold it
         return False
-    fd = os.open(path, os.O_RDONLY)
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
         fcntl.flock(fd, fcntl.LOCK_UN)

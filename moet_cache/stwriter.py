@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .fsutil import fsync_dir, raise_if_disk_full, start_writeback, tmp_path_for
+from .fsutil import create_temp_for, fsync_dir, raise_if_disk_full, start_writeback
 from .hashing import new_hasher, xxh3_file_hex
 
 WRITEBACK_BYTES = 16 << 20  # start the writeback of a file every this many bytes written (fsutil.start_writeback)
@@ -94,8 +94,7 @@ class SafetensorsWriter:
         self._unsynced = 0  # bytes written since the last start_writeback
         self.size = self._data_start + sum(s.nbytes for s in specs)
         path.parent.mkdir(parents=True, exist_ok=True)
-        self._tmp = tmp_path_for(path)
-        self._fd = os.open(self._tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        self._fd, self._tmp = create_temp_for(path)
         try:
             if hasattr(os, "posix_fallocate") and self.size:
                 os.posix_fallocate(self._fd, 0, self.size)  # fail now, not half-way, when the disk is short

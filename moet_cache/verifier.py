@@ -14,7 +14,8 @@ from typing import Any, Iterable
 
 from . import layout as L
 from .errors import InputError, UnsafePathError, VerificationError
-from .fsutil import atomic_write_json, lock_is_held, read_json_file, refuse_links, resolve_inside
+from .fsutil import (atomic_write_json, lock_is_held, open_regular, pread_into, read_all, read_json_file,
+                     refuse_links, resolve_inside)
 from .hashing import xxh3_file_hex, xxh3_hex
 from .machine import usable_cores
 from .manifest import (CACHE_MANIFEST, COMMIT_RECORD, VERIFIED_STATE, CacheManifest, CommitRecord,
@@ -94,7 +95,10 @@ def read_committed_manifest(root: Path) -> CacheManifest | None:
 def _committed(root: Path) -> tuple[CacheManifest, str]:
     commit = CommitRecord.parse(_read_json(root / COMMIT_RECORD), COMMIT_RECORD)
     mpath = resolve_inside(root, commit.manifest, "commit record manifest")
-    data = mpath.read_bytes() if mpath.is_file() else b""
+    try:
+        data = read_all(mpath, commit.manifest_size)
+    except (OSError, InputError):
+        data = b""
     if len(data) != commit.manifest_size or xxh3_hex(data) != commit.manifest_xxh3:
         raise ManifestError(f"{commit.manifest} does not match the commit record (edited or replaced after the build)",
                             "run moet-cache build again")
@@ -111,8 +115,8 @@ def _read_json(path: Path) -> Any:
 def _read_checked(root: Path, rel: str, size: int, digest: str) -> bytes | None:
     p = resolve_inside(root, rel)
     try:
-        data = p.read_bytes() if p.is_file() and p.stat().st_size == size else None
-    except OSError:
+        data = read_all(p, size)
+    except (OSError, InputError):  # missing, unreadable, not a plain file, or too big
         return None
     return data if data is not None and xxh3_hex(data) == digest else None
 
@@ -275,26 +279,44 @@ def boot_check(root: str | os.PathLike[str], check_source: bool = True) -> Verif
                         verified_at=state.get("at") if state else None, source_present=present)
 
 
+UNREADABLE = "unreadable"
+
+
 def _hash_file(root: Path, f: FileEntry) -> tuple[FileEntry, str | None]:
+    """(entry, digest); digest None: missing, a link or the wrong size (a boot-check problem already);
+    UNREADABLE + the error: the file is there but a read failed (EIO, EACCES): it is not verified."""
     p = root / f.path
     try:
         if p.is_symlink() or not p.is_file() or p.stat().st_size != f.size:
             return f, None
-        return f, xxh3_file_hex(p)
     except OSError:
         return f, None
+    try:
+        return f, xxh3_file_hex(p)
+    except OSError as e:
+        return f, f"{UNREADABLE}: {e.strerror or e}"
 
 
 def _bad_tensors(root: Path, f: FileEntry, tensors: Iterable[TensorEntry]) -> list[str]:
     """Which tensors of a damaged file no longer match their digests."""
     bad = []
-    with open(root / f.path, "rb") as fh:
+    try:
+        fd = open_regular(root / f.path)
+    except OSError:
+        return bad
+    try:
         for t in tensors:
             if t.file != f.path:
                 continue
-            fh.seek(t.begin)
-            if xxh3_hex(fh.read(t.end - t.begin)) != t.xxh3:
+            buf = memoryview(bytearray(t.end - t.begin))
+            try:
+                n = pread_into(fd, buf, t.begin)
+            except OSError:
+                n = -1
+            if n != buf.nbytes or xxh3_hex(buf) != t.xxh3:
                 bad.append(t.name)
+    finally:
+        os.close(fd)
     return bad
 
 
@@ -319,6 +341,10 @@ def full_verify(root: str | os.PathLike[str], workers: int | None = None,
             progress.advance(f.size)
             if digest is None:
                 continue  # missing or wrong size: already a boot-check problem
+            if digest.startswith(UNREADABLE):
+                problems.append(Problem("unreadable", f.path, f"cannot be read ({digest.split(': ', 1)[1]}): "
+                                        "its bytes are not verified; check the disk", layer_of.get(f.path)))
+                continue
             hashed += f.size
             if digest != f.xxh3:
                 layer = layer_of.get(f.path)
