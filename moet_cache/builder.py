@@ -27,15 +27,17 @@ from safetensors import safe_open
 
 from . import layout as L
 from .checkpoint import (
-    COMPRESSED_TENSORS,
     INDEX_NAME,
+    LAYOUT_FORMAT,
     PROJECTIONS,
     Checkpoint,
-    layer_of,
+    RawExpert,
+    SourceReader,
     open_checkpoint,
     tensor_bytes,
 )
 from .errors import EnvironmentProblem, InputError
+from .formats import E4M3_16, E8M0_32, MXFP4, ExpertFormat, compact_e8m0, e4m3_shift, e8m0_to_e4m3, stored_scales
 from .fsutil import (
     CacheLock,
     atomic_write_bytes,
@@ -43,7 +45,9 @@ from .fsutil import (
     fsync_dir,
     read_json_file,
     refuse_links,
+    resolve_inside,
 )
+from .geometry import LayerGeometry, is_w13
 from .hashing import xxh3_file_hex, xxh3_hex
 from .machine import usable_cores
 from .manifest import (
@@ -88,6 +92,34 @@ from .verifier import record_verified_state
 from .version import __version__
 
 AUX_MAX_BYTES = 64 << 20
+AUX_MAX_FILES = 4096
+AUX_MAX_DEPTH = 4
+
+
+def aux_files(src: Path) -> list[tuple[str, Path]]:
+    """(relative path, path) of the source's small non-weight files, folders included (V4's encoding/).
+
+    Links to files are followed (hub snapshots); linked folders, hidden names, weights and files over
+    AUX_MAX_BYTES are not carried.
+    """
+    out: list[tuple[str, Path]] = []
+
+    def walk(d: Path, rel: str, depth: int) -> None:
+        for p in sorted(d.iterdir()):
+            if len(out) >= AUX_MAX_FILES or p.name.startswith(".") or p.name == INDEX_NAME \
+                    or p.name.endswith((".safetensors", ".bin", ".pt", ".pth", ".gguf")):
+                continue
+            r = f"{rel}{p.name}"
+            try:
+                if p.is_dir():
+                    if not p.is_symlink() and depth < AUX_MAX_DEPTH:
+                        walk(p, r + "/", depth + 1)
+                elif p.is_file() and p.stat().st_size <= AUX_MAX_BYTES:
+                    out.append((r, p))
+            except OSError:
+                continue  # a dangling link or an unreadable entry: not carried
+    walk(src, "", 0)
+    return out
 _T = TypeVar("_T")
 
 
@@ -146,21 +178,9 @@ def _write_json_entry(root: Path, rel: str, record: object, role: str) -> FileEn
     return FileEntry(rel, len(data), xxh3_hex(data), role)
 
 
-@dataclass(frozen=True)
-class RawExpert:
-    """One projection of one routed expert as the source's bytes (no torch: the build's hot loop)."""
-    codes: np.ndarray                 # uint8 [out, in/2], packed FP4
-    scale_bytes: np.ndarray           # uint8 [out, in/16], float8_e4m3fn block scales
-    global_scale: np.ndarray          # float32, the source's shape and convention
-    input_scale: np.ndarray | None
-
-
 def multiply_convention(layout: str, scalar: np.ndarray) -> float:
     """Checkpoint.multiply_global_scale for a float32 numpy scalar (the same float, without torch)."""
-    v = float(np.float64(scalar.reshape(-1)[0]))
-    if layout == COMPRESSED_TENSORS:
-        return float(np.float32(1.0 / v)) if v != 0 else 0.0
-    return v
+    return LAYOUT_FORMAT[layout].multiply(scalar)
 
 
 @dataclass(frozen=True)
@@ -174,120 +194,35 @@ class _Planes:
     energy: float
 
 
-class SourceReader:
-    """Reads source tensors' bytes with os.pread at the offsets in the shard headers.
-
-    Thread-safe, no memory maps (nothing stays resident after a read), and the GIL is released while
-    the kernel copies or the disk reads, so the plane workers read their own experts in parallel.
-    The headers were checked by open_checkpoint; a shard cut short since then is an InputError.
-    """
-
-    def __init__(self, ckpt: Checkpoint) -> None:
-        self.ckpt = ckpt
-        self._lock = threading.Lock()
-        self._fds: dict[str, int] = {}
-        self._offsets: dict[str, dict[str, tuple[int, int]]] = {}
-        self._pool: dict[int, list[np.ndarray]] = {}
-
-    def _shard(self, shard: str) -> tuple[int, dict[str, tuple[int, int]]]:
-        with self._lock:
-            if shard not in self._fds:
-                fd = os.open(self.ckpt.root / shard, os.O_RDONLY)
-                try:
-                    head = os.pread(fd, 8, 0)
-                    n = int.from_bytes(head, "little") if len(head) == 8 else -1
-                    doc = json.loads(os.pread(fd, n, 8)) if 0 <= n <= 100 << 20 else None
-                    # a non-dict header fails in .items(): AttributeError, below
-                    self._offsets[shard] = {k: (8 + n + int(v["data_offsets"][0]), 8 + n + int(v["data_offsets"][1]))
-                                            for k, v in doc.items() if k != "__metadata__"}
-                except (ValueError, TypeError, KeyError, IndexError, AttributeError):
-                    os.close(fd)
-                    raise InputError(f"{shard} changed since it was opened: its header cannot be read",
-                                     "run the build again") from None
-                self._fds[shard] = fd
-            return self._fds[shard], self._offsets[shard]
-
-    def read_into(self, name: str, out: np.ndarray, start: int = 0) -> None:
-        """Fill the uint8 array `out` with the bytes of tensor `name` from byte `start` of its data."""
-        info = self.ckpt.tensors[name]
-        fd, offsets = self._shard(info.shard)
-        begin, end = offsets.get(name, (0, -1))
-        view = memoryview(out).cast("B")
-        if end - begin != TensorSpec(name, info.dtype, info.shape).nbytes or start + view.nbytes > end - begin:
-            raise InputError(f"{name} in {info.shard} changed since the checkpoint was opened", "run the build again")
-        pos = begin + start
-        while view.nbytes:
-            n = os.preadv(fd, [view], pos)
-            if n <= 0:
-                raise InputError(f"cannot read tensor {name} from {info.shard}: the file ends early",
-                                 "the shard may be truncated or corrupt")
-            view, pos = view[n:], pos + n
-
-    def read(self, name: str, pooled: bool = False) -> np.ndarray:
-        """A tensor's bytes as a 1-D uint8 array: a new one, or with pooled=True one given back by release().
-
-        Reused buffers: touching fresh memory costs a page fault per 4 KiB, dear on a virtual machine.
-        """
-        info = self.ckpt.tensors[name]
-        n = TensorSpec(name, info.dtype, info.shape).nbytes
-        out = None
-        if pooled:
-            with self._lock:
-                free = self._pool.get(n)
-                out = free.pop() if free else None
-        if out is None:
-            out = np.empty(n, dtype=np.uint8)
-        self.read_into(name, out)
-        return out
-
-    def release(self, buf: np.ndarray) -> None:
-        """Give back an array from read(pooled=True) once nothing uses it (at most a few kept per size)."""
-        base = buf if buf.base is None else buf.base
-        if isinstance(base, np.ndarray) and base.ndim == 1 and base.dtype == np.uint8:
-            with self._lock:
-                free = self._pool.setdefault(base.nbytes, [])
-                if len(free) < 32:  # enough for the experts in flight (_read_window); more would only hold memory
-                    free.append(base)
-
-    def read_expert(self, layer: int, expert: int, proj: str) -> RawExpert:
-        """The bytes of Checkpoint.read_expert's tensors, read without the shard maps or torch."""
-        ck = self.ckpt
-        names = ck.expert_names(layer, expert, proj)
-        codes = self.read(names["codes"], pooled=True).reshape(ck.tensors[names["codes"]].shape[0], -1)
-        scale = self.read(names["block_scale"]).reshape(ck.tensors[names["block_scale"]].shape)
-
-        def scalar(name: str) -> np.ndarray:  # F32 (validate_experts), little-endian in the file
-            return self.read(name).view("<f4").astype(np.float32, copy=False).reshape(ck.tensors[name].shape)
-        iscale = scalar(names["input_scale"]) if names["input_scale"] in ck.tensors else None
-        return RawExpert(codes, scale, scalar(names["global_scale"]), iscale)
-
-    def close(self) -> None:
-        with self._lock:
-            for fd in self._fds.values():
-                os.close(fd)
-            self._fds.clear()
-            self._offsets.clear()
-
-
-def _read_expert(reader: SourceReader, layer: int, expert: int) -> list[RawExpert]:
+def _read_expert(reader: SourceReader, layer: int, expert: int, fmt: ExpertFormat) -> list[RawExpert]:
     """One expert's three projections, read from the source (on a read thread)."""
-    return [reader.read_expert(layer, expert, p) for p in PROJECTIONS]
+    return [reader.read_expert(layer, expert, p, fmt) for p in PROJECTIONS]
+
+
+def measure_scales(x: RawExpert) -> tuple[np.ndarray, float]:
+    """e4m3 block-scale bytes per 16 to measure this projection's error with, and the factor on the
+    squared error and energy: MXFP4's e8m0 scales (per 32) become e4m3 of 2^(k - shift), error x 4^shift."""
+    if x.fmt.scale_form == E4M3_16:
+        return x.scale_bytes, 1.0
+    shift = e4m3_shift(x.scale_bytes)
+    return e8m0_to_e4m3(x.scale_bytes, shift), float(4.0 ** shift)
 
 
 def _plane_work(read: Future[list[RawExpert]], device: str | None = None) -> list[_Planes]:
     """Split and measure one expert's three projections once they are read (on a plane worker)."""
     out = []
     for x in read.result():
+        scale_bytes, factor = measure_scales(x)
         if device is None or (device != "cpu" and x.codes.nbytes < _DEVICE_MIN_BYTES):
-            base, delta, table, er, eg = split_and_measure_e4m3(x.codes, x.scale_bytes)
+            base, delta, table, er, eg = split_and_measure_e4m3(x.codes, scale_bytes)
         else:  # the same maths in torch on the device; the planes and table are bit-identical
             codes = torch.from_numpy(x.codes).to(device)
             tbase, tdelta = split_planes_torch(codes)
             table = fit_table(code_histogram_torch(codes))
-            scales = torch.from_numpy(x.scale_bytes).view(torch.float8_e4m3fn).to(device).to(torch.float32)
+            scales = torch.from_numpy(scale_bytes).view(torch.float8_e4m3fn).to(device).to(torch.float32)
             er, eg = error_and_energy_torch(codes, scales, table)
             base, delta = tbase.cpu().numpy(), tdelta.cpu().numpy()
-        out.append(_Planes(x, base, delta, table, er, eg))
+        out.append(_Planes(x, base, delta, table, er * factor, eg * factor))
     return out
 
 
@@ -335,7 +270,8 @@ class _Plan:
     kinds: dict[int, str]
     omitted: set[str]               # source tensors not carried into the cache at all
     planed: set[str]                # source tensors that become planes
-    has_input_scale: bool
+    formats: dict[int, ExpertFormat]  # each served layer's expert format (one a layer)
+    input_scales: dict[int, bool]   # each served layer: the source has input scales
     dense_by_shard: dict[str, list[str]] = field(default_factory=dict)
 
 
@@ -359,12 +295,12 @@ class _Builder:
     # --- planning ----------------------------------------------------------------------------
     def _make_plan(self) -> _Plan:
         m, ck = self.model, self.ckpt
-        main = m.main_moe_layers()
-        mtp = [i for i in m.mtp_layers() if m.is_moe_layer(i)
-               and f"model.layers.{i}.mlp.experts.0.gate_proj.{'weight_packed' if ck.layout == COMPRESSED_TENSORS else 'weight'}" in ck.tensors]
+        fam = ck.family
+        main = list(fam.moe_layers)
+        mtp = list(fam.mtp_layers)
         if self.opts.layers:
             sel = parse_layer_selection(self.opts.layers)
-            total = m.num_hidden_layers + m.num_nextn_predict_layers
+            total = max([m.num_hidden_layers + m.num_nextn_predict_layers - 1, *mtp]) + 1
             beyond = sorted(i for i in sel if i >= total)
             if beyond:
                 raise InputError(f"--layers names layer {beyond[0]}, but the model has layers 0-{total - 1}")
@@ -380,13 +316,15 @@ class _Builder:
         if not served:
             raise InputError("the model has no MoE layer to build planes for")
         ck.validate_experts(served)
-        kinds = {i: ("mtp" if i >= m.num_hidden_layers else "moe") for i in served}
+        kinds = {i: ("mtp" if fam.is_mtp(i) else "moe") for i in served}
         planed = ck.expert_tensor_names(served)
         omitted: set[str] = set()
         if not (self.opts.include_mtp or self.opts.lossless):
-            omitted = {n for n in ck.tensors if (layer_of(n) or -1) >= m.num_hidden_layers}
-        names0 = ck.expert_names(served[0], 0, "gate_proj")
-        plan = _Plan(served, kinds, omitted, planed, names0["input_scale"] in ck.tensors)
+            omitted = {n for n in ck.tensors if fam.is_mtp(-1 if (x := fam.layer_of(n)) is None else x)}
+        formats = {i: ck.layer_format(i) for i in served}
+        input_scales = {i: "input_scale" in ck.expert_names(i, 0, PROJECTIONS[0], formats[i])
+                        and ck.expert_names(i, 0, PROJECTIONS[0], formats[i])["input_scale"] in ck.tensors for i in served}
+        plan = _Plan(served, kinds, omitted, planed, formats, input_scales)
         for name in sorted(ck.tensors):
             if name not in planed and name not in omitted:
                 plan.dense_by_shard.setdefault(ck.tensors[name].shard, []).append(name)
@@ -404,9 +342,13 @@ class _Builder:
         m = self.model
         return len(self.plan.served) * m.n_routed_experts * self._expert_delta_bytes()
 
-    def _expert_delta_bytes(self) -> int:
+    def _geometry(self, layer: int | None = None, w13_form: str = E4M3_16, w2_form: str = E4M3_16) -> LayerGeometry:
         m = self.model
-        return (2 * m.moe_intermediate_size * m.hidden_size + m.hidden_size * m.moe_intermediate_size) // 4
+        inputs = self.plan.input_scales.get(layer, False) if layer is not None else False
+        return LayerGeometry(m.n_routed_experts, m.hidden_size, m.moe_intermediate_size, w13_form, w2_form, inputs)
+
+    def _expert_delta_bytes(self) -> int:
+        return self._geometry().expert_delta_bytes
 
     # --- the build ---------------------------------------------------------------------------
     def run(self) -> BuildResult:
@@ -434,7 +376,6 @@ class _Builder:
             done: list[Callable[[], tuple[LayerManifest, FileEntry]]] = []
             for layer in self.plan.served:
                 done.append(self._layer(layer))
-                self.ckpt.close()  # unmap the shards read so far (reopened on demand): bounded RSS
                 self.progress.layer_done(layer)
             for entries in dense:
                 files.extend(entries.result())
@@ -444,7 +385,8 @@ class _Builder:
         files.append(self._source_map())
         refs = tuple(LayerRef(layer, fe.path, fe.size, fe.xxh3) for layer, (_, fe) in sorted(manifests.items()))
         manifest = CacheManifest(__version__, _now(), str(self.ckpt.root.resolve()), self.ckpt.layout,
-                                 self.fingerprint, self.model.to_dict(), params, refs, tuple(files))
+                                 self.fingerprint, {**self.model.to_dict(), "family": self.ckpt.family.to_dict()},
+                                 params, refs, tuple(files))
         mdata = write_record(self.root / CACHE_MANIFEST, manifest)
         self._sweep(manifest)
         write_record(self.root / COMMIT_RECORD, CommitRecord(CACHE_MANIFEST, len(mdata), xxh3_hex(mdata), _now()))
@@ -489,17 +431,21 @@ class _Builder:
 
     # --- parts ---------------------------------------------------------------------------------
     def _copy_aux(self) -> list[FileEntry]:
+        """The model folder: config.json, hf_quant_config.json, generation_config.json, the tokenizer files and
+        folders such as V4's encoding/, so a server needs nothing from the source. Links in the source are
+        followed (a Hugging Face hub snapshot's files are links into its blobs); links in the cache never."""
         out = []
-        for p in sorted(self.ckpt.root.iterdir()):
-            if p.name.startswith(".") or p.name.endswith(".safetensors") or p.name == INDEX_NAME \
-                    or p.is_symlink() or not p.is_file() or p.stat().st_size > AUX_MAX_BYTES:
-                continue
+        for rel_src, p in aux_files(self.ckpt.root):
             data = p.read_bytes()
-            rel = f"{L.AUX_DIR}/{p.name}"
-            dest = self.root / rel
-            if not (dest.is_file() and dest.read_bytes() == data):
+            rel = f"{L.AUX_DIR}/{rel_src}"
+            dest = resolve_inside(self.root, rel) if (self.root / rel).parent.exists() else self.root / rel
+            refuse_links(self.root, tuple(str(Path(rel).parents[i]) for i in range(len(Path(rel).parts) - 1)))
+            if not (dest.is_file() and not dest.is_symlink() and dest.read_bytes() == data):
                 atomic_write_bytes(dest, data)
             out.append(FileEntry(rel, len(data), xxh3_hex(data), L.ROLE_AUX))
+        if not any(f.path == f"{L.AUX_DIR}/config.json" for f in out):
+            raise InputError(f"cannot copy {self.ckpt.root / 'config.json'} into the cache's model folder",
+                             "config.json must be a readable file (or a link to one) of at most 64 MiB")
         return out
 
     def _reusable_part(self, rel: str, key: str) -> PartManifest | None:
@@ -571,7 +517,8 @@ class _Builder:
 
     def _layer_key(self, layer: int) -> str:
         return _key({"v": FORMAT_VERSION, "src": self.fingerprint, "layout": self.ckpt.layout,
-                     "layer": layer, "lossless": self.opts.lossless, "input_scale": self.plan.has_input_scale})
+                     "layer": layer, "lossless": self.opts.lossless, "input_scale": self.plan.input_scales[layer],
+                     "format": self.plan.formats[layer].name, "scale_forms": 2})
 
     def _layer(self, layer: int) -> Callable[[], tuple[LayerManifest, FileEntry]]:
         """Reuse or build one layer; returns what gives its manifest and manifest entry once committed."""
@@ -599,31 +546,49 @@ class _Builder:
         data = (self.root / rel).read_bytes()
         return lm, FileEntry(rel, len(data), xxh3_hex(data), "layer-manifest")
 
-    def _layer_specs(self, layer: int) -> tuple[list[TensorSpec], list[TensorSpec]]:
-        m = self.model
-        E, H, I = m.n_routed_experts, m.hidden_size, m.moe_intermediate_size
-        base = [TensorSpec(L.W13_BASE, "U8", (E, 2 * I, H // 4)), TensorSpec(L.W2_BASE, "U8", (E, H, I // 4)),
-                TensorSpec(L.W13_SCALE, "F8_E4M3", (E, 2 * I, H // 16)),
-                TensorSpec(L.W2_SCALE, "F8_E4M3", (E, H, I // 16)),
-                TensorSpec(L.W13_SCALE_2, "F32", (E, 2)), TensorSpec(L.W2_SCALE_2, "F32", (E,))]
-        if self.plan.has_input_scale:
-            base += [TensorSpec(L.W13_INPUT_SCALE, "F32", (E, 2)), TensorSpec(L.W2_INPUT_SCALE, "F32", (E,))]
-        base += [TensorSpec(L.W13_TABLE, "F32", (E, 2, 4)), TensorSpec(L.W2_TABLE, "F32", (E, 4))]
-        delta = [TensorSpec(L.W13_DELTA, "U8", (E, 2 * I, H // 4)), TensorSpec(L.W2_DELTA, "U8", (E, H, I // 4))]
+    def _layer_specs(self, layer: int, geo: LayerGeometry) -> tuple[list[TensorSpec], list[TensorSpec]]:
+        E = geo.n_experts
+        delta = geo.delta_specs()
+        fmt = self.plan.formats[layer]
         for proj in PROJECTIONS:
-            for kind in self._scalar_kinds():
-                info = self.ckpt.tensors[self.ckpt.expert_names(layer, 0, proj)[kind]]
+            for kind in self._scalar_kinds(layer):
+                info = self.ckpt.tensors[self.ckpt.expert_names(layer, 0, proj, fmt)[kind]]
                 delta.append(TensorSpec(L.source_scalar(proj, kind), info.dtype, (E, *info.shape)))
-        return base, delta
+        return geo.base_specs(), delta
 
-    def _scalar_kinds(self) -> tuple[str, ...]:
-        return ("global_scale", "input_scale") if self.plan.has_input_scale else ("global_scale",)
+    def _scalar_kinds(self, layer: int) -> tuple[str, ...]:
+        kinds = self.plan.formats[layer].scalar_kinds
+        return kinds if self.plan.input_scales[layer] else tuple(k for k in kinds if k != "input_scale")
+
+    def _scale_forms(self, layer: int) -> tuple[str, str]:
+        """The block-scale form of w13 and of w2: MXFP4's own e8m0; for NVFP4 e8m0 when every scale of the
+        projection group (over all experts) is a non-zero power of two equal in pairs, else e4m3."""
+        fmt = self.plan.formats[layer]
+        if fmt.scale_form == E8M0_32:
+            return E8M0_32, E8M0_32
+        ck = self.ckpt
+        forms = []
+        for projs in (PROJECTIONS[:2], PROJECTIONS[2:]):
+            compact = True
+            for e in range(self.model.n_routed_experts):
+                for proj in projs:
+                    name = ck.expert_names(layer, e, proj, fmt)["block_scale"]
+                    if compact_e8m0(ck.read(name).reshape(ck.tensors[name].shape)) is None:
+                        compact = False
+                        break
+                if not compact:
+                    break
+            forms.append(E8M0_32 if compact else E4M3_16)
+        return forms[0], forms[1]
 
     def _build_layer(self, layer: int, key: str) -> Callable[[], LayerManifest]:
         """Read, split and write one layer's planes; returns its commit (fsync, hash, rename, then the manifest)."""
         m, ck = self.model, self.ckpt
         E = m.n_routed_experts
-        base_specs, delta_specs = self._layer_specs(layer)
+        fmt = self.plan.formats[layer]
+        forms = self._scale_forms(layer)
+        geo = self._geometry(layer, *forms)
+        base_specs, delta_specs = self._layer_specs(layer, geo)
         delta_rel = L.delta_file(layer)
         lossless = self.opts.lossless
         scale2 = np.zeros((E, 3), dtype=np.float32)
@@ -637,7 +602,7 @@ class _Builder:
         # writes expert e. Reads on their own threads: a worker that read its own expert left the
         # disk idle while it computed, and the CPU idle while it waited for the disk.
         workers, device = _plane_workers(), _plane_device()
-        expert_bytes = sum(self._nbytes(n) for p in PROJECTIONS for n in ck.expert_names(layer, 0, p).values()
+        expert_bytes = sum(self._nbytes(n) for p in PROJECTIONS for n in ck.expert_names(layer, 0, p, fmt).values()
                            if n in ck.tensors)
         window = _read_window(workers, expert_bytes)
         reader = self.reader
@@ -651,28 +616,30 @@ class _Builder:
                 ThreadPoolExecutor(max_workers=READ_THREADS, thread_name_prefix="moet-read") as reads:
             for e in range(E):
                 while ahead < E and len(pending) < window:
-                    pending.append(pool.submit(_plane_work, reads.submit(_read_expert, reader, layer, ahead), device))
+                    pending.append(pool.submit(_plane_work, reads.submit(_read_expert, reader, layer, ahead, fmt), device))
                     ahead += 1
                 work = pending.popleft().result()
                 err = en = 0.0
                 for j, proj in enumerate(PROJECTIONS):
                     x, base, delta, table = work[j].x, work[j].base, work[j].delta, work[j].table
-                    g = multiply_convention(ck.layout, x.global_scale)
+                    g = x.scale_2
                     err, en = err + work[j].error * g * g, en + work[j].energy * g * g
-                    w13 = proj != "down_proj"
+                    w13 = is_w13(proj)
                     bw.write(L.W13_BASE if w13 else L.W2_BASE, base)
                     if dw is not None:
                         dw.write(L.W13_DELTA if w13 else L.W2_DELTA, delta)
-                    scale_raw = x.scale_bytes
-                    bw.write(L.W13_SCALE if w13 else L.W2_SCALE, scale_raw)
+                    bw.write(L.W13_SCALE if w13 else L.W2_SCALE,
+                             stored_scales(x.scale_bytes, fmt.scale_form, geo.form(proj)))
                     scale2[e, j], tables[e, j] = g, table
-                    raw_scalars.setdefault((proj, "global_scale"), []).append(x.global_scale.reshape(-1))
-                    if self.plan.has_input_scale:
+                    if x.global_scale is not None:
+                        raw_scalars.setdefault((proj, "global_scale"), []).append(x.global_scale.reshape(-1))
+                    if self.plan.input_scales[layer]:
                         if x.input_scale is None:
                             raise InputError(f"layer {layer} expert {e} {proj} has no input scale, expert 0 has")
-                        iscale[e, j] = multiply_convention(ck.layout, x.input_scale)
+                        iscale[e, j] = fmt.multiply(x.input_scale)
                         raw_scalars.setdefault((proj, "input_scale"), []).append(x.input_scale.reshape(-1))
-                    n = x.codes.nbytes + scale_raw.nbytes + 8
+                    n = x.codes.nbytes + x.scale_bytes.nbytes + (4 if x.global_scale is not None else 0) \
+                        + (4 if x.input_scale is not None else 0)
                     reader.release(x.codes)  # split and measured: the buffer reads another expert
                     source_bytes += n
                     self._advance(n)
@@ -680,7 +647,7 @@ class _Builder:
                 energy.append(en)
             bw.write(L.W13_SCALE_2, scale2[:, :2])
             bw.write(L.W2_SCALE_2, scale2[:, 2].copy())
-            if self.plan.has_input_scale:
+            if self.plan.input_scales[layer]:
                 bw.write(L.W13_INPUT_SCALE, iscale[:, :2])
                 bw.write(L.W2_INPUT_SCALE, iscale[:, 2].copy())
             bw.write(L.W13_TABLE, tables[:, :2])
@@ -705,7 +672,8 @@ class _Builder:
                     w.abort()  # a no-op once committed
             lm = LayerManifest(layer, self.plan.kinds[layer], E, m.hidden_size, m.moe_intermediate_size, key,
                                self._expert_delta_bytes(), source_bytes, tuple(files), tuple(tensors),
-                               tuple(sq_error), tuple(energy))
+                               tuple(sq_error), tuple(energy), fmt.name,
+                               ((L.W13_SCALE, geo.w13_form), (L.W2_SCALE, geo.w2_form)))
             write_record(self.root / L.layer_manifest(layer), lm)  # after its files are durable
             return lm
         return commit
@@ -773,8 +741,8 @@ class _Builder:
             keep.update(f.path for f in lm.files)
         for folder in (L.LAYERS_DIR, L.DENSE_DIR, "delta", L.AUX_DIR):
             d = self.root / folder
-            if d.is_dir():
-                for p in d.iterdir():
+            if d.is_dir() and not d.is_symlink():
+                for p in (d.rglob("*") if folder == L.AUX_DIR else d.iterdir()):
                     if p.relative_to(self.root).as_posix() not in keep and (p.is_file() or p.is_symlink()):
                         p.unlink()
         staging = self.root / L.STAGING_DIR
@@ -823,10 +791,8 @@ def write_delta_pack(root: Path, layers: dict[int, LayerManifest], chosen: dict[
     specs = []
     for layer, experts in sorted(chosen.items()):
         if experts:
-            lm = layers[layer]
-            H, I, n = lm.hidden_size, lm.intermediate_size, len(experts)
-            specs += [TensorSpec(L.pack_tensor(layer, L.W13_DELTA), "U8", (n, 2 * I, H // 4)),
-                      TensorSpec(L.pack_tensor(layer, L.W2_DELTA), "U8", (n, H, I // 4))]
+            specs += [TensorSpec(L.pack_tensor(layer, sp.name), sp.dtype, sp.shape)
+                      for sp in layers[layer].geometry().delta_specs(len(experts))]
     with SafetensorsWriter(root / L.PACK, specs) as w:
         for layer, experts in sorted(chosen.items()):
             if not experts:

@@ -1,36 +1,44 @@
-"""Read a Hugging Face style NVFP4 MoE checkpoint (ModelOpt or compressed-tensors) through safetensors."""
+"""Read a Hugging Face style FP4 MoE checkpoint: the one source reader every command uses.
+
+A checkpoint is a folder with config.json and safetensors shards (an index, or model.safetensors).
+Its naming family (families.py) says where the routed experts are; each expert projection's format
+(formats.py: ModelOpt NVFP4, compressed-tensors NVFP4, MXFP4) is read from the tensors present, so
+one checkpoint may mix them (DeepSeek-V4-Flash-0731-NVFP4: NVFP4 main layers, MXFP4 drafters).
+Headers are read by stheader.read_header; bytes with os.pread at the header offsets (no memory maps,
+thread-safe, the GIL released while the disk reads). A source may be a Hugging Face hub snapshot
+whose files are links into its blobs: links are followed inside the source.
+"""
 
 from __future__ import annotations
 
 import os
-from contextlib import ExitStack
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
-from safetensors import safe_open
 
 from .errors import InputError, UnsupportedCheckpointError
+from .families import PROJECTIONS, Family, detect_family
+from .formats import CT_NVFP4, MODELOPT_NVFP4, MXFP4, ExpertFormat, format_of
 from .fsutil import read_json_file
 from .hashing import xxh3_file_hex, xxh3_hex
 from .modelconfig import ModelConfig
+from .stheader import Entry, nbytes, read_header, storage_shape, torch_dtype
 
+# Checkpoint-level layouts: what config.json declares (the format of each expert is read per tensor).
 MODELOPT = "modelopt"
 COMPRESSED_TENSORS = "compressed-tensors"
-PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+MXFP4_LAYOUT = "mxfp4"           # DeepSeek-V4's official release: FP8 dense, MXFP4 experts
+LAYOUTS = (MODELOPT, COMPRESSED_TENSORS, MXFP4_LAYOUT)
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
+LAYOUT_FORMAT = {MODELOPT: MODELOPT_NVFP4, COMPRESSED_TENSORS: CT_NVFP4, MXFP4_LAYOUT: MXFP4}
 
-# Per layout, the suffix of each expert tensor kind.
-TENSOR_SUFFIXES = {
-    MODELOPT: {"codes": "weight", "block_scale": "weight_scale", "global_scale": "weight_scale_2",
-               "input_scale": "input_scale"},
-    COMPRESSED_TENSORS: {"codes": "weight_packed", "block_scale": "weight_scale",
-                         "global_scale": "weight_global_scale", "input_scale": "input_global_scale"},
-}
-_FP4_X2 = getattr(torch, "float4_e2m1fn_x2", None)
+# Per layout, the suffix of each expert tensor kind (the layout's own expert format).
+TENSOR_SUFFIXES = {layout: fmt.suffixes() for layout, fmt in LAYOUT_FORMAT.items()}
+__all_projections__ = PROJECTIONS
 
 
 @dataclass(frozen=True)
@@ -39,6 +47,10 @@ class TensorInfo:
     shard: str
     dtype: str
     shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return nbytes(self.dtype, self.shape)
 
 
 @dataclass(frozen=True)
@@ -65,28 +77,15 @@ class SourceFingerprint:
         }
 
 
-def expert_prefix(layer: int, expert: int, proj: str) -> str:
-    return f"model.layers.{layer}.mlp.experts.{expert}.{proj}"
-
-
-def expert_layer_of(name: str) -> tuple[int, int] | None:
-    """(layer, expert) if `name` is a routed-expert tensor, else None."""
-    parts = name.split(".")
-    if len(parts) >= 6 and parts[0] == "model" and parts[1] == "layers" and parts[3] == "mlp" \
-            and parts[4] == "experts" and parts[2].isdigit() and parts[5].isdigit():
-        return int(parts[2]), int(parts[5])
-    return None
-
-
-def layer_of(name: str) -> int | None:
-    parts = name.split(".")
-    if len(parts) >= 3 and parts[0] == "model" and parts[1] == "layers" and parts[2].isdigit():
-        return int(parts[2])
-    return None
+def _fp8_is_mxfp4(qc: dict[str, Any], names: set[str]) -> bool:
+    """DeepSeek-V4's official release: quant_method fp8 for the dense part, expert_dtype fp4 (MXFP4)."""
+    if str(qc.get("expert_dtype", "")).lower() in ("fp4", "mxfp4"):
+        return True
+    return any(n.endswith(".scale") and ".experts." in n for n in names)
 
 
 def detect_layout(config: dict[str, Any], root: Path, names: set[str]) -> str:
-    """ModelOpt or compressed-tensors NVFP4, from config.json, hf_quant_config.json, then tensor names."""
+    """ModelOpt NVFP4, compressed-tensors NVFP4 or MXFP4, from config.json, hf_quant_config.json, then names."""
     qc = config.get("quantization_config")
     if isinstance(qc, dict):
         method = str(qc.get("quant_method", "")).lower()
@@ -95,7 +94,7 @@ def detect_layout(config: dict[str, Any], root: Path, names: set[str]) -> str:
             if algo not in ("NVFP4", ""):
                 raise UnsupportedCheckpointError(
                     f"this is a ModelOpt checkpoint with quant_algo={algo}, not NVFP4",
-                    "moet-cache reads NVFP4 checkpoints only")
+                    "moet-cache reads NVFP4 and MXFP4 checkpoints only")
             return MODELOPT
         if method == "compressed-tensors":
             formats = {str(qc.get("format", ""))}
@@ -106,11 +105,13 @@ def detect_layout(config: dict[str, Any], root: Path, names: set[str]) -> str:
                 return COMPRESSED_TENSORS
             raise UnsupportedCheckpointError(
                 f"this is a compressed-tensors checkpoint in format {sorted(f for f in formats if f)}, "
-                "not nvfp4-pack-quantized", "moet-cache reads NVFP4 checkpoints only")
+                "not nvfp4-pack-quantized", "moet-cache reads NVFP4 and MXFP4 checkpoints only")
+        if method == "fp8" and _fp8_is_mxfp4(qc, names):
+            return MXFP4_LAYOUT
         if method:
             raise UnsupportedCheckpointError(
-                f"this checkpoint is quantized with {method!r}, not NVFP4",
-                "moet-cache reads ModelOpt NVFP4 and compressed-tensors nvfp4-pack-quantized checkpoints")
+                f"this checkpoint is quantized with {method!r}, not NVFP4 or MXFP4 experts",
+                "moet-cache reads ModelOpt NVFP4, compressed-tensors nvfp4-pack-quantized and MXFP4-expert checkpoints")
     hf_quant = root / "hf_quant_config.json"
     if hf_quant.is_file():
         q = read_json_file(hf_quant).get("quantization", {})
@@ -123,8 +124,8 @@ def detect_layout(config: dict[str, Any], root: Path, names: set[str]) -> str:
     if any(n.endswith(".weight_scale_2") for n in names):
         return MODELOPT
     raise UnsupportedCheckpointError(
-        "found no NVFP4 quantization (no quantization_config, no hf_quant_config.json, no FP4 tensors)",
-        "moet-cache reads ModelOpt NVFP4 and compressed-tensors nvfp4-pack-quantized checkpoints")
+        "found no NVFP4 or MXFP4 quantization (no quantization_config, no hf_quant_config.json, no FP4 tensors)",
+        "moet-cache reads ModelOpt NVFP4, compressed-tensors nvfp4-pack-quantized and MXFP4-expert checkpoints")
 
 
 def _checked_shard_name(name: Any, root: Path) -> str:
@@ -139,12 +140,36 @@ def _checked_shard_name(name: Any, root: Path) -> str:
     return name
 
 
+@dataclass(frozen=True)
+class ExpertTensors:
+    codes: np.ndarray            # uint8 [out, in/2]
+    block_scale: Any             # torch: float8_e4m3fn [out, in/16] or float8_e8m0fnu [out, in/32]
+    global_scale: Any            # torch float32 scalar in the source's convention, None for MXFP4
+    input_scale: Any
+
+
+@dataclass(frozen=True)
+class RawExpert:
+    """One projection of one routed expert as the source's bytes (no torch: the build's hot loop)."""
+    codes: np.ndarray                 # uint8 [out, in/2], packed FP4
+    scale_bytes: np.ndarray           # uint8 [out, in/group], the source's block scales
+    global_scale: np.ndarray | None   # float32, the source's shape and convention (None: MXFP4)
+    input_scale: np.ndarray | None
+    fmt: ExpertFormat = MODELOPT_NVFP4
+
+    @property
+    def scale_2(self) -> float:
+        """The per-tensor scale in the cache's convention (1.0 for MXFP4)."""
+        return self.fmt.multiply(self.global_scale) if self.global_scale is not None else 1.0
+
+
 class Checkpoint:
-    """An open NVFP4 checkpoint: config, layout, tensor map; reads tensors through safe_open."""
+    """An open FP4 MoE checkpoint: config, family, layout, tensor map; reads bytes with pread."""
 
     def __init__(self, root: Path, config: dict[str, Any], model: ModelConfig, layout: str,
                  tensors: dict[str, TensorInfo], index: dict[str, Any] | None,
-                 shard_metadata: dict[str, dict[str, str] | None]) -> None:
+                 shard_metadata: dict[str, dict[str, str] | None], family: Family | None = None,
+                 offsets: dict[str, Entry] | None = None, head_raw: dict[str, bytes] | None = None) -> None:
         self.root = root
         self.config = config
         self.model = model
@@ -152,13 +177,19 @@ class Checkpoint:
         self.tensors = tensors
         self.index = index
         self.shard_metadata = shard_metadata
-        self._stack = ExitStack()
-        self._handles: dict[str, Any] = {}
+        self.family = family or detect_family(config, model, tensors)
+        self.offsets = offsets or {}
+        self._head_raw = head_raw or {}
+        self._lock = threading.Lock()
+        self._fds: dict[str, int] = {}
+        self._pool: dict[int, list[np.ndarray]] = {}
 
     # --- lifecycle -------------------------------------------------------------------------
     def close(self) -> None:
-        self._stack.close()
-        self._handles.clear()
+        with self._lock:
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds.clear()
 
     def __enter__(self) -> Checkpoint:
         return self
@@ -170,51 +201,131 @@ class Checkpoint:
     def shards(self) -> list[str]:
         return sorted({t.shard for t in self.tensors.values()})
 
-    def _handle(self, shard: str) -> Any:
-        h = self._handles.get(shard)
-        if h is None:
-            h = self._stack.enter_context(safe_open(str(self.root / shard), framework="pt"))
-            self._handles[shard] = h
-        return h
+    # --- bytes ------------------------------------------------------------------------------
+    def _fd(self, shard: str) -> int:
+        with self._lock:
+            fd = self._fds.get(shard)
+            if fd is None:
+                fd = os.open(self.root / shard, os.O_RDONLY)
+                want = self._head_raw.get(shard)
+                if want is None or os.pread(fd, len(want), 0) != want:
+                    os.close(fd)
+                    raise InputError(f"{shard} changed since it was opened: its header differs",
+                                     "run the build again")
+                self._fds[shard] = fd
+            return fd
 
-    # --- reading ---------------------------------------------------------------------------
-    def get(self, name: str) -> torch.Tensor:
+    def read_into(self, name: str, out: np.ndarray, start: int = 0) -> None:
+        """Fill the uint8 array `out` with the bytes of tensor `name` from byte `start` of its data."""
         info = self.tensors.get(name)
         if info is None:
             raise InputError(f"the checkpoint has no tensor {name}")
-        try:
-            return self._handle(info.shard).get_tensor(name)
-        except Exception as e:  # safetensors raises its own errors for truncated data
-            raise InputError(f"cannot read tensor {name} from {info.shard}: {e}",
-                             "the shard may be truncated or corrupt") from None
+        fd = self._fd(info.shard)
+        ent = self.offsets[name]
+        view = memoryview(out).cast("B")
+        if start + view.nbytes > ent.end - ent.begin:
+            raise InputError(f"{name} in {info.shard} changed since the checkpoint was opened", "run the build again")
+        pos = ent.begin + start
+        while view.nbytes:
+            n = os.preadv(fd, [view], pos)
+            if n <= 0:
+                raise InputError(f"cannot read tensor {name} from {info.shard}: the file ends early",
+                                 "the shard may be truncated or corrupt")
+            view, pos = view[n:], pos + n
+
+    def read(self, name: str, pooled: bool = False) -> np.ndarray:
+        """A tensor's bytes as a 1-D uint8 array: a new one, or with pooled=True one given back by release().
+
+        Reused buffers: touching fresh memory costs a page fault per 4 KiB, dear on a virtual machine.
+        """
+        info = self.tensors.get(name)
+        if info is None:
+            raise InputError(f"the checkpoint has no tensor {name}")
+        n = info.nbytes
+        out = None
+        if pooled:
+            with self._lock:
+                free = self._pool.get(n)
+                out = free.pop() if free else None
+        if out is None:
+            out = np.empty(n, dtype=np.uint8)
+        self.read_into(name, out)
+        return out
+
+    def release(self, buf: np.ndarray) -> None:
+        """Give back an array from read(pooled=True) once nothing uses it (at most a few kept per size)."""
+        base = buf if buf.base is None else buf.base
+        if isinstance(base, np.ndarray) and base.ndim == 1 and base.dtype == np.uint8:
+            with self._lock:
+                free = self._pool.setdefault(base.nbytes, [])
+                if len(free) < 32:  # enough for the experts in flight (the build's window); more would only hold memory
+                    free.append(base)
 
     def get_raw(self, name: str) -> np.ndarray:
-        """A tensor's bytes as uint8 with the tensor's shape (last dim scaled by the item size)."""
-        t = self.get(name)
-        return tensor_bytes(t)
+        """A tensor's bytes as uint8 with the tensor's storage shape (last dim scaled by the item size)."""
+        info = self.tensors.get(name)
+        if info is None:
+            raise InputError(f"the checkpoint has no tensor {name}")
+        shape = storage_shape(info.dtype, info.shape) or (1,)
+        raw = self.read(name)
+        return raw.reshape(*shape[:-1], -1) if raw.size else raw.reshape(*shape[:-1], 0)
 
-    def expert_names(self, layer: int, expert: int, proj: str) -> dict[str, str]:
-        prefix = expert_prefix(layer, expert, proj)
-        return {k: f"{prefix}.{s}" for k, s in TENSOR_SUFFIXES[self.layout].items()}
+    def get(self, name: str) -> Any:
+        """A tensor as torch (storage dtype: F4 as packed uint8)."""
+        import torch
+        info = self.tensors.get(name)
+        if info is None:
+            raise InputError(f"the checkpoint has no tensor {name}")
+        raw = self.read(name)
+        t = torch.from_numpy(raw).view(torch_dtype(info.dtype))
+        return t.reshape(storage_shape(info.dtype, info.shape))
+
+    # --- experts ----------------------------------------------------------------------------
+    def expert_format(self, layer: int, expert: int, proj: str) -> ExpertFormat:
+        # (a projection with none of a format's tensors: the layout's format, whose tensors validate_experts names)
+        return format_of(self.family.expert_prefix(layer, expert, proj), self.tensors) or LAYOUT_FORMAT[self.layout]
+
+    def layer_format(self, layer: int) -> ExpertFormat:
+        """The one format of this layer's routed experts (expert 0's; validate_experts checks the rest)."""
+        return self.expert_format(layer, 0, PROJECTIONS[0])
+
+    def expert_names(self, layer: int, expert: int, proj: str, fmt: ExpertFormat | None = None) -> dict[str, str]:
+        prefix = self.family.expert_prefix(layer, expert, proj)
+        if fmt is None:
+            fmt = format_of(prefix, self.tensors) or LAYOUT_FORMAT[self.layout]
+        return fmt.names(prefix)
+
+    def read_raw_expert(self, layer: int, expert: int, proj: str, fmt: ExpertFormat | None = None) -> RawExpert:
+        """The bytes of one projection of one expert (pooled code buffer: release() it when split)."""
+        fmt = fmt or self.expert_format(layer, expert, proj)
+        names = fmt.names(self.family.expert_prefix(layer, expert, proj))
+        codes = self.read(names["codes"], pooled=True)
+        rows = self.tensors[names["codes"]].shape[0]
+        scale = self.read(names["block_scale"]).reshape(self.tensors[names["block_scale"]].shape)
+
+        def scalar(kind: str) -> np.ndarray | None:  # F32 (validate_experts), little-endian in the file
+            name = names.get(kind)
+            if name is None or name not in self.tensors:
+                return None
+            return self.read(name).view("<f4").astype(np.float32, copy=False).reshape(self.tensors[name].shape)
+        return RawExpert(codes.reshape(rows, -1), scale, scalar("global_scale"), scalar("input_scale"), fmt)
 
     def read_expert(self, layer: int, expert: int, proj: str) -> ExpertTensors:
-        """The codes, block scales and scalars of one projection of one routed expert."""
-        names = self.expert_names(layer, expert, proj)
-        codes = self.get(names["codes"])
-        if _FP4_X2 is not None and codes.dtype == _FP4_X2:
-            codes = codes.view(torch.uint8)
-        scale = self.get(names["block_scale"])
-        gscale = self.get(names["global_scale"])
-        iscale = self.get(names["input_scale"]) if names["input_scale"] in self.tensors else None
-        return ExpertTensors(codes=codes.numpy(), block_scale=scale, global_scale=gscale,
-                             input_scale=iscale)
+        """The codes, block scales and scalars of one projection of one routed expert, as torch."""
+        import torch
+        x = self.read_raw_expert(layer, expert, proj)
+        codes = x.codes.copy()
+        self.release(x.codes)
+        scale = torch.from_numpy(x.scale_bytes).view(torch_dtype(x.fmt.scale_dtype))
 
-    def multiply_global_scale(self, t: torch.Tensor) -> float:
+        def t(a: np.ndarray | None) -> Any:
+            return None if a is None else torch.from_numpy(a.copy())
+        return ExpertTensors(codes=codes, block_scale=scale, global_scale=t(x.global_scale), input_scale=t(x.input_scale))
+
+    def multiply_global_scale(self, t: Any) -> float:
         """The source's global scale in the cache's convention: W = E2M1 * block_scale * global."""
-        v = float(t.reshape(-1)[0].to(torch.float64))
-        if self.layout == COMPRESSED_TENSORS:
-            return float(np.float32(1.0 / v)) if v != 0 else 0.0
-        return v
+        import torch
+        return LAYOUT_FORMAT[self.layout].multiply(t.reshape(-1)[:1].to(torch.float32).numpy())
 
     # --- identity --------------------------------------------------------------------------
     def fingerprint(self) -> SourceFingerprint:
@@ -239,18 +350,25 @@ class Checkpoint:
         return out
 
     def validate_experts(self, layers: list[int]) -> None:
-        """Every routed expert tensor of these layers exists with the dtype and shape NVFP4 needs."""
+        """Every routed expert tensor of these layers exists with the dtype and shape its format needs,
+        and a layer's experts share one format."""
         m = self.model
         H, I = m.hidden_size, m.moe_intermediate_size
         for layer in layers:
+            fmt = self.layer_format(layer)
             for e in range(m.n_routed_experts):
                 for proj in PROJECTIONS:
                     out_dim, in_dim = (H, I) if proj == "down_proj" else (I, H)
-                    names = self.expert_names(layer, e, proj)
-                    self._expect(names["codes"], ("U8", "F4"), (out_dim, in_dim // 2), layer, e)
-                    self._expect(names["block_scale"], ("F8_E4M3",), (out_dim, in_dim // 16), layer, e)
-                    self._expect(names["global_scale"], ("F32",), None, layer, e)
-                    if names["input_scale"] in self.tensors:
+                    f = self.expert_format(layer, e, proj)
+                    if f is not fmt:
+                        raise InputError(f"layer {layer} mixes expert formats ({fmt.name} and {f.name} at expert {e} "
+                                         f"{proj})", "moet-cache needs one format for a layer's routed experts")
+                    names = f.names(self.family.expert_prefix(layer, e, proj))
+                    self._expect(names["codes"], f.code_dtypes, (out_dim, in_dim // 2), layer, e)
+                    self._expect(names["block_scale"], (f.scale_dtype,), (out_dim, in_dim // f.group), layer, e)
+                    if "global_scale" in names:
+                        self._expect(names["global_scale"], ("F32",), None, layer, e)
+                    if "input_scale" in names and names["input_scale"] in self.tensors:
                         self._expect(names["input_scale"], ("F32",), None, layer, e)
 
     def _expect(self, name: str, dtypes: tuple[str, ...], shape: tuple[int, ...] | None,
@@ -259,12 +377,10 @@ class Checkpoint:
         where = f"(layer {layer}, expert {expert})"
         if info is None:
             raise InputError(f"the checkpoint lacks {name} {where}",
-                             "the checkpoint is incomplete or not a DeepSeek-style NVFP4 MoE")
+                             "the checkpoint is incomplete or not a DeepSeek-style FP4 MoE")
         if info.dtype not in dtypes:
             raise InputError(f"{name} {where} has dtype {info.dtype}, expected {' or '.join(dtypes)}")
-        got = info.shape
-        if info.dtype == "F4" and shape is not None and got[:-1] == shape[:-1] and got[-1] == 2 * shape[-1]:
-            got = shape  # safetensors' F4 header shape counts elements, not packed bytes
+        got = storage_shape(info.dtype, info.shape) if info.dtype == "F4" else info.shape
         if shape is None:
             if int(np.prod(got, dtype=np.int64)) != 1:
                 raise InputError(f"{name} {where} should hold one scalar, has shape {list(got)}")
@@ -273,16 +389,31 @@ class Checkpoint:
                              "check hidden_size and moe_intermediate_size in config.json")
 
 
-@dataclass
-class ExpertTensors:
-    codes: np.ndarray            # uint8 [out, in/2]
-    block_scale: torch.Tensor    # float8_e4m3fn [out, in/16]
-    global_scale: torch.Tensor   # float32 scalar, in the source's convention
-    input_scale: torch.Tensor | None
+class SourceReader:
+    """The build's view of a checkpoint's bytes (kept for its callers; the Checkpoint itself reads)."""
+
+    def __init__(self, ckpt: Checkpoint) -> None:
+        self.ckpt = ckpt
+
+    def read_into(self, name: str, out: np.ndarray, start: int = 0) -> None:
+        self.ckpt.read_into(name, out, start)
+
+    def read(self, name: str, pooled: bool = False) -> np.ndarray:
+        return self.ckpt.read(name, pooled)
+
+    def release(self, buf: np.ndarray) -> None:
+        self.ckpt.release(buf)
+
+    def read_expert(self, layer: int, expert: int, proj: str, fmt: ExpertFormat | None = None) -> RawExpert:
+        return self.ckpt.read_raw_expert(layer, expert, proj, fmt)
+
+    def close(self) -> None:
+        self.ckpt.close()
 
 
-def tensor_bytes(t: torch.Tensor) -> np.ndarray:
-    """A tensor's raw bytes as a uint8 numpy array (no copy where the tensor is contiguous)."""
+def tensor_bytes(t: Any) -> np.ndarray:
+    """A torch tensor's raw bytes as a uint8 numpy array (no copy where the tensor is contiguous)."""
+    import torch
     t = t.contiguous()
     if t.dim() == 0:
         t = t.reshape(1)
@@ -307,6 +438,19 @@ def _require_plain_file(p: Path) -> None:
     if not stat.S_ISREG(mode):
         raise InputError(f"{p.name} is not a plain file (a FIFO, device or folder)",
                          "give a checkpoint folder of plain files")
+
+
+def _check_quantized_linears(tensors: dict[str, TensorInfo]) -> None:
+    """Every NVFP4 linear (routed, shared or dense: it has a per-tensor scale) holds packed codes; any other
+    tensor of any carried dtype (F8_E8M0 scales, I32 tid2eid, BF16, ...) is copied unchanged."""
+    for name in tensors:
+        for fmt in (MODELOPT_NVFP4, CT_NVFP4):
+            if fmt.global_scale and name.endswith("." + fmt.global_scale):
+                codes = tensors.get(name[: -len(fmt.global_scale)] + fmt.codes)
+                if codes is not None and codes.dtype not in fmt.code_dtypes:
+                    raise UnsupportedCheckpointError(
+                        f"{codes.name} in {codes.shard} has dtype {codes.dtype}, but an NVFP4 linear's codes are "
+                        f"{' or '.join(fmt.code_dtypes)}", "the checkpoint is damaged or not NVFP4 as it claims")
 
 
 def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
@@ -339,33 +483,32 @@ def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
         raise InputError(f"{root} has neither {INDEX_NAME} nor {SINGLE_NAME}",
                          "give a Hugging Face style checkpoint folder")
     tensors: dict[str, TensorInfo] = {}
+    offsets: dict[str, Entry] = {}
     metadata: dict[str, dict[str, str] | None] = {}
+    head_raw: dict[str, bytes] = {}
     for shard in shard_names:
         _require_plain_file(root / shard)  # a FIFO would block safe_open forever
         try:
-            with safe_open(str(root / shard), framework="pt") as f:
-                metadata[shard] = f.metadata()
-                for name in f.keys():
-                    if name in tensors:
-                        raise InputError(f"{name} is in two shards, {tensors[name].shard} and {shard}",
-                                         "a tensor must be in exactly one shard; remove the duplicate")
-                    sl = f.get_slice(name)
-                    tensors[name] = TensorInfo(name, shard, sl.get_dtype(),
-                                               tuple(int(x) for x in sl.get_shape()))
-        except InputError:
+            head = read_header(root / shard, shard)
+        except UnsupportedCheckpointError:
             raise
-        except Exception as e:
-            raise InputError(f"{shard} is not a readable safetensors file: {e}",
+        except InputError as e:
+            raise InputError(f"{shard} is not a readable safetensors file: {e.message}",
                              "the shard may be truncated or corrupt; copy it again") from None
+        metadata[shard] = head.metadata
+        head_raw[shard] = head.raw
+        for name, ent in head.tensors.items():
+            if name in tensors:
+                raise InputError(f"{name} is in two shards, {tensors[name].shard} and {shard}",
+                                 "a tensor must be in exactly one shard; remove the duplicate")
+            tensors[name] = TensorInfo(name, shard, ent.dtype, ent.shape)
+            offsets[name] = ent
     if shard_of is not None:
         for name, shard in shard_of.items():
             if name not in tensors or tensors[name].shard != shard:
                 raise InputError(f"{INDEX_NAME} puts {name} in {shard}, but that shard does not hold it",
                                  "regenerate the index or copy the right shard")
-    from .stwriter import DTYPE_SIZES
-    odd = next((t for t in tensors.values() if t.dtype not in DTYPE_SIZES and t.dtype != "F4"), None)
-    if odd is not None:  # found by the fault campaign: e.g. F8_E8M0 crashed the dense copy
-        raise UnsupportedCheckpointError(f"{odd.name} in {odd.shard} has dtype {odd.dtype}, which moet-cache cannot carry",
-                                         f"supported dtypes: {', '.join(sorted(DTYPE_SIZES))}, F4")
+    _check_quantized_linears(tensors)
     layout = detect_layout(config, root, set(tensors))
-    return Checkpoint(root, config, model, layout, tensors, index, metadata)
+    family = detect_family(config, model, tensors)
+    return Checkpoint(root, config, model, layout, tensors, index, metadata, family, offsets, head_raw)

@@ -72,4 +72,29 @@ def expand_projection(base: torch.Tensor, tables: np.ndarray, delta_rows: dict[i
     return out
 
 
-__all__ = ["join_planes_torch", "nearest_delta_lut", "base_only_delta", "expand_projection"]
+def expand_scales(scale: torch.Tensor, scale_2: torch.Tensor, parts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Compact block scales (float8_e8m0fnu [E, rows, n/32]) as stock NVFP4 ones: float8_e4m3fn
+    [E, rows, n/16] and scale_2 ([E, parts], or [E] when parts is 1) with the same products.
+
+    Each (expert, part) keeps its scale_2 when its scales fit e4m3's powers of two (2^-9 .. 2^8: the
+    MXFP4->NVFP4 cast's, which come back as the source's exact e4m3 bytes); otherwise a power of two
+    moves from the block scales into scale_2 (MXFP4 sources, whose scale_2 is 1.0).
+    """
+    from .formats import e4m3_shift, e8m0_to_e4m3
+    dev = scale.device
+    raw = scale.view(torch.uint8).cpu().numpy()
+    s2 = scale_2.to(torch.float32).cpu().numpy().reshape(raw.shape[0], parts).copy()
+    E, rows = raw.shape[0], raw.shape[1]
+    per = rows // parts
+    out = np.empty((E, rows, raw.shape[2] * 2), dtype=np.uint8)
+    for e in range(E):
+        for k in range(parts):
+            block = raw[e, k * per:(k + 1) * per]
+            shift = e4m3_shift(block)
+            out[e, k * per:(k + 1) * per] = e8m0_to_e4m3(block, shift)
+            s2[e, k] = np.float32(np.ldexp(np.float64(s2[e, k]), shift))
+    s2_t = torch.from_numpy(s2 if parts > 1 else s2.reshape(E)).to(dev)
+    return torch.from_numpy(out).view(torch.float8_e4m3fn).to(dev), s2_t
+
+
+__all__ = ["join_planes_torch", "nearest_delta_lut", "base_only_delta", "expand_projection", "expand_scales"]

@@ -13,7 +13,10 @@ from typing import Any
 from safetensors import safe_open
 
 from . import layout as L
-from .checkpoint import INDEX_NAME, PROJECTIONS, TENSOR_SUFFIXES, tensor_bytes
+from .checkpoint import INDEX_NAME, LAYOUT_FORMAT, tensor_bytes
+from .families import DeepseekV3, Family, family_from_dict
+from .formats import FORMATS, ExpertFormat, source_scales
+from .geometry import names_of
 from .errors import InputError, VerificationError
 from .fsutil import read_json_file, resolve_inside
 from .manifest import PartManifest, load_record
@@ -31,15 +34,28 @@ class ExportResult:
     bytes_written: int
 
 
-def _parse_expert_name(name: str, layout: str) -> tuple[int, int, str, str] | None:
-    """(layer, expert, projection, kind) for a routed-expert tensor name."""
-    parts = name.split(".")
-    if len(parts) != 8 or parts[:2] != ["model", "layers"] or parts[3:5] != ["mlp", "experts"] \
-            or not parts[2].isdigit() or not parts[5].isdigit() or parts[6] not in PROJECTIONS:
+def cache_family(cf: Any) -> Family:
+    """The naming family a cache was built from (caches from before the record: the V3 family)."""
+    model = cf.manifest.model
+    n = model.get("num_hidden_layers", 0) if isinstance(model, dict) else 0
+    fam = family_from_dict(model.get("family") if isinstance(model, dict) else None, n if isinstance(n, int) else 0)
+    return fam or DeepseekV3("deepseek_v3", n if isinstance(n, int) else 0, (), ())
+
+
+def layer_source_format(lm: Any, layout: str) -> ExpertFormat:
+    """The expert format a layer was built from (recorded per layer; older caches: the layout's)."""
+    return FORMATS.get(lm.source_format) or LAYOUT_FORMAT.get(layout) or LAYOUT_FORMAT["modelopt"]
+
+
+def _parse_expert_name(name: str, fam: Family, cf: Any, layout: str) -> tuple[int, int, str, str] | None:
+    """(layer, expert, projection, kind) for a routed-expert tensor name of a served layer."""
+    parsed = fam.parse_expert(name)
+    if parsed is None or parsed[0] not in cf.layers:
         return None
-    kinds = {suffix: kind for kind, suffix in TENSOR_SUFFIXES[layout].items()}
-    kind = kinds.get(parts[7])
-    return (int(parts[2]), int(parts[5]), parts[6], kind) if kind else None
+    layer, e, proj, suffix = parsed
+    kinds = {sfx: kind for kind, sfx in layer_source_format(cf.layers[layer], layout).suffixes().items()}
+    kind = kinds.get(suffix)
+    return (layer, e, proj, kind) if kind else None
 
 
 def _checked_name(name: Any) -> str:
@@ -88,6 +104,7 @@ def export_checkpoint(root: str | os.PathLike[str], out: str | os.PathLike[str],
     smap_fe = cf.manifest.file(L.ROLE_SOURCE_MAP)
     smap = read_json_file(resolve_inside(root, smap_fe.path))
     layout = cf.manifest.source_layout
+    fam = cache_family(cf)
     dense_at: dict[str, str] = {}
     for f, _ in cf.files:
         if f.role == L.ROLE_PART and f.path.startswith(L.DENSE_DIR + "/"):
@@ -117,7 +134,7 @@ def export_checkpoint(root: str | os.PathLike[str], out: str | os.PathLike[str],
             name = _checked_name(shard.get("name"))
             with SafetensorsWriter(out / name, specs, shard.get("metadata")) as w:
                 for spec in specs:
-                    data = _tensor_bytes(spec.name, layout, cf, dense_at, handle)
+                    data = _tensor_bytes(spec.name, layout, cf, dense_at, handle, fam)
                     if data.nbytes != spec.nbytes:
                         raise VerificationError(f"the cache holds {data.nbytes} bytes for {spec.name}, its source map says "
                                                 f"{spec.nbytes}", "run moet-cache verify --full; rebuild the cache")
@@ -132,16 +149,20 @@ def export_checkpoint(root: str | os.PathLike[str], out: str | os.PathLike[str],
         (out / INDEX_NAME).write_text(json.dumps(index, indent=1))
     for f, _ in cf.files:
         if f.role == L.ROLE_AUX:
-            shutil.copyfile(resolve_inside(root, f.path), out / Path(f.path).name)
+            dest = out / Path(f.path).relative_to(L.AUX_DIR)
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(resolve_inside(root, f.path), dest)
     progress.finish()
     return ExportResult(str(out), len(shards), n_tensors, written_bytes)
 
 
-def _tensor_bytes(name: str, layout: str, cf: Any, dense_at: dict[str, str], handle: Any) -> Any:
+def _tensor_bytes(name: str, layout: str, cf: Any, dense_at: dict[str, str], handle: Any, fam: Family) -> Any:
+    """One source tensor's bytes, in the source's own format: a dense copy, or an expert tensor rebuilt
+    from its planes (codes), its stored block scales (back to the source's form) or its source scalars."""
     if name in dense_at:
         return tensor_bytes(handle(dense_at[name]).get_tensor(name))
-    parsed = _parse_expert_name(name, layout)
-    if parsed is None or parsed[0] not in cf.layers:
+    parsed = _parse_expert_name(name, fam, cf, layout)
+    if parsed is None:
         raise InputError(f"the cache does not hold {name}", "rebuild the cache with --lossless")
     layer, e, proj, kind = parsed
     lm = cf.layers[layer]
@@ -149,13 +170,13 @@ def _tensor_bytes(name: str, layout: str, cf: Any, dense_at: dict[str, str], han
     all_rel = next((f.path for f in lm.files if f.role == L.ROLE_DELTA_ALL), None)
     if all_rel is None:
         raise InputError(f"layer {layer} has no lossless delta planes", "rebuild the cache with --lossless")
-    w13 = proj != "down_proj"
-    I = lm.intermediate_size
-    rows = slice(0, I) if proj == "gate_proj" else slice(I, 2 * I) if proj == "up_proj" else slice(None)
+    rows = lm.geometry().rows(proj)
+    base_name, delta_name, scale_name = names_of(proj)
     if kind == "codes":
-        base = tensor_bytes(handle(base_rel).get_slice(L.W13_BASE if w13 else L.W2_BASE)[e])[rows]
-        delta = tensor_bytes(handle(all_rel).get_slice(L.W13_DELTA if w13 else L.W2_DELTA)[e])[rows]
+        base = tensor_bytes(handle(base_rel).get_slice(base_name)[e])[rows]
+        delta = tensor_bytes(handle(all_rel).get_slice(delta_name)[e])[rows]
         return join_planes(base, delta)
     if kind == "block_scale":
-        return tensor_bytes(handle(base_rel).get_slice(L.W13_SCALE if w13 else L.W2_SCALE)[e])[rows]
+        stored = tensor_bytes(handle(base_rel).get_slice(scale_name)[e])[rows]
+        return source_scales(stored, lm.scale_form(scale_name), layer_source_format(lm, layout).scale_form)
     return tensor_bytes(handle(all_rel).get_slice(L.source_scalar(proj, kind))[e])

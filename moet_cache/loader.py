@@ -31,13 +31,16 @@ import torch
 
 from . import layout as L
 from .errors import InputError, VerificationError
-from .expand import expand_projection
+from .expand import expand_projection, expand_scales
 from .fsutil import resolve_inside
 from .hashing import xxh3_file_hex, xxh3_hex
 from .machine import usable_cores
 from .manifest import DeltaIndex, FileEntry, LayerManifest, PartManifest, TensorEntry
 from .progress import NullProgress, Progress
 from .units import parse_size
+from .stheader import DTYPES as STDTYPES
+from .stheader import nbytes as st_nbytes
+from .stheader import read_header, storage_shape, torch_dtype
 from .verifier import (CORRUPT, INCOMPLETE, STALE, VERIFIED, CacheFiles, Problem, VerifyReport,
                        boot_check, load_cache_files)
 
@@ -49,14 +52,6 @@ GPU_SLOTS_PER_WORKER = 2        # slots a worker may hold at most (staging = wor
 GPU_JOBS_IN_FLIGHT = 3          # layers whose windows are queued at once (no hashing): enough to keep
                                 # every worker busy across a layer's end, few enough to finish in order
 DELTA_EXPERTS = "delta_experts"  # int64 [n]: which experts the w13_delta / w2_delta rows belong to
-MAX_HEADER = 100 << 20
-
-_TORCH_DTYPES: dict[str, torch.dtype] = {
-    "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "I32": torch.int32, "I64": torch.int64,
-    "F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64,
-    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
-    "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64,
-}
 
 
 @dataclass(frozen=True)
@@ -95,18 +90,13 @@ class _Stopped(Exception):
 
 
 def _storage(dtype: str, shape: tuple[int, ...]) -> tuple[torch.dtype, tuple[int, ...], int]:
-    """(torch dtype, storage shape, bytes) of a safetensors dtype and header shape."""
-    if dtype == "F4":  # packed FP4 pairs: the header counts elements; we hand out the packed bytes
-        if not shape or shape[-1] % 2:
-            raise InputError(f"an F4 tensor needs an even last dimension, found {list(shape)}")
-        shape = (*shape[:-1], shape[-1] // 2)
-        tdt = torch.uint8
-    else:
-        tdt = _TORCH_DTYPES.get(dtype)  # type: ignore[assignment]
-        if tdt is None:
-            raise InputError(f"the loader cannot read dtype {dtype}")
-    n = int(np.prod(shape, dtype=np.int64)) * torch.empty((), dtype=tdt).element_size()
-    return tdt, tuple(shape), n
+    """(torch dtype, storage shape, bytes) of a safetensors dtype and header shape (F4: the packed bytes)."""
+    if dtype not in STDTYPES:
+        raise InputError(f"the loader cannot read dtype {dtype}")
+    try:
+        return torch_dtype(dtype), storage_shape(dtype, tuple(shape)), st_nbytes(dtype, tuple(shape))
+    except ValueError as e:
+        raise InputError(str(e)) from None
 
 
 def _check_read(r: _Read, file_size: int) -> None:
@@ -121,33 +111,10 @@ def _check_read(r: _Read, file_size: int) -> None:
 
 
 def parse_header(path: Path, rel: str) -> tuple[int, dict[str, tuple[str, tuple[int, ...], int, int]]]:
-    """A safetensors file's tensors as name -> (dtype, shape, absolute begin, end), strictly checked."""
-    with open(path, "rb") as f:
-        head = f.read(8)
-        size = os.fstat(f.fileno()).st_size
-        n = int.from_bytes(head, "little") if len(head) == 8 else -1
-        if n < 2 or n > MAX_HEADER or 8 + n > size:
-            raise VerificationError(f"{rel}: not a valid safetensors file (header length {n})",
-                                    "run moet-cache build again")
-        try:
-            doc = json.loads(f.read(n))
-        except ValueError:
-            raise VerificationError(f"{rel}: the safetensors header is not valid JSON") from None
-    if not isinstance(doc, dict):
-        raise VerificationError(f"{rel}: the safetensors header is not an object")
-    out = {}
-    for name, spec in doc.items():
-        if name == "__metadata__":
-            continue
-        try:
-            dtype, shape, (b, e) = spec["dtype"], tuple(spec["shape"]), spec["data_offsets"]
-            if not (isinstance(b, int) and isinstance(e, int) and 0 <= b <= e) \
-                    or not all(isinstance(x, int) and x >= 0 for x in shape):
-                raise ValueError
-        except (KeyError, TypeError, ValueError):
-            raise VerificationError(f"{rel}: tensor {name} has a malformed header entry") from None
-        out[name] = (str(dtype), shape, 8 + n + b, 8 + n + e)
-    return size, out
+    """A cache safetensors file's tensors as name -> (dtype, shape, absolute begin, end), strictly checked
+    (stheader.read_header; a bad file is a VerificationError)."""
+    head = read_header(path, rel, VerificationError, VerificationError)
+    return head.size, {n: (e.dtype, e.shape, e.begin, e.end) for n, e in head.tensors.items()}
 
 
 # --- the pipeline --------------------------------------------------------------------------------
@@ -490,15 +457,13 @@ class Cache:
         roles = {f.path: f.role for f in lm.files}
         reads = [_Read(t.name, t.file, t.begin, t.end, t.dtype, t.shape, t.xxh3, where)
                  for t in lm.tensors if roles[t.file] == L.ROLE_BASE]
-        E, H, I = lm.n_experts, lm.hidden_size, lm.intermediate_size
-        want = {L.W13_BASE: (E, 2 * I, H // 4), L.W2_BASE: (E, H, I // 4),
-                L.W13_SCALE: (E, 2 * I, H // 16), L.W2_SCALE: (E, H, I // 16),
-                L.W13_TABLE: (E, 2, 4), L.W2_TABLE: (E, 4)}
-        have = {r.name: r.shape for r in reads}
-        for name, shape in want.items():
-            if have.get(name) != shape:
-                raise VerificationError(f"layer {lm.layer}: tensor {name} has shape {have.get(name)}, "
-                                        f"the layer needs {list(shape)}", "run moet-cache build again")
+        geo = lm.geometry()
+        have = {r.name: (r.dtype, r.shape) for r in reads}
+        for name, (dtype, shape) in geo.required_shapes().items():
+            if have.get(name) != (dtype, shape):
+                got = have.get(name)
+                raise VerificationError(f"layer {lm.layer}: tensor {name} is {got[0] + ' ' + str(list(got[1])) if got else 'missing'}, "
+                                        f"the layer needs {dtype} {list(shape)}", "run moet-cache build again")
         uses_pack = False
         if delta == "all":
             reads += [_Read(t.name, t.file, t.begin, t.end, t.dtype, t.shape, t.xxh3, where)
@@ -507,9 +472,10 @@ class Cache:
                 raise VerificationError(f"layer {lm.layer} lists no delta planes", "run moet-cache build again")
         elif delta == "tier":
             experts = (self.delta_index.experts_of(lm.layer) if self.delta_index else None) or ()
-            for which, shape in ((L.W13_DELTA, (len(experts), 2 * I, H // 4)), (L.W2_DELTA, (len(experts), H, I // 4))):
+            for spec in geo.delta_specs(len(experts)):
                 if not experts:
                     continue
+                which, shape = spec.name, spec.shape
                 name = L.pack_tensor(lm.layer, which)
                 got = pack.get(name)
                 if got is None or got[0] != "U8" or got[1] != shape:
@@ -529,9 +495,8 @@ class Cache:
             elif delta == "tier":
                 experts = (self.delta_index.experts_of(lm.layer) if self.delta_index else None) or ()
                 if not experts:  # the same names for every layer: empty delta planes
-                    H, I = lm.hidden_size, lm.intermediate_size
-                    t[L.W13_DELTA] = torch.empty((0, 2 * I, H // 4), dtype=torch.uint8, device=dev)
-                    t[L.W2_DELTA] = torch.empty((0, H, I // 4), dtype=torch.uint8, device=dev)
+                    for spec in lm.geometry().delta_specs(0):
+                        t[spec.name] = torch.empty(spec.shape, dtype=torch.uint8, device=dev)
             else:
                 experts = ()
             if delta != "none":
@@ -698,6 +663,9 @@ def _expand_layer(lm: LayerManifest, t: dict[str, torch.Tensor], experts: tuple[
     rows2 = {e: t[L.W2_DELTA][k] for k, e in enumerate(experts)} if with_delta else {}
     out["w13_weight"] = expand_projection(t[L.W13_BASE], tables13, rows13, I)
     out["w2_weight"] = expand_projection(t[L.W2_BASE], tables2, rows2, H)
+    for scale, scale_2, parts in ((L.W13_SCALE, L.W13_SCALE_2, 2), (L.W2_SCALE, L.W2_SCALE_2, 1)):
+        if out[scale].dtype != torch.float8_e4m3fn:
+            out[scale], out[scale_2] = expand_scales(out[scale], out[scale_2], parts)
     return out
 
 

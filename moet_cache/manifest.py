@@ -14,6 +14,7 @@ from typing import Any
 
 from .errors import InputError
 from .fsutil import atomic_write_json, read_json_file, safe_relpath
+from .stheader import DTYPES as _DTYPE_TABLE
 
 FORMAT_VERSION = 1
 CACHE_MANIFEST = "cache.json"
@@ -21,8 +22,7 @@ COMMIT_RECORD = "COMMIT.json"
 VERIFIED_STATE = ".state/verified.json"
 _HEX32 = re.compile(r"^[0-9a-f]{32}$")
 MAX_INT = 1 << 53
-DTYPES = ("U8", "F8_E4M3", "F32", "BF16", "F16", "I32", "I64", "F64", "I8", "I16", "U16", "U32",
-          "U64", "BOOL", "F8_E5M2", "F4")
+DTYPES = tuple(_DTYPE_TABLE)  # every safetensors dtype moet-cache carries (stheader.DTYPES)
 
 
 class ManifestError(InputError):
@@ -156,9 +156,28 @@ class LayerManifest:
     tensors: tuple[TensorEntry, ...]
     sq_error: tuple[float, ...]     # per expert: sum of (FP4 - base-only)^2 over w13 and w2
     energy: tuple[float, ...]       # per expert: sum of FP4 weight^2, for relative errors
+    source_format: str = ""         # the source's expert format (formats.FORMATS); "" = the cache's layout's
+    scale_forms: tuple[tuple[str, str], ...] = ()  # (block-scale tensor, form); () = e4m3-16 for both
+
+    def scale_form(self, tensor: str) -> str:
+        return dict(self.scale_forms).get(tensor, "e4m3-16")
+
+    def geometry(self) -> Any:
+        """The layer's shapes and byte counts (geometry.LayerGeometry)."""
+        from . import layout as L
+        from .geometry import LayerGeometry
+        names = {t.name for t in self.tensors}
+        return LayerGeometry(self.n_experts, self.hidden_size, self.intermediate_size,
+                             self.scale_form(L.W13_SCALE), self.scale_form(L.W2_SCALE),
+                             L.W13_INPUT_SCALE in names)
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        extra: dict[str, Any] = {}
+        if self.source_format:
+            extra["source_format"] = self.source_format
+        if self.scale_forms:
+            extra["scale_forms"] = dict(self.scale_forms)
+        return {**extra, 
             "format": "moet-cache-layer", "format_version": FORMAT_VERSION,
             "layer": self.layer, "kind": self.kind, "n_experts": self.n_experts,
             "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
@@ -187,10 +206,19 @@ class LayerManifest:
         energy = [_float({"v": v}, "v", where) for v in _list(d, "energy", where)]
         if len(err) != n or len(energy) != n:
             raise _fail(where, "sq_error and energy need one entry per expert")
+        from .formats import FORMATS, SCALE_FORMS
+        fmt = d.get("source_format", "")
+        if fmt != "" and fmt not in FORMATS:
+            raise _fail(where, f"source_format must be one of {sorted(FORMATS)}, found {fmt!r}")
+        forms = d.get("scale_forms", {})
+        if not isinstance(forms, dict) or len(forms) > 8 or not all(
+                isinstance(k, str) and v in SCALE_FORMS for k, v in forms.items()):
+            raise _fail(where, f"scale_forms must map block-scale tensors to one of {list(SCALE_FORMS)}")
         return cls(_int(d, "layer", where, 0, 1 << 16), kind, n,
                    _int(d, "hidden_size", where, 1), _int(d, "intermediate_size", where, 1),
                    _hex(d, "build_key", where), _int(d, "expert_delta_bytes", where),
-                   _int(d, "source_bytes", where), files, tensors, tuple(err), tuple(energy))
+                   _int(d, "source_bytes", where), files, tensors, tuple(err), tuple(energy),
+                   fmt, tuple(sorted(forms.items())))
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,6 @@ test reads our files back with the safetensors library.
 from __future__ import annotations
 
 import json
-import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,12 +16,12 @@ import numpy as np
 
 from .fsutil import create_temp_for, fsync_dir, raise_if_disk_full, start_writeback
 from .hashing import new_hasher, xxh3_file_hex
+from .stheader import DTYPES, nbytes
 
 WRITEBACK_BYTES = 16 << 20  # start the writeback of a file every this many bytes written (fsutil.start_writeback)
 
-DTYPE_SIZES = {"U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "BOOL": 1, "F4_X2": 1,
-               "F16": 2, "BF16": 2, "I16": 2, "U16": 2, "F32": 4, "I32": 4, "U32": 4,
-               "F64": 8, "I64": 8, "U64": 8}
+# bytes an element of each dtype with whole-byte elements (F4, two a byte, is handled by stheader.nbytes)
+DTYPE_SIZES = {d.name: d.itemsize for d in DTYPES.values() if d.itemsize}
 
 
 @dataclass(frozen=True)
@@ -33,12 +32,7 @@ class TensorSpec:
 
     @property
     def nbytes(self) -> int:
-        n = math.prod(self.shape)  # exact ints (np.prod costs ~7 us a call; a build asks ~100k times)
-        if self.dtype == "F4":  # safetensors counts FP4 elements, two to a byte
-            return (n + 1) // 2
-        if self.dtype not in DTYPE_SIZES:
-            raise ValueError(f"unknown safetensors dtype {self.dtype}")
-        return DTYPE_SIZES[self.dtype] * n
+        return nbytes(self.dtype, self.shape)
 
 
 @dataclass(frozen=True)

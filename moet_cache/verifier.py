@@ -184,6 +184,9 @@ def _structure(root: Path, cf: CacheFiles) -> list[Problem]:
             problems.append(Problem("coverage", CACHE_MANIFEST, "served layer has no layer manifest", layer))
         elif not any(f.role == L.ROLE_BASE for f in lm.files):
             problems.append(Problem("coverage", L.layer_manifest(layer), "no base-plane file", layer))
+    if not any(f.role == L.ROLE_AUX and f.path == f"{L.AUX_DIR}/config.json" for f in cf.manifest.files):
+        problems.append(Problem("coverage", CACHE_MANIFEST, f"the cache's model folder lists no config.json "
+                                f"({L.AUX_DIR}/config.json): a server could not start from it"))
     idx = cf.manifest.file(L.ROLE_DELTA_INDEX)
     if idx is None or cf.manifest.file(L.ROLE_PACK) is None:
         return problems + [Problem("coverage", L.DELTA_INDEX, "the cache lists no delta tier")]
@@ -396,6 +399,8 @@ def verify_against(root: str | os.PathLike[str], src: str | os.PathLike[str],
     from safetensors import safe_open
 
     from .checkpoint import PROJECTIONS, open_checkpoint, tensor_bytes
+    from .formats import FORMATS, stored_scales
+    from .geometry import names_of
     from .planes import split_planes
     t0 = time.perf_counter()
     root = Path(root)
@@ -416,34 +421,41 @@ def verify_against(root: str | os.PathLike[str], src: str | os.PathLike[str],
             tier = list(index.experts_of(layer) or ()) if index else []
             with safe_open(str(resolve_inside(root, base_fe.path)), framework="pt") as bf:
                 allf = safe_open(str(resolve_inside(root, all_fe.path)), framework="pt") if all_fe else None
+                geo = lm.geometry()
+                want_fmt = FORMATS.get(lm.source_format) if lm.source_format else None
                 for e in range(lm.n_experts):
-                    row = 0
                     for proj in PROJECTIONS:
-                        x = ck.read_expert(layer, e, proj)
-                        base, delta = split_planes(x.codes)
-                        w13 = proj != "down_proj"
-                        rows = slice(row, row + base.shape[0]) if w13 else slice(None)
-                        got_base = tensor_bytes(bf.get_slice(L.W13_BASE if w13 else L.W2_BASE)[e])[rows]
-                        got_scale = tensor_bytes(bf.get_slice(L.W13_SCALE if w13 else L.W2_SCALE)[e])[rows]
+                        x = ck.read_raw_expert(layer, e, proj)
                         name = f"expert {e} {proj}"
+                        if want_fmt is not None and x.fmt is not want_fmt:
+                            problems.append(Problem("mismatch", base_fe.path, f"{name}: the source is {x.fmt.name}, "
+                                                    f"the cache was built from {want_fmt.name}", layer))
+                            break
+                        base, delta = split_planes(x.codes)
+                        base_name, delta_name, scale_name = names_of(proj)
+                        rows = geo.rows(proj)
+                        got_base = tensor_bytes(bf.get_slice(base_name)[e])[rows]
+                        got_scale = tensor_bytes(bf.get_slice(scale_name)[e])[rows]
                         if not np.array_equal(got_base, base):
-                            problems.append(Problem("mismatch", base_fe.path, f"{name}: base plane differs from the source", layer, L.W13_BASE if w13 else L.W2_BASE))
-                        if not np.array_equal(got_scale, tensor_bytes(x.block_scale)):
-                            problems.append(Problem("mismatch", base_fe.path, f"{name}: block scales differ from the source", layer, L.W13_SCALE if w13 else L.W2_SCALE))
+                            problems.append(Problem("mismatch", base_fe.path, f"{name}: base plane differs from the source", layer, base_name))
+                        try:
+                            want_scale = stored_scales(x.scale_bytes, x.fmt.scale_form, lm.scale_form(scale_name))
+                        except InputError:
+                            want_scale = None
+                        if want_scale is None or not np.array_equal(got_scale, want_scale):
+                            problems.append(Problem("mismatch", base_fe.path, f"{name}: block scales differ from the source", layer, scale_name))
                         deltas = []
                         if allf is not None:
-                            deltas.append((all_fe.path, L.W13_DELTA if w13 else L.W2_DELTA,
-                                           tensor_bytes(allf.get_slice(L.W13_DELTA if w13 else L.W2_DELTA)[e])[rows]))
+                            deltas.append((all_fe.path, delta_name, tensor_bytes(allf.get_slice(delta_name)[e])[rows]))
                         if e in tier:
-                            which = L.pack_tensor(layer, L.W13_DELTA if w13 else L.W2_DELTA)
+                            which = L.pack_tensor(layer, delta_name)
                             deltas.append((L.PACK, which, tensor_bytes(pack.get_slice(which)[tier.index(e)])[rows]))
                         for path, tname, got in deltas:
                             checked["delta_planes"] += 1
                             if not np.array_equal(got, delta):
                                 problems.append(Problem("mismatch", path, f"{name}: delta plane differs from the source", layer, tname))
-                        if w13:
-                            row += base.shape[0]
                         progress.advance(x.codes.nbytes)
+                        ck.release(x.codes)
                         if problems:
                             break
                     checked["experts"] += 1
