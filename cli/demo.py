@@ -12,6 +12,9 @@ import typer
 # moet_cache.checkpoint's names for the two layouts, spelled here so that loading the CLI does not
 # import it (and torch, seconds); tests/test_bench.py checks they stay equal.
 MODELOPT, COMPRESSED_TENSORS = "modelopt", "compressed-tensors"
+# The embedded default is DeepSeek-V4-Flash as shipped (-0731-NVFP4: NVFP4 main experts cast from MXFP4,
+# MXFP4 drafter); the other V4 forms, and the V3 family in both NVFP4 layouts, on request.
+V4_LAYOUTS = {"v4": "hybrid", "v4-mxfp4": "mxfp4", "v4-nvfp4": "nvfp4", "v4-ct": "ct-nvfp4"}
 
 from ._common import JsonOpt, QuietOpt
 from ._errors import EXIT_OK, EXIT_PROBLEM
@@ -21,21 +24,27 @@ from ._progress import progress_for
 
 def demo(
     workdir: Annotated[Optional[Path], typer.Option(help="Where to write the checkpoint and cache (default: a temp folder, removed after).")] = None,
-    layout: Annotated[str, typer.Option(help="modelopt or compressed-tensors.")] = MODELOPT,
+    layout: Annotated[str, typer.Option(help="v4 (DeepSeek-V4-Flash -0731-NVFP4 style, the default), v4-mxfp4, v4-nvfp4, "
+                                             "v4-ct, or the V3 family: modelopt, compressed-tensors.")] = "v4",
     json_: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
-    """Make a synthetic DeepSeek-style NVFP4 checkpoint, build its cache, verify it three ways, inspect it."""
+    """Make a synthetic DeepSeek-V4-Flash checkpoint (or V3 with --layout), build its cache, verify it three ways, inspect it."""
     from moet_cache import BuildOptions, boot_check, build_cache, full_verify, inspect_cache, make_checkpoint, \
         small_spec, verify_against
+    from moet_cache.synthetic import make_v4_checkpoint, small_v4_spec
     out = Output(json_, quiet)
-    if layout not in (MODELOPT, COMPRESSED_TENSORS):
-        raise typer.BadParameter(f"layout must be {MODELOPT} or {COMPRESSED_TENSORS}", param_hint="--layout")
+    if layout not in (MODELOPT, COMPRESSED_TENSORS, *V4_LAYOUTS):
+        raise typer.BadParameter(f"layout must be one of {', '.join([*V4_LAYOUTS, MODELOPT, COMPRESSED_TENSORS])}",
+                                 param_hint="--layout")
     with tempfile.TemporaryDirectory(prefix="moet-demo-") as tmp:
         base = workdir or Path(tmp)
         src, cache = base / "checkpoint", base / "cache"
         t0 = time.perf_counter()
-        make_checkpoint(src, small_spec(layout))
+        if layout in V4_LAYOUTS:  # three main layers (compress_ratios 0, 4, 128) and one drafter block
+            make_v4_checkpoint(src, small_v4_spec(V4_LAYOUTS[layout], num_hidden_layers=3))
+        else:
+            make_checkpoint(src, small_spec(layout))
         out.info(f"synthetic {layout} checkpoint: {src}")
         built = build_cache(src, cache, BuildOptions(delta_budget="25%"), progress_for(out))
         boot = boot_check(cache)

@@ -26,12 +26,17 @@ def inspect(
         out.json({"command": "inspect", **info.__dict__})
         return
     rows = [[i.layer, i.kind, i.experts, fmt_bytes(i.base_bytes), i.delta_experts, fmt_bytes(i.delta_bytes),
-             f"{i.rel_error_mean:.4f}", f"{i.rel_error_worst:.4f} #{i.worst_expert}", f"{i.rel_error_served:.4f}"]
+             f"{i.rel_error_mean:.4f}", f"{i.rel_error_worst:.4f} #{i.worst_expert}", f"{i.rel_error_served:.4f}",
+             i.source_format, i.scale_form]
             for i in info.layers]
     out.table(f"{cache} (rel. err = relative weight error; served = with the tier at FP4)",
-              ["layer", "kind", "experts", "base", "tier", "tier bytes", "rel. err", "worst", "served"], rows)
+              ["layer", "kind", "experts", "base", "tier", "tier bytes", "rel. err", "worst", "served", "format",
+               "scales"], rows)
     b = info.build
-    out.print(f"source: {info.source_path} ({info.source_layout}); built {info.created} by moet-cache {info.tool_version}")
+    out.print(f"source: {info.source_path} ({info.family or 'deepseek_v3'}, {info.source_layout}); built {info.created} "
+              f"by moet-cache {info.tool_version}")
+    if info.served_blocks:
+        out.print(f"served: {info.served_blocks}")
     out.print(f"build: layers {b.layers[0]}-{b.layers[-1]} ({len(b.layers)}), lossless={b.lossless}, "
               f"include_mtp={b.include_mtp}, delta budget {fmt_bytes(b.delta_budget_bytes)}, "
               f"profile {'yes' if b.profile_xxh3 else 'none'}")

@@ -36,7 +36,7 @@ from .checkpoint import (
     open_checkpoint,
     tensor_bytes,
 )
-from .errors import EnvironmentProblem, InputError
+from .errors import EnvironmentProblem, InputError, VerificationError
 from .formats import E4M3_16, E8M0_32, MXFP4, ExpertFormat, compact_e8m0, e4m3_shift, e8m0_to_e4m3, stored_scales
 from .fsutil import (
     CacheLock,
@@ -78,6 +78,7 @@ from .planes import (
     split_planes_torch,
 )
 from .progress import NullProgress, Progress
+from .stheader import read_header
 from .stwriter import SafetensorsWriter, TensorSpec, WrittenFile
 from .tiering import (
     DEFAULT_DELTA_BUDGET,
@@ -776,12 +777,24 @@ DeltaReader = Callable[[int, str, tuple[int, ...]], Iterable[np.ndarray]]
 
 
 def _file_deltas(sources: dict[int, Path]) -> DeltaReader:
-    """A DeltaReader over per-layer delta files (the --lossless ones) holding every expert's planes."""
+    """A DeltaReader over per-layer delta files (the --lossless ones) holding every expert's planes.
+
+    Read through the strict header reader: a damaged file is a damaged cache (exit 1), never a crash.
+    """
     def read(layer: int, which: str, experts: tuple[int, ...]) -> Iterator[np.ndarray]:
-        with safe_open(str(sources[layer]), framework="pt") as f:
-            sl = f.get_slice(which)
+        path = sources[layer]
+        head = read_header(path, str(path.name), VerificationError, VerificationError)
+        ent = head.tensors.get(which)
+        if ent is None or ent.dtype != "U8" or not ent.shape or any(e >= ent.shape[0] for e in experts):
+            raise VerificationError(f"{path.name}: {which} is missing or does not hold the tier's experts",
+                                    "run moet-cache verify --full, then build the cache again")
+        per = (ent.end - ent.begin) // ent.shape[0]
+        with open(path, "rb") as f:
             for e in experts:
-                yield tensor_bytes(sl[e : e + 1])
+                data = os.pread(f.fileno(), per, ent.begin + e * per)
+                if len(data) != per:
+                    raise VerificationError(f"{path.name}: the file ends inside {which}", "build the cache again")
+                yield np.frombuffer(data, dtype=np.uint8)
     return read
 
 

@@ -440,10 +440,13 @@ def _require_plain_file(p: Path) -> None:
                          "give a checkpoint folder of plain files")
 
 
-def _check_quantized_linears(tensors: dict[str, TensorInfo]) -> None:
-    """Every NVFP4 linear (routed, shared or dense: it has a per-tensor scale) holds packed codes; any other
-    tensor of any carried dtype (F8_E8M0 scales, I32 tid2eid, BF16, ...) is copied unchanged."""
+def _check_quantized_linears(tensors: dict[str, TensorInfo], family: Family) -> None:
+    """Every NVFP4 linear the build copies (shared experts, dense MLPs: it has a per-tensor scale) holds packed
+    codes (routed experts: validate_experts); any other tensor of a carried dtype (F8_E8M0 scales, I32
+    tid2eid, BF16, ...) is copied unchanged."""
     for name in tensors:
+        if family.parse_expert(name) is not None:
+            continue
         for fmt in (MODELOPT_NVFP4, CT_NVFP4):
             if fmt.global_scale and name.endswith("." + fmt.global_scale):
                 codes = tensors.get(name[: -len(fmt.global_scale)] + fmt.codes)
@@ -508,7 +511,7 @@ def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
             if name not in tensors or tensors[name].shard != shard:
                 raise InputError(f"{INDEX_NAME} puts {name} in {shard}, but that shard does not hold it",
                                  "regenerate the index or copy the right shard")
-    _check_quantized_linears(tensors)
     layout = detect_layout(config, root, set(tensors))
     family = detect_family(config, model, tensors)
+    _check_quantized_linears(tensors, family)
     return Checkpoint(root, config, model, layout, tensors, index, metadata, family, offsets, head_raw)

@@ -138,7 +138,10 @@ def _claims(kind: _Kind, config: dict[str, Any]) -> bool | None:
     arch = [a for a in arch if isinstance(a, str)] if isinstance(arch, list) else []
     if not (isinstance(mt, str) and mt) and not arch:
         return None
-    return (isinstance(mt, str) and mt in kind.model_types) or any(a in kind.architectures for a in arch)
+    names_it = (isinstance(mt, str) and mt in kind.model_types) or any(a in kind.architectures for a in arch)
+    names_other = any((isinstance(mt, str) and mt in k.model_types) or any(a in k.architectures for a in arch)
+                      for k in FAMILIES if k is not kind)
+    return names_it and not names_other
 
 
 def detect_family(config: dict[str, Any], model: ModelConfig, names: Iterable[str]) -> Family:

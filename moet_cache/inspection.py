@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import layout as L
+from .families import Family
 from .manifest import BuildParams, DeltaIndex, loads_record
 from .verifier import load_cache_files
 
@@ -24,6 +25,9 @@ class LayerInfo:
     rel_error_worst: float
     worst_expert: int
     rel_error_served: float     # mean with the tier's experts at full FP4 (error 0)
+    source_format: str = ""     # the source's expert format (formats.FORMATS)
+    scale_form: str = ""        # the block-scale forms, w13/w2 (e4m3-16 or e8m0-32)
+    base_bytes_per_weight: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -42,6 +46,8 @@ class CacheInfo:
     total_bytes: int
     tier_experts: int
     total_experts: int
+    family: str = ""
+    served_blocks: str = ""     # how the served layers relate to the model's blocks (main, drafters)
 
 
 def inspect_cache(root: str | os.PathLike[str]) -> CacheInfo:
@@ -56,13 +62,43 @@ def inspect_cache(root: str | os.PathLike[str]) -> CacheInfo:
         rel = [math.sqrt(e / w) if w > 0 else 0.0 for e, w in zip(lm.sq_error, lm.energy)]
         tier = set(index.experts_of(layer) or ()) if index else set()
         worst = max(range(len(rel)), key=rel.__getitem__)
+        geo = lm.geometry()
+        base = sum(f.size for f in lm.files if f.role == L.ROLE_BASE)
         infos.append(LayerInfo(
-            layer, lm.kind, lm.n_experts, sum(f.size for f in lm.files if f.role == L.ROLE_BASE),
+            layer, lm.kind, lm.n_experts, base,
             len(tier), len(tier) * lm.expert_delta_bytes, sum(rel) / len(rel), rel[worst], worst,
-            sum(r for e, r in enumerate(rel) if e not in tier) / len(rel)))
+            sum(r for e, r in enumerate(rel) if e not in tier) / len(rel),
+            lm.source_format or m.source_layout, f"{geo.w13_form}/{geo.w2_form}", base / geo.weights))
     sizes = {role: sum(f.size for f, _ in cf.files if f.role == role)
              for role in (L.ROLE_BASE, L.ROLE_PACK, L.ROLE_DELTA_ALL, L.ROLE_DENSE)}
+    from .exporter import cache_family
+    fam = cache_family(cf)
     return CacheInfo(
         str(root), m.source_path, m.source_layout, m.tool_version, m.created, m.build, tuple(infos),
         sizes[L.ROLE_BASE], sizes[L.ROLE_PACK], sizes[L.ROLE_DELTA_ALL], sizes[L.ROLE_DENSE],
-        sum(f.size for f, _ in cf.files), sum(i.delta_experts for i in infos), sum(i.experts for i in infos))
+        sum(f.size for f, _ in cf.files), sum(i.delta_experts for i in infos), sum(i.experts for i in infos),
+        fam.name, served_blocks(fam, m.build.layers))
+
+
+def served_blocks(fam: Family, served: tuple[int, ...]) -> str:
+    """One line: how the served layers relate to the model's expert-bearing blocks.
+
+    DeepSeek-V4-Flash has 43 main layers and drafter (MTP) blocks mtp.K = cache layer 43 + K. vLLM loads the
+    main model without mtp.* and the drafter as its own model, num_nextn_predict_layers blocks from mtp.0
+    (vllm/models/deepseek_v4 mtp: layers num_hidden_layers .. + num_nextn_predict_layers). The field
+    report's "44 served layers" are the 43 main layers + mtp.0, which --include-mtp adds.
+    """
+    main = [x for x in served if not fam.is_mtp(x)]
+    mtp = [x for x in served if fam.is_mtp(x)]
+    n = fam.num_hidden_layers
+    text = f"{len(main)} main MoE layer{'s' if len(main) != 1 else ''}"
+    if mtp:
+        names = ", ".join(f"mtp.{x - n}" if fam.name == "deepseek_v4" else f"layer {x}" for x in mtp)
+        text += f" + {len(mtp)} drafter block{'s' if len(mtp) != 1 else ''} ({names}) = {len(served)} served layers"
+    else:
+        have = len(fam.mtp_layers)
+        text += (f"; the {have} drafter block{'s' if have != 1 else ''} of the source "
+                 "not served (add --include-mtp for speculative decoding)") if have else ""
+    if fam.name == "deepseek_v4":
+        text += ". DeepSeek-V4-Flash: 43 main + mtp.0 = the field report's 44 served layers"
+    return text

@@ -155,18 +155,16 @@ def _layer_of(name: str) -> int | None:
     return None
 
 
-def base_layer_bytes(m: ModelConfig, input_scales: bool) -> int:
-    """One layer's base-plane file tensors, as the builder lays them out (builder._layer_specs)."""
-    E, H, I = m.n_routed_experts, m.hidden_size, m.moe_intermediate_size
-    codes = E * 2 * I * H // 4 + E * H * I // 4
-    scales = E * 2 * I * H // 16 + E * H * I // 16
-    scalars = (E * 2 + E) * 4 * (2 if input_scales else 1)
-    tables = (E * 2 * 4 + E * 4) * 4
-    return codes + scales + scalars + tables
+def base_layer_bytes(m: ModelConfig, input_scales: bool, scale_form: str = "e4m3-16") -> int:
+    """One layer's base-plane file tensors, as the builder lays them out (geometry.LayerGeometry)."""
+    from .geometry import LayerGeometry
+    return LayerGeometry(m.n_routed_experts, m.hidden_size, m.moe_intermediate_size, scale_form, scale_form,
+                         input_scales).base_bytes
 
 
 def expert_delta_bytes(m: ModelConfig) -> int:
-    return (2 * m.moe_intermediate_size * m.hidden_size + m.hidden_size * m.moe_intermediate_size) // 4
+    from .geometry import LayerGeometry
+    return LayerGeometry(m.n_routed_experts, m.hidden_size, m.moe_intermediate_size).expert_delta_bytes
 
 
 def _mtp_estimate(m: ModelConfig, dense_per_layer: int) -> int:

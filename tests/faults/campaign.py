@@ -47,6 +47,16 @@ def make_tiny(path: Path, layout: str = MODELOPT, seed: int = 0, **over: Any) ->
     return make_checkpoint(path, tiny_spec(layout, seed, **over))
 
 
+def make_tiny_v4(path: Path, variant: str = "hybrid", seed: int = 0, **over: Any) -> Path:
+    """A DeepSeek-V4 checkpoint of two main layers and a drafter block, two experts each, tiny attention."""
+    from moet_cache.synthetic import make_v4_checkpoint, small_v4_spec
+    args = dict(n_routed_experts=2, num_experts_per_tok=1, hidden_size=64, moe_intermediate_size=32,
+                num_hidden_layers=2, vocab_size=64, num_attention_heads=2, head_dim=64, q_lora_rank=32,
+                o_lora_rank=16, index_n_heads=2, index_head_dim=32, index_topk=8, hc_mult=2, seed=seed)
+    args.update(over)
+    return make_v4_checkpoint(path, small_v4_spec(variant, **args))
+
+
 # --- in-process CLI ---------------------------------------------------------------------------------
 def run_main(argv: Iterable[str]) -> tuple[int, str, str]:
     """Run `moet-cache ARGV` in this process through main(); returns (exit code, stdout, stderr)."""
@@ -175,7 +185,8 @@ def leftover_temps(cache: Path) -> list[str]:
 
 
 def crash_campaign(work: Path, kills: int, seed: int = 0, verify_kills: int | None = None,
-                   log: Callable[[str], None] | None = None) -> Counter:
+                   log: Callable[[str], None] | None = None,
+                   make_src: Callable[[Path, int], Path] | None = None, extra: tuple[str, ...] = ()) -> Counter:
     """SIGKILL builds (and full verifies) at random instants; after each, check, resume and verify.
 
     Counts: kills (child really died of SIGKILL), finished (it beat the kill), wrongly_complete (the
@@ -184,13 +195,13 @@ def crash_campaign(work: Path, kills: int, seed: int = 0, verify_kills: int | No
     """
     rng = random.Random(seed)
     c: Counter = Counter()
-    src = make_tiny(work / "src", seed=seed)
+    src = (make_src or (lambda p, s: make_tiny(p, seed=s)))(work / "src", seed)
     cache = work / "cache"
     budgets = ["10%", "30%", "60%", "0"]
-    with ForkServer(warm=["build", src, work / "warm", "--quiet"]) as fs:
+    with ForkServer(warm=["build", src, work / "warm", "--quiet", *extra]) as fs:
         # The duration of a whole build, measured in a throw-away cache, sets the range of kill instants.
-        t_build = min(fs.run(["build", src, work / f"warm{i}", "--quiet"], None)["seconds"] for i in range(2))
-        t_rebuild = fs.run(["build", src, work / "warm0", "--quiet", "--delta-budget", "10%"], None)["seconds"]
+        t_build = min(fs.run(["build", src, work / f"warm{i}", "--quiet", *extra], None)["seconds"] for i in range(2))
+        t_rebuild = fs.run(["build", src, work / "warm0", "--quiet", "--delta-budget", "10%", *extra], None)["seconds"]
         t_verify = fs.run(["verify", work / "warm0", "--full", "--quiet"], None)["seconds"]
         c["build_seconds_ms"] = int(t_build * 1000)
         c["rebuild_seconds_ms"] = int(t_rebuild * 1000)
@@ -206,7 +217,7 @@ def crash_campaign(work: Path, kills: int, seed: int = 0, verify_kills: int | No
             # after the exit tests nothing.
             delay = span * (rng.uniform(0.8, 1.05) if rng.random() < 0.25 else rng.uniform(0.0, 0.85))
             t_round = time.time_ns()
-            res = fs.run(["build", src, cache, "--delta-budget", budget, "--quiet"], delay)
+            res = fs.run(["build", src, cache, "--delta-budget", budget, "--quiet", *extra], delay)
             c["kills" if res["signal"] == signal.SIGKILL else "finished"] += 1
             if res["signal"] is None and res["rc"] != 0:
                 c["unexpected_exit"] += 1
@@ -223,7 +234,8 @@ def crash_campaign(work: Path, kills: int, seed: int = 0, verify_kills: int | No
                     c["wrongly_complete"] += 1
                     if log:
                         log(f"round {i}: boot said {rep.state} but --full says {full.state}: {full.problems[:3]}")
-            build_cache(src, cache, BuildOptions(delta_budget=budget))
+            build_cache(src, cache, BuildOptions(delta_budget=budget, include_mtp="--include-mtp" in extra,
+                                                 lossless="--lossless" in extra))
             full = full_verify(cache)
             c["clean_resumes" if full.ok else "failed_resumes"] += 1
             if not full.ok and log:
@@ -363,11 +375,12 @@ def corruption_campaign(work: Path, cases: int, seed: int = 0,
 class FuzzEnv:
     """Pristine inputs for fuzz cases (a tiny checkpoint, a --lossless cache of it) and the case folder."""
 
-    def __init__(self, work: Path) -> None:
+    def __init__(self, work: Path, make_src: Callable[[Path], Path] | None = None) -> None:
         self.work = work
         # One MoE layer of two experts: a fuzzed input that happens to be valid builds in ~0.1 s.
-        self.src = make_tiny(work / "pristine-src", n_routed_experts=2, hidden_size=64, moe_intermediate_size=32,
-                             intermediate_size=64, vocab_size=64, num_hidden_layers=2)
+        self.src = make_src(work / "pristine-src") if make_src else make_tiny(
+            work / "pristine-src", n_routed_experts=2, hidden_size=64, moe_intermediate_size=32,
+            intermediate_size=64, vocab_size=64, num_hidden_layers=2)
         self.cache = work / "pristine-cache"
         build_cache(self.src, self.cache, BuildOptions(delta_budget="40%", lossless=True))
         assert full_verify(self.cache).ok
