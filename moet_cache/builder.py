@@ -43,9 +43,9 @@ from .fsutil import (
     atomic_write_bytes,
     check_free_space,
     fsync_dir,
+    read_all,
     read_json_file,
     refuse_links,
-    resolve_inside,
 )
 from .geometry import LayerGeometry, is_w13
 from .hashing import xxh3_file_hex, xxh3_hex
@@ -437,10 +437,13 @@ class _Builder:
         followed (a Hugging Face hub snapshot's files are links into its blobs); links in the cache never."""
         out = []
         for rel_src, p in aux_files(self.ckpt.root):
-            data = p.read_bytes()
+            try:
+                data = read_all(p, AUX_MAX_BYTES, follow=True)
+            except (OSError, InputError):
+                continue  # not a plain file after all (it changed), or grown past the limit: not carried
             rel = f"{L.AUX_DIR}/{rel_src}"
-            dest = resolve_inside(self.root, rel) if (self.root / rel).parent.exists() else self.root / rel
             refuse_links(self.root, tuple(str(Path(rel).parents[i]) for i in range(len(Path(rel).parts) - 1)))
+            dest = self.root / rel
             if not (dest.is_file() and not dest.is_symlink() and dest.read_bytes() == data):
                 atomic_write_bytes(dest, data)
             out.append(FileEntry(rel, len(data), xxh3_hex(data), L.ROLE_AUX))

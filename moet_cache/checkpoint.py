@@ -114,7 +114,7 @@ def detect_layout(config: dict[str, Any], root: Path, names: set[str]) -> str:
                 "moet-cache reads ModelOpt NVFP4, compressed-tensors nvfp4-pack-quantized and MXFP4-expert checkpoints")
     hf_quant = root / "hf_quant_config.json"
     if hf_quant.is_file():
-        q = read_json_file(hf_quant).get("quantization", {})
+        q = read_json_file(hf_quant, follow=True).get("quantization", {})
         algo = str(q.get("quant_algo", "")) if isinstance(q, dict) else ""
         if algo.upper() == "NVFP4":
             return MODELOPT
@@ -337,8 +337,8 @@ class Checkpoint:
         idx = self.root / INDEX_NAME
         return SourceFingerprint(
             shards=tuple(shards),
-            config_xxh3=xxh3_file_hex(self.root / "config.json"),
-            index_xxh3=xxh3_file_hex(idx) if idx.is_file() else None,
+            config_xxh3=xxh3_file_hex(self.root / "config.json", follow=True),
+            index_xxh3=xxh3_file_hex(idx, follow=True) if idx.is_file() else None,
         )
 
     def expert_tensor_names(self, layers: list[int]) -> set[str]:
@@ -464,11 +464,11 @@ def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
     cfg_path = root / "config.json"
     if not cfg_path.is_file():
         raise InputError(f"{root} has no config.json", "give a Hugging Face style checkpoint folder")
-    config = read_json_file(cfg_path)
+    config = read_json_file(cfg_path, follow=True)
     model = ModelConfig.from_dict(config)
     index = None
     if (root / INDEX_NAME).is_file():
-        index = read_json_file(root / INDEX_NAME)
+        index = read_json_file(root / INDEX_NAME, follow=True)
         wm = index.get("weight_map") if isinstance(index, dict) else None
         if not isinstance(wm, dict) or not wm:
             raise InputError(f"{INDEX_NAME} has no weight_map object", "regenerate the index")

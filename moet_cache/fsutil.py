@@ -33,15 +33,18 @@ class NotRegularFileError(OSError):
     """A path that must name a plain file names a FIFO, a device, a folder or a link."""
 
 
-def open_regular(path: str | os.PathLike[str], flags: int = os.O_RDONLY, mode: int = 0o644) -> int:
+def open_regular(path: str | os.PathLike[str], flags: int = os.O_RDONLY, mode: int = 0o644,
+                 follow: bool = False) -> int:
     """Open a plain file and return its descriptor; never block, never follow a final link.
 
     O_NONBLOCK makes the open of a FIFO return at once (a blocking open would wait for a writer
     forever); O_NOFOLLOW refuses a final link; fstat then refuses anything but a regular file, and
-    O_NONBLOCK is cleared again for the reads of a real file.
+    O_NONBLOCK is cleared again for the reads of a real file. follow=True (source files only, never
+    the cache's): a link to a plain file is read (a Hugging Face hub snapshot's files are links into
+    its blobs); what it points at must still be a plain file.
     """
     try:
-        fd = _os_open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, mode)
+        fd = _os_open(path, flags | (0 if follow else os.O_NOFOLLOW) | os.O_NONBLOCK | os.O_CLOEXEC, mode)
     except OSError as e:
         if e.errno == errno.ELOOP:
             raise NotRegularFileError(errno.ELOOP, "a symbolic link, not a plain file", str(path)) from None
@@ -68,9 +71,9 @@ def pread_into(fd: int, buf: memoryview, offset: int) -> int:
     return done
 
 
-def read_all(path: str | os.PathLike[str], limit: int | None = None) -> bytes:
+def read_all(path: str | os.PathLike[str], limit: int | None = None, follow: bool = False) -> bytes:
     """The whole of a plain file (through the seam); more than `limit` bytes is an InputError."""
-    fd = open_regular(path)
+    fd = open_regular(path, follow=follow)
     try:
         size = os.fstat(fd).st_size
         if limit is not None and size > limit:
@@ -162,10 +165,11 @@ def raise_if_disk_full(e: OSError, needed: int, path: Path) -> None:
         ) from None
 
 
-def read_json_file(path: Path, *, limit: int = MAX_JSON_BYTES) -> Any:
-    """Read a JSON file with a size cap; any malformation is an InputError naming the file."""
+def read_json_file(path: Path, *, limit: int = MAX_JSON_BYTES, follow: bool = False) -> Any:
+    """Read a JSON file with a size cap; any malformation is an InputError naming the file.
+    follow=True for a source's files (config.json, the index: links in a hub snapshot)."""
     try:
-        data = read_all(path, limit)
+        data = read_all(path, limit, follow)
         return json.loads(data.decode("utf-8"))
     except InputError:
         raise

@@ -20,7 +20,7 @@ def new_hasher() -> xxhash.xxh3_128:
     return xxhash.xxh3_128()
 
 
-def xxh3_file_hex(path: str | os.PathLike[str], chunk: int = CHUNK) -> str:
+def xxh3_file_hex(path: str | os.PathLike[str], chunk: int = CHUNK, follow: bool = False) -> str:
     """Digest of a whole plain file, read with pread in large chunks into one reused buffer.
 
     Through fsutil's read seam, and never through a map: a page that cannot be read (a failing disk,
@@ -28,7 +28,7 @@ def xxh3_file_hex(path: str | os.PathLike[str], chunk: int = CHUNK) -> str:
     the process. The reads release the GIL, so several files hash in parallel threads.
     """
     h = xxhash.xxh3_128()
-    fd = open_regular(path)
+    fd = open_regular(path, follow=follow)  # follow: a source's file (hub snapshots are links)
     try:
         size = os.fstat(fd).st_size
         # A buffer no larger than the file: zero-filling 16 MiB for each small manifest cost ~7 ms.

@@ -212,7 +212,7 @@ def _source_changes(cf: CacheFiles) -> tuple[bool, list[Problem]]:
     problems = []
     fp = cf.manifest.source_fingerprint
     cfg = src / "config.json"
-    if cfg.is_file() and xxh3_file_hex(cfg) != fp.get("config_xxh3"):
+    if cfg.is_file() and xxh3_file_hex(cfg, follow=True) != fp.get("config_xxh3"):
         problems.append(Problem("stale", "config.json", "the source's config.json changed"))
     for shard in fp.get("shards", []):
         if not isinstance(shard, dict):
