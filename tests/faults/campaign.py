@@ -771,6 +771,15 @@ FUZZ_CI_EXAMPLES = {"config": 250, "index": 250, "source-header": 400, "cache-he
                     "manifest": 450}
 
 
+def fuzz_counted(kind: str, env: FuzzEnv, examples: int) -> dict[str, int]:
+    """Run `examples` cases of one kind; the counts they added (cases, crashes, bad exit codes, writes outside)."""
+    env.failures.clear()
+    keys = ("cases", "crashes", "bad_exit_codes", "written_outside")
+    before = {k: env.counts[k] for k in keys}
+    fuzz(kind, env, examples)
+    return {k: env.counts[k] - before[k] for k in keys}
+
+
 def fuzz(kind: str, env: FuzzEnv, examples: int, seed: int | None = None) -> None:
     """Run `examples` hypothesis cases of one kind against `env` (counts land in env.counts)."""
     from hypothesis import HealthCheck, given, seed as hseed, settings
