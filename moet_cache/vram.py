@@ -18,6 +18,7 @@ from . import layout as L
 from .errors import InputError
 from .manifest import CACHE_MANIFEST, COMMIT_RECORD, DeltaIndex, PartManifest
 from .modelconfig import ModelConfig
+from .kv_v4 import BLOCK_SIZE_V4, KV_DTYPES_V4, V4Attention, V4Kv, compress_ratios_of, longest_context, v4_kv
 from .units import GIB, parse_budget, parse_size
 
 MIB = 1 << 20
@@ -66,21 +67,45 @@ SPARSE_ONLY = ("fp8_ds_mla", "nvfp4_ds_mla")   # vLLM allows these only on spars
 class Attention:
     """What the KV cache of one token in one attention layer is made of, from config.json."""
 
-    kind: str                  # "mla" (DeepSeek latent attention) or "unknown"
+    kind: str                  # "mla" (DeepSeek latent attention), "deepseek_v4" (compressed, kv_v4.py) or "unknown"
     kv_lora_rank: int = 0
     rope_dim: int = 0
     index_head_dim: int = 0    # DeepSeek-V3.2 sparse attention's indexer keys (0: none)
     layers: int = 0            # attention layers of the main model (each caches every token)
     mtp_layers: int = 0
     note: str = ""
+    v4: V4Attention | None = None   # DeepSeek-V4: per-layer compress ratios, window, dims
+
+    @property
+    def kv_dtypes(self) -> tuple[str, ...]:
+        """The --kv-cache-dtype values vLLM 0.34 runs this attention with (the plan suggests no other)."""
+        if self.kind == "deepseek_v4":
+            return KV_DTYPES_V4
+        if self.kind == "mla" and self.index_head_dim:  # FlashMLA sparse (nvfp4_ds_mla: SM100 only, not offered)
+            return ("auto", "bfloat16", "fp8", "fp8_ds_mla")
+        if self.kind == "mla":                          # dense MLA backends
+            return ("auto", "bfloat16", "float16", "fp8", "fp8_e4m3")
+        return KV_DTYPES
+
+
+def _int(cfg: dict[str, Any], key: str, default: int = 0) -> int:
+    v = cfg.get(key, default)
+    return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else default
 
 
 def attention_from_config(cfg: dict[str, Any]) -> Attention:
-    """MLA when the config has kv_lora_rank and qk_rope_head_dim; otherwise unknown (needs --kv-bytes-per-token)."""
-    layers = cfg.get("num_hidden_layers")
-    layers = layers if isinstance(layers, int) and not isinstance(layers, bool) and layers > 0 else 0
-    mtp = cfg.get("num_nextn_predict_layers", 0)
-    mtp = mtp if isinstance(mtp, int) and not isinstance(mtp, bool) and mtp >= 0 else 0
+    """MLA when the config has kv_lora_rank and qk_rope_head_dim; DeepSeek-V4 when it has compress_ratios and
+    head_dim but no kv_lora_rank; otherwise unknown (needs --kv-bytes-per-token)."""
+    layers = _int(cfg, "num_hidden_layers")
+    mtp = _int(cfg, "num_nextn_predict_layers")
+    ratios = compress_ratios_of(cfg)
+    if ratios is not None and "kv_lora_rank" not in cfg and _int(cfg, "head_dim") > 0 and layers:
+        if len(ratios) < layers or any(r not in (0, 1, 4, 128) for r in ratios[:layers]):
+            raise InputError(f"config.json: compress_ratios {ratios[:8]}... does not give one of 0, 4, 128 "
+                             f"to each of the {layers} layers", "check the model's config.json")
+        v4 = V4Attention(tuple(ratios[:layers]), _int(cfg, "head_dim"), _int(cfg, "sliding_window", 128) or 128,
+                         _int(cfg, "index_head_dim", 128) or 128, mtp)
+        return Attention("deepseek_v4", 0, _int(cfg, "qk_rope_head_dim"), v4.index_head_dim, layers, mtp, v4=v4)
     r, rope = cfg.get("kv_lora_rank"), cfg.get("qk_rope_head_dim")
     if isinstance(r, int) and isinstance(rope, int) and r > 0 and rope >= 0:
         idx = cfg.get("index_head_dim")
@@ -96,6 +121,8 @@ def attention_from_config(cfg: dict[str, Any]) -> Attention:
 
 def kv_bytes_per_token_layer(att: Attention, kv_dtype: str) -> int:
     """Bytes one token takes in one layer's KV cache, from the dims (FORMATS.md: 656/576/1152/352 for V3)."""
+    if att.kind == "deepseek_v4":
+        raise InputError("DeepSeek-V4 caches no fixed bytes per token per layer", "plan it with kv_v4.v4_kv")
     if att.kind != "mla":
         raise InputError("the KV cache size of this model's attention is not known to moet-cache",
                          f"{att.note}; give --kv-bytes-per-token (bytes per token per layer)")
@@ -321,7 +348,8 @@ class PlanSettings:
     kv_bytes_per_token: int | None = None      # per token per layer, for attention we do not know
     cudagraph_reserve: int | None = None       # override of the estimate
     activation_reserve: int | None = None      # override of the estimate
-    batched_tokens: int = DEFAULT_BATCHED_TOKENS
+    batched_tokens: int = DEFAULT_BATCHED_TOKENS   # vLLM's --max-num-batched-tokens
+    async_scheduling: bool = True              # vLLM's default: two batches in flight (V4's windows reserve both)
 
     def check(self) -> None:
         if not 0.05 <= self.utilization <= 1.0:
@@ -332,6 +360,8 @@ class PlanSettings:
             raise InputError("--max-num-seqs must be at least 1")
         if self.block_size < 1:
             raise InputError("--block-size must be at least 1")
+        if self.batched_tokens < 1:
+            raise InputError("--max-num-batched-tokens must be at least 1")
         if self.speculative not in ("none", "mtp"):
             raise InputError(f"--speculative {self.speculative!r}", "use mtp or none")
         if self.kv_cache_dtype not in KV_DTYPES and self.kv_bytes_per_token is None:
@@ -341,12 +371,29 @@ class PlanSettings:
 
 # --- the plan ---------------------------------------------------------------------------------------
 
+SERVE, CACHE = "serve", "cache"     # where a suggested change is made: a `vllm serve` flag, or the cache itself
+
 
 @dataclass(frozen=True)
 class Suggestion:
-    change: str        # context, sequences, tier, base-only, kv-cache-dtype, gpu
+    change: str        # context, sequences, batched-tokens, tier, base-only, kv-cache-dtype, gpu
     setting: str       # the flag that gets there, e.g. "--max-model-len 131072"
     margin: int        # bytes left over with that change
+    where: str = SERVE  # SERVE: a serve (vLLM) flag; CACHE: `moet-cache retier` / `build` with that option
+
+    def advice(self) -> str:
+        """How to make the change, in words a user can act on."""
+        if self.where == CACHE:
+            serve = [w for w in self.setting.split("--") if w.strip() and not w.startswith("delta-budget")]
+            tier = self.setting.split(" --max-model-len")[0]
+            text = f"moet-cache retier CACHE {tier} (a --lossless cache; else build again with it)"
+            return text + (f", then serve with --{serve[0].strip()}" if serve else "")
+        return self.setting
+
+
+def thin_margin(budget: int) -> int:
+    """A margin under this is within the estimates' error: 256 MiB or 1% of the budget, whichever is more."""
+    return max(256 * MIB, budget // 100)
 
 
 @dataclass(frozen=True)
@@ -360,28 +407,88 @@ class Plan:
     mtp_weights: int               # counted only with --speculative mtp
     cudagraph: int
     activations: int
-    kv_per_token_layer: int
+    kv_per_token_layer: int        # MLA: bytes a token a layer; DeepSeek-V4: 0 (see kv_v4)
     kv_layers: int                 # attention layers that cache tokens (+ MTP layers when speculating)
-    kv_tokens: int                 # tokens backed: max_num_seqs x max_model_len rounded up to blocks
-    kv: int
+    kv_tokens: int                 # tokens backed: max_num_seqs x max_model_len (MLA: rounded up to blocks)
+    kv: int                        # what vLLM allocates for them (V4: pages, groups, windows, null block)
     static: int                    # everything but the KV cache
     need: int
     fits: bool
     margin: int                    # budget - need (negative: short by that much)
     deciding: str                  # what makes it not fit, or what limits the headroom
     kv_room: int                   # budget - static: what the KV cache can have
-    max_kv_per_token_layer: int    # the largest per-token-per-layer KV that still fits these settings
-    longest_context: int           # for max_num_seqs sequences, whole blocks
+    max_kv_per_token_layer: int    # MLA: the largest per-token-per-layer KV that still fits (V4: 0)
+    longest_context: int           # for max_num_seqs sequences, whole blocks (KV arithmetic only)
     extra_full_seqs: int
     extra_delta_experts: int
     mtp_need: int                  # MTP weights + its KV, for speculative decoding
     mtp_fits: bool
     suggestions: tuple[Suggestion, ...]
     notes: tuple[str, ...]
+    kv_raw: int = 0                # the KV records themselves, before vLLM's rounding (MLA: = kv)
+    v4_kv: V4Kv | None = None      # DeepSeek-V4: the allocator's figures
+    thin: bool = False             # fits, by less than thin_margin(budget)
+    context_limit: int = 0         # longest_context, capped at the model's max_position_embeddings
+
+    @property
+    def warnings(self) -> tuple[str, ...]:
+        """What serve must repeat: a thin margin, and the notes that make vLLM refuse or misbehave."""
+        out = []
+        if self.thin:
+            out.append(f"fits by only {self.margin / MIB:.1f} MiB, less than the estimates' error "
+                       f"({thin_margin(self.budget) / MIB:.0f} MiB): vLLM may still run out of memory")
+        return tuple(out) + self.notes
 
 
 def _round_up(n: int, block: int) -> int:
     return -(-n // block) * block
+
+
+def _max_position(fp: Footprint) -> int | None:
+    mpe = fp.model.get("max_position_embeddings")
+    return mpe if isinstance(mpe, int) and not isinstance(mpe, bool) and mpe > 0 else None
+
+
+@dataclass(frozen=True)
+class _Kv:
+    """The KV term's model for one plan: bytes for (seqs, len), the longest len for a room, per-sequence cost."""
+
+    fp: Footprint
+    s: PlanSettings
+    per_layer: int        # MLA (or given): bytes a token a layer; 0 for V4
+    kv_layers: int
+    spec: bool
+
+    @property
+    def v4(self) -> V4Attention | None:
+        return self.fp.attention.v4 if self.per_layer == 0 else None
+
+    def v4_figures(self, seqs: int, max_len: int, batched: int | None = None) -> V4Kv:
+        assert self.v4 is not None
+        return v4_kv(self.v4, max_len, seqs, batched or self.s.batched_tokens, self.s.async_scheduling, self.spec)
+
+    def bytes(self, seqs: int, max_len: int, batched: int | None = None) -> int:
+        if self.v4 is not None:
+            return self.v4_figures(seqs, max_len, batched).allocated
+        return seqs * _round_up(max_len, self.s.block_size) * self.per_layer * self.kv_layers
+
+    def longest(self, room: int, seqs: int) -> int:
+        if room <= 0:
+            return 0
+        if self.v4 is not None:
+            return longest_context(self.v4, room, seqs, self.s.batched_tokens, self.s.async_scheduling, self.spec)
+        per_token = self.per_layer * self.kv_layers
+        return (room // (per_token * seqs)) // self.s.block_size * self.s.block_size if per_token else 0
+
+    def most_seqs(self, room: int) -> int:
+        """The most full-length sequences whose KV fits in `room`."""
+        if room <= 0:
+            return 0
+        if self.v4 is not None:
+            f = self.v4_figures(1, self.s.max_model_len)
+            return max(0, (room // f.bytes_per_block - 1) // f.blocks_per_seq)
+        per_seq = self.bytes(1, self.s.max_model_len)
+        return room // per_seq if per_seq else 0
 
 
 def make_plan(fp: Footprint, s: PlanSettings) -> Plan:
@@ -389,9 +496,24 @@ def make_plan(fp: Footprint, s: PlanSettings) -> Plan:
     s.check()
     notes: list[str] = []
     att = fp.attention
+    spec = s.speculative == "mtp"
+    if spec and not fp.mtp_bytes:
+        raise InputError("--speculative mtp: this model has no MTP layer (num_nextn_predict_layers is 0)")
+    layers = att.layers or fp.served_layers
+    mtp_layers = att.mtp_layers if fp.mtp_bytes else 0
+    kv_layers = layers + (mtp_layers if spec else 0)
+    v4 = att.v4 if s.kv_bytes_per_token is None else None
     if s.kv_bytes_per_token is not None:
         per_layer = s.kv_bytes_per_token
         notes.append(f"KV: {per_layer} B per token per layer as given (--kv-bytes-per-token)")
+    elif v4 is not None:
+        per_layer = 0
+        if s.kv_cache_dtype not in KV_DTYPES_V4:
+            raise InputError(f"DeepSeek-V4 runs only with FP8 KV in vLLM 0.34, not --kv-cache-dtype {s.kv_cache_dtype}",
+                             "use --kv-cache-dtype fp8_ds_mla (vLLM turns fp8 into it)")
+        if s.block_size != BLOCK_SIZE_V4:
+            raise InputError(f"DeepSeek-V4's attention in vLLM 0.34 takes only --block-size {BLOCK_SIZE_V4}, "
+                             f"not {s.block_size}")
     else:
         per_layer = kv_bytes_per_token_layer(att, s.kv_cache_dtype)
         if att.note:
@@ -399,20 +521,15 @@ def make_plan(fp: Footprint, s: PlanSettings) -> Plan:
         if s.kv_cache_dtype in SPARSE_ONLY and not att.index_head_dim:
             notes.append(f"{s.kv_cache_dtype} runs only on vLLM's sparse-MLA backends (DeepSeek V3.2 and later); "
                          "this config has no sparse indexer, so vLLM may refuse it")
-    mpe = fp.model.get("max_position_embeddings")
-    if isinstance(mpe, int) and not isinstance(mpe, bool) and 0 < mpe < s.max_model_len:
+    mpe = _max_position(fp)
+    if mpe is not None and mpe < s.max_model_len:
         notes.append(f"--max-model-len {s.max_model_len} exceeds the model's max_position_embeddings {mpe}: "
                      "vLLM refuses it unless the rope scaling allows it (or VLLM_ALLOW_LONG_MAX_MODEL_LEN=1)")
-    layers = att.layers or fp.served_layers
-    mtp_layers = att.mtp_layers if fp.mtp_bytes else 0
-    spec = s.speculative == "mtp"
-    if spec and not fp.mtp_bytes:
-        raise InputError("--speculative mtp: this model has no MTP layer (num_nextn_predict_layers is 0)")
-    kv_layers = layers + (mtp_layers if spec else 0)
-    per_token = per_layer * kv_layers
-    seq_tokens = _round_up(s.max_model_len, s.block_size)
+    kvm = _Kv(fp, s, per_layer, kv_layers, spec)
+    v4f = kvm.v4_figures(s.max_num_seqs, s.max_model_len) if v4 is not None else None
+    seq_tokens = s.max_model_len if v4 is not None else _round_up(s.max_model_len, s.block_size)
     kv_tokens = seq_tokens * s.max_num_seqs
-    kv = kv_tokens * per_token
+    kv = kvm.bytes(s.max_num_seqs, s.max_model_len)
     budget = int(s.gpu.total_bytes * s.utilization)
     graphs = s.cudagraph_reserve if s.cudagraph_reserve is not None else cudagraph_reserve(len(s.cudagraph_sizes))
     acts = s.activation_reserve if s.activation_reserve is not None else \
@@ -425,45 +542,71 @@ def make_plan(fp: Footprint, s: PlanSettings) -> Plan:
     margin = budget - need
     kv_room = budget - static
     fits = margin >= 0
-    weights = {"base planes": fp.base_bytes, "dense weights": fp.dense_bytes, "delta tier": fp.delta_tier_bytes}
     if static > budget:
-        deciding = f"weights: {max(weights, key=weights.__getitem__)} and the rest exceed the budget before any KV"
+        terms = {"base planes": fp.base_bytes, "dense weights": fp.dense_bytes, "delta tier": fp.delta_tier_bytes,
+                 "MTP weights": mtp_w, "CUDA-graph reserve": graphs, "activation reserve": acts}
+        top = max(terms, key=terms.__getitem__)
+        alone = " (it alone exceeds the budget)" if terms[top] > budget else ""
+        deciding = (f"weights and reserves exceed the budget before any KV: the largest term is {top}, "
+                    f"{terms[top] / GIB:.3f} GiB{alone}")
     elif not fits:
         deciding = "KV cache: the weights fit, the KV cache for these settings does not"
     else:
         deciding = "KV cache: the headroom is what the KV cache leaves"
     room = max(0, kv_room)
-    max_per_layer = room // (kv_tokens * kv_layers) if kv_tokens and kv_layers else 0
-    longest = (room // (per_token * s.max_num_seqs)) // s.block_size * s.block_size if per_token else 0
-    per_seq = seq_tokens * per_token
-    extra_seqs = max(0, margin) // per_seq if per_seq else 0
+    max_per_layer = room // (kv_tokens * kv_layers) if v4 is None and kv_tokens and kv_layers else 0
+    longest = kvm.longest(room, s.max_num_seqs)
+    limit = min(longest, mpe) if mpe is not None else longest
+    extra_seqs = max(0, kvm.most_seqs(room) - s.max_num_seqs) if fits else 0
     extra_experts = min(max(0, margin) // fp.expert_delta_bytes if fp.expert_delta_bytes else 0,
                         fp.total_experts - fp.tier_experts)
-    mtp_need = fp.mtp_bytes + mtp_layers * per_layer * kv_tokens if fp.mtp_bytes else 0
+    if not fp.mtp_bytes:
+        mtp_need = 0
+    elif v4 is not None:  # the drafter's attention is a sliding window only (compress ratio 1 in vLLM)
+        args = (v4, s.max_model_len, s.max_num_seqs, s.batched_tokens, s.async_scheduling)
+        mtp_need = fp.mtp_bytes + v4_kv(*args, True).allocated - v4_kv(*args).allocated
+    else:
+        mtp_need = fp.mtp_bytes + mtp_layers * per_layer * kv_tokens
     mtp_fits = bool(fp.mtp_bytes) and (fits if spec else margin >= mtp_need)
-    suggestions = () if fits else _suggestions(fp, s, budget, static, per_token, seq_tokens, per_layer,
-                                               graphs, acts, mtp_w, kv_layers)
+    thin = fits and margin < thin_margin(budget)
+    suggestions = () if fits else _suggestions(fp, s, kvm, budget, static, acts, mpe)
     return Plan(fp, s, budget, fp.base_bytes, fp.delta_tier_bytes, fp.dense_bytes, mtp_w, graphs, acts,
                 per_layer, kv_layers, kv_tokens, kv, static, need, fits, margin, deciding, kv_room,
                 max_per_layer, longest, extra_seqs, extra_experts, mtp_need, mtp_fits, suggestions,
-                tuple(notes))
+                tuple(notes), v4f.raw if v4f is not None else kv, v4f, thin, limit)
 
 
-def _suggestions(fp: Footprint, s: PlanSettings, budget: int, static: int, per_token: int, seq_tokens: int,
-                 per_layer: int, graphs: int, acts: int, mtp_w: int, kv_layers: int) -> tuple[Suggestion, ...]:
-    """The nearest single changes that fit, each with the margin it leaves."""
+def _suggestions(fp: Footprint, s: PlanSettings, kvm: _Kv, budget: int, static: int, acts: int,
+                 mpe: int | None) -> tuple[Suggestion, ...]:
+    """The nearest single changes that fit, each with the margin it leaves. Only changes vLLM and the model
+    accept: no context beyond max_position_embeddings, no KV dtype the attention cannot use; a tier change is
+    a change to the cache (`where` CACHE), never offered as a serve flag."""
     out: list[Suggestion] = []
     room = budget - static
-    if room > 0 and per_token:
-        longest = (room // (per_token * s.max_num_seqs)) // s.block_size * s.block_size
-        if longest >= s.block_size:
-            out.append(Suggestion("context", f"--max-model-len {longest}",
-                                  room - longest * s.max_num_seqs * per_token))
-        if s.max_num_seqs > 1:
-            n = room // (seq_tokens * per_token)
-            if n >= 1:
-                out.append(Suggestion("sequences", f"--max-num-seqs {n}", room - n * seq_tokens * per_token))
-    kv = seq_tokens * s.max_num_seqs * per_token
+    n, L = s.max_num_seqs, s.max_model_len
+
+    def context(room_: int) -> int:
+        longest = kvm.longest(room_, n)
+        return min(longest, mpe) if mpe is not None else longest
+
+    if room > 0:
+        longest = context(room)
+        if longest >= min(s.block_size, L):
+            out.append(Suggestion("context", f"--max-model-len {longest}", room - kvm.bytes(n, longest)))
+        if n > 1:
+            most = kvm.most_seqs(room)
+            if most >= 1:
+                out.append(Suggestion("sequences", f"--max-num-seqs {most}", room - kvm.bytes(most, L)))
+        if kvm.v4 is not None:  # V4's windows are reserved for the tokens in flight: fewer batched tokens help
+            for b in (4096, 2048, 1024, 512):
+                if b >= s.batched_tokens:
+                    continue
+                acts_b = acts if s.activation_reserve is not None else activation_reserve(fp.model, b)
+                m = budget - (static - acts + acts_b) - kvm.bytes(n, L, b)
+                if m >= 0:
+                    out.append(Suggestion("batched-tokens", f"--max-num-batched-tokens {b}", m))
+                    break
+    kv = kvm.bytes(n, L)
     short = static + kv - budget
     if fp.delta_tier_bytes and short <= fp.delta_tier_bytes:
         keep = (fp.delta_tier_bytes - short) // fp.expert_delta_bytes * fp.expert_delta_bytes
@@ -471,19 +614,21 @@ def _suggestions(fp: Footprint, s: PlanSettings, budget: int, static: int, per_t
             # Exact bytes: a rounded GiB figure could round up past what fits.
             out.append(Suggestion("tier", f"--delta-budget {keep} ({keep // fp.expert_delta_bytes} experts, "
                                           f"{keep / GIB:.3f} GiB)",
-                                  budget - (static - fp.delta_tier_bytes + keep + kv)))
-        out.append(Suggestion("base-only", "--delta-budget 0", budget - (static - fp.delta_tier_bytes + kv)))
+                                  budget - (static - fp.delta_tier_bytes + keep + kv), CACHE))
+        out.append(Suggestion("base-only", "--delta-budget 0", budget - (static - fp.delta_tier_bytes + kv), CACHE))
     elif fp.delta_tier_bytes:  # dropping the tier is not enough alone: base-only and a shorter context
         room0 = room + fp.delta_tier_bytes
-        longest = (room0 // (per_token * s.max_num_seqs)) // s.block_size * s.block_size if per_token else 0
-        if longest >= s.block_size:
+        longest = context(room0)
+        if longest >= min(s.block_size, L):
             out.append(Suggestion("base-only+context", f"--delta-budget 0 --max-model-len {longest}",
-                                  room0 - longest * s.max_num_seqs * per_token))
+                                  room0 - kvm.bytes(n, longest), CACHE))
     if s.kv_bytes_per_token is None and fp.attention.kind == "mla":
-        for dtype in ("nvfp4_ds_mla", "fp8_ds_mla", "fp8"):
+        for dtype in ("fp8_ds_mla", "fp8"):
+            if dtype not in fp.attention.kv_dtypes:
+                continue
             p = kv_bytes_per_token_layer(fp.attention, dtype)
-            if p < per_layer:
-                m = budget - (static + seq_tokens * s.max_num_seqs * p * kv_layers)
+            if p < kvm.per_layer:
+                m = budget - (static + _round_up(L, s.block_size) * n * p * kvm.kv_layers)
                 if m >= 0:
                     out.append(Suggestion("kv-cache-dtype", f"--kv-cache-dtype {dtype}", m))
                     break
