@@ -8,7 +8,8 @@ from typing import Annotated, Optional
 import typer
 
 from moet_cache import vram
-from moet_cache.units import GIB, parse_size
+from moet_cache.errors import InputError
+from moet_cache.units import GIB, parse_size, parse_tokens
 
 from ._common import JsonOpt, QuietOpt
 from ._errors import EXIT_OK, EXIT_PROBLEM
@@ -25,38 +26,61 @@ def plan_document(p: vram.Plan) -> dict:
     fp, s = p.footprint, p.settings
     terms = {"base_planes": p.base, "delta_tier": p.delta, "dense": p.dense, "mtp_weights": p.mtp_weights,
              "cudagraph_reserve": p.cudagraph, "activation_reserve": p.activations, "kv_cache": p.kv}
+    v4 = p.v4_kv
     return {
         "command": "plan", "path": fp.path, "source": fp.source, "exact": fp.exact,
-        "gpu": {"name": s.gpu.name, "total_bytes": s.gpu.total_bytes, "total_gib": s.gpu.total_bytes / GIB},
+        "gpu": {"name": s.gpu.name, "total_bytes": s.gpu.total_bytes, "total_gib": s.gpu.total_bytes / GIB,
+                "note": s.gpu.note},
         "settings": {"gpu_memory_utilization": s.utilization, "max_model_len": s.max_model_len,
                      "kv_cache_dtype": s.kv_cache_dtype, "max_num_seqs": s.max_num_seqs,
                      "cudagraph_capture_sizes": list(s.cudagraph_sizes), "speculative": s.speculative,
-                     "block_size": s.block_size, "kv_bytes_per_token": s.kv_bytes_per_token},
+                     "block_size": s.block_size, "kv_bytes_per_token": s.kv_bytes_per_token,
+                     "max_num_batched_tokens": s.batched_tokens, "async_scheduling": s.async_scheduling},
+        "attention": fp.attention.kind,
         "budget_bytes": p.budget, "budget_gib": p.budget / GIB,
         "terms_bytes": terms, "terms_gib": {k: v / GIB for k, v in terms.items()},
         "kv_bytes_per_token_per_layer": p.kv_per_token_layer, "kv_layers": p.kv_layers,
         "kv_bytes_per_token": p.kv_per_token_layer * p.kv_layers, "kv_tokens": p.kv_tokens,
-        "need_bytes": p.need, "need_gib": p.need / GIB, "fits": p.fits,
+        "kv_raw_bytes": p.kv_raw, "kv_raw_gib": p.kv_raw / GIB,
+        "kv_allocator": None if v4 is None else {
+            "bytes_per_block": v4.bytes_per_block, "blocks_per_sequence": v4.blocks_per_seq,
+            "window_blocks_per_sequence": v4.window_blocks_per_seq, "groups": v4.groups,
+            "tokens_in_flight": v4.in_flight, "raw_bytes_per_token": v4.raw_per_token},
+        "need_bytes": p.need, "need_gib": p.need / GIB, "fits": p.fits, "thin_margin": p.thin,
         "margin_bytes": p.margin, "margin_gib": p.margin / GIB, "deciding": p.deciding,
         "kv_room_bytes": p.kv_room,
-        "max_kv_bytes_per_token_per_layer": p.max_kv_per_token_layer, "longest_context": p.longest_context,
+        "max_kv_bytes_per_token_per_layer": p.max_kv_per_token_layer or None,
+        "longest_context": p.context_limit, "longest_context_kv": p.longest_context,
         "buys": {"extra_full_length_sequences": p.extra_full_seqs, "extra_delta_experts": p.extra_delta_experts,
                  "delta_experts": [fp.tier_experts, fp.total_experts],
                  "mtp_bytes": p.mtp_need, "mtp_fits": p.mtp_fits},
-        "suggestions": [{"change": x.change, "setting": x.setting, "margin_bytes": x.margin} for x in p.suggestions],
+        "suggestions": [{"change": x.change, "setting": x.setting, "margin_bytes": x.margin, "where": x.where,
+                         "advice": x.advice()} for x in p.suggestions],
+        "warnings": list(p.warnings),
         "notes": list(p.notes),
     }
+
+
+def _kv_row(p: vram.Plan) -> list[str]:
+    s = p.settings
+    if p.v4_kv is not None:
+        k = p.v4_kv
+        return ["KV cache", _g(p.kv), f"vLLM's allocation: {k.seqs} x {k.blocks_per_seq} blocks + 1 of "
+                f"{k.bytes_per_block:,} B ({k.groups} groups; {k.window_blocks_per_seq} blocks a sequence for the "
+                f"windows and compressor states, {k.in_flight} tokens in flight); records alone {_g(p.kv_raw)} GiB"]
+    per_token = p.kv_per_token_layer * p.kv_layers
+    return ["KV cache", _g(p.kv), f"{p.kv_tokens} tokens x {per_token} B ({p.kv_per_token_layer} B x {p.kv_layers} "
+            f"layers, {s.kv_cache_dtype if s.kv_bytes_per_token is None else 'given'})"]
 
 
 def show_plan(out: Output, p: vram.Plan) -> None:
     fp, s = p.footprint, p.settings
     how = "exact bytes from the cache's manifests" if fp.exact else "computed from config.json and the shard headers"
     out.print(f"{fp.path}: {fp.served_layers} served MoE layers ({how})")
-    out.print(f"GPU {s.gpu.name}: {_g(s.gpu.total_bytes)} GiB x {s.utilization} = {_g(p.budget)} GiB usable. "
-              "All figures in GiB (2^30 bytes); 1 GB = 0.931 GiB.")
-    per_token = p.kv_per_token_layer * p.kv_layers
+    out.print(f"GPU {s.gpu.name} ({s.gpu.note}): {_g(s.gpu.total_bytes)} GiB x {s.utilization} = {_g(p.budget)} GiB "
+              "usable. All figures in GiB (2^30 bytes); 1 GB = 0.931 GiB.")
     rows = [
-        ["base planes", _g(p.base), f"{fp.served_layers} layers, 2-bit codes + FP8 block scales"],
+        ["base planes", _g(p.base), f"{fp.served_layers} layers, 2-bit codes + block scales"],
         ["delta tier", _g(p.delta), f"{fp.tier_experts} of {fp.total_experts} experts at FP4"],
         ["dense weights", _g(p.dense), "attention, shared experts, embeddings, copied unchanged"],
     ]
@@ -67,44 +91,76 @@ def show_plan(out: Output, p: vram.Plan) -> None:
          + (" (given)" if s.cudagraph_reserve is not None else " (estimate)")],
         ["activations", _g(p.activations), "given" if s.activation_reserve is not None
          else f"estimate for {s.batched_tokens} batched tokens"],
-        ["KV cache", _g(p.kv), f"{p.kv_tokens} tokens x {per_token} B ({p.kv_per_token_layer} B x {p.kv_layers} "
-         f"layers, {s.kv_cache_dtype if s.kv_bytes_per_token is None else 'given'})"],
+        _kv_row(p),
         ["total", _g(p.need), f"of {_g(p.budget)} usable"],
     ]
     out.table(None, ["Term", "size in GiB", "What"], rows)
     if p.fits:
-        out.print(f"[green]fits[/green], with {_g(p.margin)} GiB to spare ({p.deciding})")
+        if p.thin:
+            out.print(f"[yellow]fits, barely[/yellow]: {_g(p.margin)} GiB to spare ({p.deciding})")
+        else:
+            out.print(f"[green]fits[/green], with {_g(p.margin)} GiB to spare ({p.deciding})")
         out.print("the free bytes would buy one of:")
         out.print(f"  {p.extra_full_seqs} more concurrent {s.max_model_len}-token sequences")
-        out.print(f"  a context of {p.longest_context} tokens for {s.max_num_seqs} sequence(s)")
+        out.print(f"  a context of {p.context_limit} tokens for {s.max_num_seqs} sequence(s)")
         out.print(f"  {p.extra_delta_experts} more delta-tier experts "
-                  f"({fp.tier_experts + p.extra_delta_experts} of {fp.total_experts})")
+                  f"({fp.tier_experts + p.extra_delta_experts} of {fp.total_experts}): moet-cache retier")
     else:
         out.print(f"[red]does not fit[/red]: short by {_g(-p.margin)} GiB. Deciding term: {p.deciding}")
         out.print("nearest settings that fit:")
         for x in p.suggestions:
-            out.print(f"  {x.change}: {x.setting} (leaves {_g(x.margin)} GiB)")
+            out.print(f"  {x.change}: {x.advice()} (leaves {_g(x.margin)} GiB)")
     if p.mtp_need:
         verdict = "fits" if p.mtp_fits else "does not fit"
-        out.print(f"speculative decoding (MTP layer + its KV, {_g(p.mtp_need)} GiB): {verdict}")
-    out.print(f"largest KV per token per layer that fits: {p.max_kv_per_token_layer} B; "
-              f"longest context that fits: {p.longest_context} tokens")
-    for n in p.notes:
-        out.info(f"note: {n}")
+        out.print(f"speculative decoding (drafter weights + its KV, {_g(p.mtp_need)} GiB): {verdict}")
+    if p.max_kv_per_token_layer:
+        out.print(f"largest KV per token per layer that fits: {p.max_kv_per_token_layer} B")
+    out.print(f"longest context that fits: {p.context_limit} tokens")
+    for w in p.warnings:
+        out.warn(w)
+
+
+def _split_positionals(path: Path, extra: list[str] | None, sizes: str | None) -> tuple[Path, str | None]:
+    """vLLM's spelling of the capture sizes, `--cudagraph-capture-sizes 1 2 4 8`: the numbers after the first
+    arrive as extra positionals and are folded back into the option (the folder is the one non-number)."""
+    words = [str(path), *(extra or [])]
+    ints = [w for w in words if w.isdigit() and not Path(w).is_dir()]
+    rest = [w for w in words if w not in ints]
+    if len(rest) != 1:
+        raise InputError(f"plan takes one cache or checkpoint folder, got {rest or 'none'}")
+    if ints and sizes is None:
+        raise InputError(f"unexpected values {' '.join(ints)}", "give capture sizes after --cudagraph-capture-sizes")
+    if ints:
+        sizes = " ".join([sizes or "", *ints])
+    return Path(rest[0]), sizes
+
+
+def resolve_plan_gpu(gpu: str) -> vram.GpuPreset:
+    """`auto`: the GPU nvidia-smi sees (as serve does), else the default preset."""
+    if gpu.strip().lower() == "auto":
+        seen = vram.detect_gpu()
+        if seen is not None:
+            return seen
+        d = vram.GPU_PRESETS[vram.DEFAULT_GPU]
+        return vram.GpuPreset(d.name, d.total_bytes, d.note + "; no GPU seen, the default preset (--gpu to choose)")
+    return vram.resolve_gpu(gpu)
 
 
 def plan(
     path: Annotated[Path, typer.Argument(help="A cache folder (exact bytes) or an NVFP4 checkpoint (computed).")],
-    gpu: Annotated[str, typer.Option(help=f"GPU preset ({', '.join(vram.GPU_PRESETS)}) or its memory, e.g. 96GB, 95.6GiB.")] = vram.DEFAULT_GPU,
+    extra: Annotated[Optional[list[str]], typer.Argument(hidden=True, show_default=False)] = None,
+    gpu: Annotated[str, typer.Option(help=f"auto (the GPU nvidia-smi sees, as serve; else {vram.DEFAULT_GPU}), a preset ({', '.join(vram.GPU_PRESETS)}) or its memory, e.g. 96GB, 95.6GiB.")] = "auto",
     gpu_memory_utilization: Annotated[float, typer.Option(help="vLLM's share of the GPU's memory.")] = vram.DEFAULT_UTILIZATION,
-    max_model_len: Annotated[int, typer.Option(min=1, help="Context length in tokens.")] = vram.DEFAULT_MAX_MODEL_LEN,
+    max_model_len: Annotated[str, typer.Option(help="Context length in tokens, as vLLM reads it: 131072, 128k, 128K.")] = str(vram.DEFAULT_MAX_MODEL_LEN),
     kv_cache_dtype: Annotated[str, typer.Option(help=f"One of {', '.join(vram.KV_DTYPES)}.")] = vram.DEFAULT_KV_DTYPE,
     max_num_seqs: Annotated[int, typer.Option(min=1, help="Full-length sequences the KV cache must hold at once.")] = 1,
-    cudagraph_capture_sizes: Annotated[str, typer.Option(help="CUDA-graph batch sizes, e.g. 1,2,4,8; none for eager.")] = "1,2,4,8",
+    cudagraph_capture_sizes: Annotated[Optional[str], typer.Option(help="CUDA-graph batch sizes as vLLM takes them (1 2 4 8), or 1,2,4,8; none for eager.")] = None,
     delta_budget: Annotated[Optional[str], typer.Option(help="Plan with this delta tier (4.5GB, 2GiB, 25%, 0) instead of the built one.")] = None,
     speculative: Annotated[str, typer.Option(help="mtp: count the MTP layer and its KV; none.")] = "none",
     kv_bytes_per_token: Annotated[Optional[int], typer.Option(min=1, help="KV bytes per token per layer, for attention moet-cache does not know.")] = None,
     block_size: Annotated[int, typer.Option(min=1, help="KV-cache block size in tokens.")] = vram.DEFAULT_BLOCK_SIZE,
+    max_num_batched_tokens: Annotated[int, typer.Option(min=1, help="vLLM's --max-num-batched-tokens (activations; V4's windows).")] = vram.DEFAULT_BATCHED_TOKENS,
+    async_scheduling: Annotated[bool, typer.Option("--async-scheduling/--no-async-scheduling", help="vLLM's async scheduling (on by default: two batches in flight).")] = True,
     cudagraph_reserve: Annotated[Optional[str], typer.Option(help="Override the CUDA-graph estimate (e.g. 1GiB).")] = None,
     activation_reserve: Annotated[Optional[str], typer.Option(help="Override the activation estimate (e.g. 2GiB).")] = None,
     json_: JsonOpt = False,
@@ -112,11 +168,13 @@ def plan(
 ) -> None:
     """Plan the VRAM: weights, KV cache, reserves, headroom; exit 0 when it fits, 1 when it does not."""
     out = Output(json_, quiet)
+    path, sizes = _split_positionals(path, extra, cudagraph_capture_sizes)
     settings = vram.PlanSettings(
-        gpu=vram.resolve_gpu(gpu), utilization=gpu_memory_utilization, max_model_len=max_model_len,
+        gpu=resolve_plan_gpu(gpu), utilization=gpu_memory_utilization, max_model_len=parse_tokens(max_model_len),
         kv_cache_dtype=kv_cache_dtype, max_num_seqs=max_num_seqs,
-        cudagraph_sizes=vram.parse_sizes_list(cudagraph_capture_sizes), speculative=speculative,
-        block_size=block_size, kv_bytes_per_token=kv_bytes_per_token,
+        cudagraph_sizes=vram.parse_sizes_list(sizes if sizes is not None else "1 2 4 8"), speculative=speculative,
+        block_size=block_size, kv_bytes_per_token=kv_bytes_per_token, batched_tokens=max_num_batched_tokens,
+        async_scheduling=async_scheduling,
         cudagraph_reserve=parse_size(cudagraph_reserve, what="--cudagraph-reserve") if cudagraph_reserve else None,
         activation_reserve=parse_size(activation_reserve, what="--activation-reserve") if activation_reserve else None)
     p = vram.plan_for(path, settings, delta_budget)

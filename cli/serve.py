@@ -1,4 +1,4 @@
-"""moet-cache serve: boot-check the cache, build the `vllm serve` command from a profile, exec vLLM."""
+"""moet-cache serve: boot-check the cache, build the `vllm serve` command from a settings preset, exec vLLM."""
 
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ from ._output import Output
 def serve(
     cache: Annotated[Path, typer.Argument(help="The cache folder.")],
     vllm_args: Annotated[Optional[list[str]], typer.Argument(
-        help="After --: any `vllm serve` flags; they replace the profile's.", show_default=False)] = None,
-    settings: Annotated[str, typer.Option(help=f"Settings profile: {', '.join(serving.PROFILES)}.")] = serving.DEFAULT_PROFILE,
+        help="After --: any `vllm serve` flags; they replace the preset's.", show_default=False)] = None,
+    settings: Annotated[str, typer.Option(help=f"Settings preset: auto (the one for the cache's model type) or {', '.join(serving.PRESETS)}.")] = serving.DEFAULT_PRESET,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the command and environment; do not start vLLM.")] = False,
     force: Annotated[bool, typer.Option("--force", help="Serve an incomplete, stale or corrupt cache anyway (warns).")] = False,
     skip_flag_check: Annotated[bool, typer.Option("--skip-flag-check", help="Do not check the flags with vLLM's own parser.")] = False,
@@ -35,8 +35,11 @@ def serve(
     for n in cmd.notes:
         out.info(f"note: {n}")
     pre = serving.preflight_plan(cmd) if cmd.boot_state != "corrupt" else None
-    if pre is None:
-        out.info("no GPU seen (nvidia-smi): the VRAM plan was skipped; run `moet-cache plan` for a card")
+    if pre is not None:
+        for w in pre.warnings:
+            out.warn(f"plan: {w}")
+    if pre is None or not pre.gpu_seen:
+        out.info("no GPU seen (nvidia-smi): no fit verdict; run `moet-cache plan CACHE --gpu CARD` for a card")
     elif not pre.fits:
         out.warn(f"these settings do not fit {pre.gpu}: short by {-pre.margin / GIB:.2f} GiB ({pre.deciding}); "
                  + ("nearest: " + "; ".join(pre.suggestions) if pre.suggestions else "see `moet-cache plan`"))
@@ -45,7 +48,8 @@ def serve(
     if dry_run:
         if out.json_mode:
             out.json({"command": "serve", "dry_run": True, "argv": list(cmd.argv), "shell": cmd.shell(),
-                      "env_added": dict(cmd.env_added), "cache": cmd.cache, "profile": cmd.profile,
+                      "env_added": dict(cmd.env_added), "cache": cmd.cache, "preset": cmd.preset,
+                      "model_type": cmd.model_type, "torch_version": cmd.torch_version,
                       "boot_state": cmd.boot_state, "vllm": cmd.vllm, "vllm_version": cmd.vllm_version,
                       "flags_checked": cmd.flags_checked, "warnings": list(cmd.warnings), "notes": list(cmd.notes),
                       "plan": None if pre is None else pre.__dict__})

@@ -1,7 +1,7 @@
-"""Serve a verified cache with vLLM: named settings profiles, the `vllm serve` command, and its checks.
+"""Serve a verified cache with vLLM: named settings presets, the `vllm serve` command, and its checks.
 
-The command is built from a profile (docs/SERVING.md), the cache's loader and parser flags, then the
-user's flags after `--`, which replace the profile's. When vLLM is installed, every flag is checked
+The command is built from a preset (docs/SERVING.md; by default the one for the cache's model type), the
+cache's loader and parser flags, then the user's flags after `--`, which replace the preset's. When vLLM is installed, every flag is checked
 against that version's own argument parser (run in vLLM's interpreter, so vLLM need not share our
 environment) and known renames are adapted. Targets vLLM 0.34 (pinned in docs/SERVING.md).
 """
@@ -29,7 +29,8 @@ if TYPE_CHECKING:
     from .verifier import VerifyReport
 
 VLLM_PIN = "0.34.0"
-INSTALL_HINT = f"install it with: pip install vllm=={VLLM_PIN}"
+TORCH_PIN = "2.14.0"          # vLLM 0.34.0's own pin (its wheel requires torch==2.14.0)
+INSTALL_HINT = f"install it with: pip install vllm=={VLLM_PIN} (or pip install 'moet-cache[vllm]')"
 PARSER_NAME = "moet_deepseek"
 PARSER_MODULE = "moet_cache.vllm_parsers"
 LOAD_FORMAT = "moet"
@@ -43,19 +44,24 @@ RENAMES: dict[str, str] = {
 
 
 @dataclass(frozen=True)
-class Profile:
+class Preset:
+    """A named set of `vllm serve` flags (a settings preset; "profile" means a routing profile in moet-cache)."""
+
     name: str
     description: str
     flags: tuple[tuple[str, tuple[str, ...]], ...]
     env: tuple[tuple[str, str], ...] = ()
+    model_types: tuple[str, ...] = ()      # the config.json model_type values `--settings auto` picks it for
 
+
+THINKING = ("--default-chat-template-kwargs", ('{"thinking": true}',))
 
 # The field report's single-GPU settings (RTX PRO 6000, 96 GB): see docs/SERVING.md for each flag.
-PROFILES: dict[str, Profile] = {
-    "single-gpu-96g": Profile(
+PRESETS: dict[str, Preset] = {
+    "single-gpu-96g": Preset(
         "single-gpu-96g",
-        "The field report's settings: one 96 GB GPU, 260K context, fp8_ds_mla KV, 4 CUDA-graph sizes, "
-        "no speculative decoding, thinking on.",
+        "The field report's settings for the DeepSeek-V3 family: one 96 GB GPU, 260K context, fp8_ds_mla KV, "
+        "4 CUDA-graph sizes, no speculative decoding, thinking on.",
         (
             ("--tensor-parallel-size", ("1",)),
             ("--gpu-memory-utilization", ("0.96",)),
@@ -63,10 +69,29 @@ PROFILES: dict[str, Profile] = {
             ("--kv-cache-dtype", ("fp8_ds_mla",)),
             ("--block-size", ("256",)),
             ("--cudagraph-capture-sizes", ("1", "2", "4", "8")),
-            ("--default-chat-template-kwargs", ('{"thinking": true}',)),
+            THINKING,
         ),
+        model_types=("deepseek_v3", "deepseek_v2", "kimi_k2"),
     ),
-    "eager-debug": Profile(
+    "v4-flash-96g": Preset(
+        "v4-flash-96g",
+        "DeepSeek-V4-Flash on one 96 GB GPU (the field report's card): 260K context, FP8 KV (vLLM's fp8_ds_mla "
+        "layout) in blocks of 256, 2048 batched tokens (V4's windows are reserved for the tokens in flight), "
+        "4 CUDA-graph sizes, V4's tokenizer mode, thinking on.",
+        (
+            ("--tensor-parallel-size", ("1",)),
+            ("--gpu-memory-utilization", ("0.96",)),
+            ("--max-model-len", ("260000",)),
+            ("--kv-cache-dtype", ("fp8",)),
+            ("--block-size", ("256",)),
+            ("--max-num-batched-tokens", ("2048",)),
+            ("--cudagraph-capture-sizes", ("1", "2", "4", "8")),
+            ("--tokenizer-mode", ("deepseek_v4",)),
+            THINKING,
+        ),
+        model_types=("deepseek_v4",),
+    ),
+    "eager-debug": Preset(
         "eager-debug",
         "For debugging the loader: no CUDA graphs, 32K context, bf16 KV cache, thinking on.",
         (
@@ -75,17 +100,43 @@ PROFILES: dict[str, Profile] = {
             ("--max-model-len", ("32768",)),
             ("--kv-cache-dtype", ("auto",)),
             ("--enforce-eager", ()),
-            ("--default-chat-template-kwargs", ('{"thinking": true}',)),
+            THINKING,
         ),
     ),
 }
-DEFAULT_PROFILE = "single-gpu-96g"
+AUTO_PRESET = "auto"
+DEFAULT_PRESET = AUTO_PRESET
+FALLBACK_PRESET = "single-gpu-96g"
 
 
-def get_profile(name: str) -> Profile:
-    if name not in PROFILES:
-        raise InputError(f"unknown settings profile {name!r}", f"use one of {', '.join(PROFILES)}")
-    return PROFILES[name]
+def get_preset(name: str, model_type: str = "") -> Preset:
+    """A preset by name; `auto` is the one made for the model type (the V3 preset for any other)."""
+    if name == AUTO_PRESET:
+        return next((p for p in PRESETS.values() if model_type in p.model_types), PRESETS[FALLBACK_PRESET])
+    if name not in PRESETS:
+        raise InputError(f"unknown settings preset {name!r}", f"use auto or one of {', '.join(PRESETS)}")
+    return PRESETS[name]
+
+
+def check_reasoning_effort(flags: list[Flag], model_type: str) -> None:
+    """DeepSeek-V4's reasoning_effort "max" needs a context of at least 393,216 tokens (vLLM's V4 recipe)."""
+    from .kv_v4 import REASONING_MAX_CONTEXT
+    from .units import parse_tokens
+    if model_type != "deepseek_v4":
+        return
+    by = {f.option: f.values for f in flags}
+    try:
+        kwargs = json.loads((by.get("--default-chat-template-kwargs") or ("{}",))[0])
+    except ValueError:
+        return  # vLLM's own parser names a bad JSON value
+    if not isinstance(kwargs, dict) or kwargs.get("reasoning_effort") != "max":
+        return
+    ctx = parse_tokens((by.get("--max-model-len") or ("0",))[0])
+    if ctx < REASONING_MAX_CONTEXT:
+        raise InputError(f'reasoning_effort "max" needs --max-model-len of at least {REASONING_MAX_CONTEXT:,} '
+                         f"tokens on DeepSeek-V4; this command has {ctx:,}",
+                         f"add -- --max-model-len {REASONING_MAX_CONTEXT} (run moet-cache plan with it first), "
+                         'or use "reasoning_effort": "high"')
 
 
 # --- flags ------------------------------------------------------------------------------------------
@@ -104,6 +155,7 @@ class OptionTable:
     version: str
     python: str
     options: dict[str, OptionInfo]
+    environment: dict[str, Any] = field(default_factory=dict)   # torch, moet_cache as vLLM's interpreter sees them
 
     def lookup(self, opt: str) -> OptionInfo | None:
         return self.options.get(opt) or self.options.get(_dashes(opt))
@@ -239,7 +291,24 @@ for a in p._actions:
     for o in a.option_strings:
         opts[o] = {"dest": a.dest, "nargs": a.nargs}
 M = "MOET_CACHE_PROBE "
-print(M + json.dumps({"version": vllm.__version__, "options": opts}), flush=True)
+env = {}
+try:
+    import torch
+    env["torch"] = torch.__version__
+except Exception as e:
+    env["torch_error"] = f"{type(e).__name__}: {e}"
+try:
+    from importlib.metadata import entry_points
+    eps = [ep for ep in entry_points(group="vllm.general_plugins") if ep.name == "moet_cache"]
+    env["entry_point"] = eps[0].value if eps else None
+    if eps:
+        eps[0].load()                  # the module with the moet loader and quantization method
+    import moet_cache, moet_cache.vllm_plugin
+    env["moet_cache"] = moet_cache.__file__
+    env["moet_version"] = getattr(moet_cache, "__version__", None)
+except Exception as e:
+    env["moet_error"] = f"{type(e).__name__}: {e}"
+print(M + json.dumps({"version": vllm.__version__, "options": opts, "env": env}), flush=True)
 argv = json.loads(sys.stdin.readline())
 err = io.StringIO()
 try:
@@ -309,7 +378,7 @@ class VllmProbe:
     def table(self) -> OptionTable:
         doc = self._read()
         opts = {o: OptionInfo(str(v["dest"]), v["nargs"]) for o, v in doc["options"].items()}
-        return OptionTable(str(doc["version"]), self.python, opts)
+        return OptionTable(str(doc["version"]), self.python, opts, dict(doc.get("env") or {}))
 
     def parse(self, argv: list[str]) -> str | None:
         """None when vLLM's parser accepts `argv`, else its error message."""
@@ -340,7 +409,7 @@ class ServeCommand:
     argv: tuple[str, ...]               # argv[0] is the vllm executable (or "vllm" when not installed)
     env_added: tuple[tuple[str, str], ...]
     cache: str
-    profile: str
+    preset: str
     boot_state: str
     vllm: str | None                    # path of the vllm executable, None when not installed
     vllm_version: str | None            # the version whose parser checked the flags
@@ -349,6 +418,8 @@ class ServeCommand:
     notes: tuple[str, ...]
     plan_fits: bool | None = None       # None: no GPU seen, or no plan
     gpu: str | None = None
+    model_type: str = ""
+    torch_version: str | None = None    # torch in vLLM's interpreter, when vLLM's parser was loaded
 
     def shell(self) -> str:
         env = " ".join(f"{k}={shlex.quote(v)}" for k, v in self.env_added)
@@ -394,8 +465,8 @@ def integration_flags(cache: Path, verify_hash: bool, warnings: list[str]) -> li
     return flags
 
 
-def _env_added(profile: Profile) -> list[tuple[str, str]]:
-    env = list(profile.env)
+def _env_added(preset: Preset) -> list[tuple[str, str]]:
+    env = list(preset.env)
     plugins = os.environ.get("VLLM_PLUGINS")
     if plugins is not None and "moet_cache" not in [p.strip() for p in plugins.split(",")]:
         # VLLM_PLUGINS limits which general plugins load; our loader is one of them.
@@ -421,14 +492,49 @@ def check_boot(cache: Path, force: bool, warnings: list[str]) -> VerifyReport:
     return r
 
 
-def build_serve_command(cache: str | os.PathLike[str], profile_name: str = DEFAULT_PROFILE,
+def install_hint(python: str) -> str:
+    """How to install this moet-cache into another interpreter (vLLM's)."""
+    import moet_cache
+    here = Path(moet_cache.__file__).resolve().parents[1]
+    from .version import __version__
+    src = shlex.quote(str(here)) if (here / "pyproject.toml").is_file() else f"moet-cache=={__version__}"
+    return f"install it there: {shlex.quote(python)} -m pip install {src}"
+
+
+def check_plugin_env(table: OptionTable) -> list[str]:
+    """Problems with moet-cache in vLLM's interpreter: the loader and quantization plugin must import there."""
+    env = table.environment
+    if not env:
+        return []
+    out = []
+    if env.get("moet_error"):
+        out.append(f"moet-cache's vLLM plugin does not import in vLLM's interpreter {table.python} "
+                   f"({env['moet_error']}): vLLM cannot load the cache")
+    elif not env.get("entry_point"):
+        out.append(f"moet-cache is importable in {table.python} but its vllm.general_plugins entry point is not "
+                   "registered (installed without its metadata?): vLLM will not load the moet loader")
+    return out
+
+
+def model_type_of(model_dir: Path) -> str:
+    try:
+        cfg = json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        return ""
+    mt = cfg.get("model_type") if isinstance(cfg, dict) else None
+    return mt if isinstance(mt, str) else ""
+
+
+def build_serve_command(cache: str | os.PathLike[str], preset_name: str = DEFAULT_PRESET,
                         user_args: list[str] | None = None, *, force: bool = False,
                         skip_flag_check: bool = False, require_vllm: bool = True) -> ServeCommand:
-    """Boot-check the cache, build the `vllm serve` argv, check it with vLLM's parser when installed."""
+    """Boot-check the cache, build the `vllm serve` argv, check it with vLLM's parser when installed.
+
+    `require_vllm=False` is a dry run: a missing or broken vLLM (its parser does not load, moet-cache does not
+    import there) is a warning and the command is still built; otherwise it is an error (exit 2 or 3)."""
     root = Path(cache)
     if not root.is_dir():
         raise InputError(f"{root} is not a cache folder")
-    profile = get_profile(profile_name)
     warnings: list[str] = []
     notes: list[str] = []
     report = check_boot(root, force, warnings)
@@ -436,68 +542,85 @@ def build_serve_command(cache: str | os.PathLike[str], profile_name: str = DEFAU
     model_dir = (root / L.AUX_DIR).resolve()
     if not (model_dir / "config.json").is_file():
         raise InputError(f"{root} has no {L.AUX_DIR}/config.json for vLLM to read", "rebuild the cache")
+    model_type = model_type_of(model_dir)
+    preset = get_preset(preset_name, model_type)
     exe = shutil.which("vllm")
     if exe is None and require_vllm:
         raise MissingDependencyError("vLLM is not installed (no `vllm` on PATH)", INSTALL_HINT)
     table = None
     probe = None
-    if exe is not None and not skip_flag_check:
-        probe = VllmProbe(vllm_python(exe))
     try:
-        if probe is not None:
+        if exe is not None and not skip_flag_check:
+            probe = VllmProbe(vllm_python(exe))
             table = probe.table()
-        base = [Flag(o, v) for o, v in profile.flags] + integration_flags(root, unverified, warnings)
+    except EnvironmentProblem as e:
+        if require_vllm:
+            if probe is not None:
+                probe.close()
+            raise
+        warnings.append(f"{e.message}: the flags were not checked (dry run)")
+        if probe is not None:
+            probe.close()
+        probe = None
+    try:
+        base = [Flag(o, v) for o, v in preset.flags] + integration_flags(root, unverified, warnings)
         user = split_flags(list(user_args or []), table)
         base, n1 = adapt_renames(base, table)
         user, n2 = adapt_renames(user, table)
         notes += n1 + n2
         flags = merge_flags(base, user, table)
+        check_reasoning_effort(flags, model_type)
         args = [str(model_dir)] + [t for f in flags for t in f.argv()]
         if table is not None and probe is not None:
             check_known(flags, table)
             err = probe.parse(args)
             if err is not None:
                 raise InputError(f"vLLM {table.version} refuses the command: {err}",
-                                 "fix the flag after --, or choose another --settings profile")
+                                 "fix the flag after --, or choose another --settings preset")
     finally:
         if probe is not None:
             probe.close()
+    if table is not None:
+        for problem in check_plugin_env(table):
+            if require_vllm:
+                raise EnvironmentProblem(problem, install_hint(table.python))
+            warnings.append(f"{problem}; {install_hint(table.python)}")
     if exe is None:
         warnings.append(f"vLLM is not installed: the flags were not checked against its parser ({INSTALL_HINT})")
     elif skip_flag_check:
         warnings.append("--skip-flag-check: the flags were not checked against vLLM's parser")
+    torch_v = table.environment.get("torch") if table is not None else None
     if table is not None and table.version != VLLM_PIN:
-        notes.append(f"vLLM {table.version} is installed; moet-cache targets {VLLM_PIN}")
-    return ServeCommand(("vllm" if exe is None else exe, "serve", *args), tuple(_env_added(profile)),
-                        str(root.resolve()), profile.name, report.state, exe,
-                        table.version if table else None, table is not None, tuple(warnings), tuple(notes))
+        notes.append(f"vLLM {table.version} is installed; moet-cache is tested with {VLLM_PIN}")
+    if torch_v is not None and not str(torch_v).startswith(TORCH_PIN):
+        notes.append(f"torch {torch_v} is installed with vLLM; vLLM {VLLM_PIN} pins torch {TORCH_PIN}")
+    return ServeCommand(("vllm" if exe is None else exe, "serve", *args), tuple(_env_added(preset)),
+                        str(root.resolve()), preset.name, report.state, exe,
+                        table.version if table else None, table is not None, tuple(warnings), tuple(notes),
+                        model_type=model_type, torch_version=torch_v)
 
 
 # --- plan before exec ---------------------------------------------------------------------------------
 
 
-def _human_int(text: str) -> int:
-    t = text.strip().lower()
-    mult = {"k": 1000, "m": 1000**2}.get(t[-1:], 1)
-    try:
-        return int(float(t[:-1] if mult > 1 else t) * mult)
-    except ValueError:
-        raise InputError(f"cannot read {text!r} as a number of tokens") from None
-
-
 def settings_from_argv(argv: tuple[str, ...] | list[str], gpu: Any) -> Any:
     """The PlanSettings that a `vllm serve` argv asks for (flags vLLM would use; the rest default)."""
+    from .units import parse_tokens
     from .vram import PlanSettings, parse_sizes_list
     flags = {f.option: f.values for f in split_flags([a for a in argv[3:]])} if len(argv) > 3 else {}
     s: dict[str, Any] = {"gpu": gpu}
     if "--gpu-memory-utilization" in flags:
         s["utilization"] = float(flags["--gpu-memory-utilization"][0])
     if "--max-model-len" in flags:
-        s["max_model_len"] = _human_int(flags["--max-model-len"][0])
+        s["max_model_len"] = parse_tokens(flags["--max-model-len"][0])
     if "--kv-cache-dtype" in flags:
         s["kv_cache_dtype"] = flags["--kv-cache-dtype"][0]
     if "--block-size" in flags:
         s["block_size"] = int(flags["--block-size"][0])
+    if "--max-num-batched-tokens" in flags:
+        s["batched_tokens"] = parse_tokens(flags["--max-num-batched-tokens"][0], what="--max-num-batched-tokens")
+    if "--no-async-scheduling" in flags:
+        s["async_scheduling"] = False
     if "--enforce-eager" in flags:
         s["cudagraph_sizes"] = ()
     elif "--cudagraph-capture-sizes" in flags:
@@ -515,20 +638,23 @@ def settings_from_argv(argv: tuple[str, ...] | list[str], gpu: Any) -> Any:
 @dataclass(frozen=True)
 class PreflightPlan:
     gpu: str
+    gpu_seen: bool                      # False: no GPU seen, planned for the default preset (no verdict)
     fits: bool
     margin: int
     deciding: str
     suggestions: tuple[str, ...] = field(default_factory=tuple)
+    warnings: tuple[str, ...] = field(default_factory=tuple)   # the plan's warnings, which serve repeats
 
 
-def preflight_plan(cmd: ServeCommand) -> PreflightPlan | None:
-    """Plan the command's settings on the GPU that nvidia-smi sees; None without a GPU."""
-    from .vram import detect_gpu, footprint_from_cache, make_plan
-    gpu = detect_gpu()
-    if gpu is None:
-        return None
+def preflight_plan(cmd: ServeCommand) -> PreflightPlan:
+    """Plan the command's settings on the GPU nvidia-smi sees (else the default preset: warnings only)."""
+    from .vram import DEFAULT_GPU, GPU_PRESETS, detect_gpu, footprint_from_cache, make_plan
+    seen = detect_gpu()
+    gpu = seen or GPU_PRESETS[DEFAULT_GPU]
     p = make_plan(footprint_from_cache(cmd.cache), settings_from_argv(cmd.argv, gpu))
-    return PreflightPlan(gpu.name, p.fits, p.margin, p.deciding, tuple(s.setting for s in p.suggestions))
+    return PreflightPlan(gpu.name, seen is not None, p.fits, p.margin, p.deciding,
+                         tuple(x.advice() for x in p.suggestions),
+                         p.warnings if seen is not None else p.notes)
 
 
 def exec_vllm(cmd: ServeCommand) -> None:

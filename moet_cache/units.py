@@ -34,6 +34,30 @@ def parse_size(text: str | int, *, what: str = "size") -> int:
     return int(round(value))
 
 
+_TOKENS_RE = re.compile(r"(\d+(?:\.\d+)?)([kKmMgGtT])")
+_DEC = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+_BIN = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def parse_tokens(text: str | int, *, what: str = "--max-model-len") -> int:
+    """A token count as vLLM's own `human_readable_int` reads it: 128k = 128,000, 128K = 131,072, 25.6k = 25,600
+    (no decimals with the binary suffixes), or a plain integer. plan and serve read contexts with this."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        return text
+    t = str(text).strip()
+    m = _TOKENS_RE.fullmatch(t)
+    try:
+        if m is None:
+            return int(t)
+        number, suffix = m.groups()
+        if suffix in _DEC:
+            return int(float(number) * _DEC[suffix])
+        return int(number) * _BIN[suffix]
+    except ValueError:
+        raise InputError(f"cannot read {what} {text!r} as a number of tokens",
+                         "write e.g. 131072, 128k (128,000) or 128K (131,072), as vLLM reads it") from None
+
+
 def parse_budget(text: str, total: int, *, what: str = "budget") -> int:
     """Parse a byte budget that may also be a percentage of `total` ("25%")."""
     s = str(text).strip()

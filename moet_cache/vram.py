@@ -643,14 +643,14 @@ def plan_for(path: str | os.PathLike[str], settings: PlanSettings, delta_budget:
 
 
 def parse_sizes_list(text: str) -> tuple[int, ...]:
-    """'1,2,4,8' -> (1, 2, 4, 8); 'none' or '' -> () (no CUDA graphs)."""
-    t = str(text).strip().lower()
+    """'1,2,4,8', vLLM's own '1 2 4 8' or '[1, 2, 4, 8]' -> (1, 2, 4, 8); 'none' or '' -> () (no CUDA graphs)."""
+    t = str(text).strip().lower().strip("[]").strip()
     if t in ("", "none", "0"):
         return ()
     try:
-        sizes = tuple(int(x) for x in t.replace(" ", ",").split(",") if x)
+        sizes = tuple(int(x) for x in t.replace(" ", ",").split(",") if x.strip())
     except ValueError:
-        raise InputError(f"cannot read the capture sizes {text!r}", "write e.g. 1,2,4,8") from None
+        raise InputError(f"cannot read the capture sizes {text!r}", "write them as vLLM does, e.g. 1 2 4 8") from None
     if not sizes or any(x < 1 or x > 1 << 16 for x in sizes):
         raise InputError(f"capture sizes {text!r} must be positive batch sizes")
     return tuple(sorted(set(sizes)))

@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 
 from moet_cache import BuildOptions, build_cache, make_checkpoint, small_spec
 from moet_cache.cli.app import app, main
-from moet_cache.serving import (PROFILES, Flag, OptionInfo, OptionTable, adapt_renames, merge_flags,
+from moet_cache.serving import (PRESETS, Flag, OptionInfo, OptionTable, adapt_renames, merge_flags,
                                 split_flags)
 
 BIN = Path(sys.executable).parent
@@ -122,7 +122,7 @@ def test_dry_run_other_profile_and_human_output(served: Path, monkeypatch: pytes
 
 def test_every_profile_flag_is_documented() -> None:
     doc = (Path(__file__).parents[1] / "docs" / "SERVING.md").read_text()
-    for p in PROFILES.values():
+    for p in PRESETS.values():
         assert f"`{p.name}`" in doc
         for opt, values in p.flags:
             assert " ".join([opt, *values]) in doc, (p.name, opt)
