@@ -371,7 +371,7 @@ class PlanSettings:
 
 # --- the plan ---------------------------------------------------------------------------------------
 
-SERVE, CACHE = "serve", "cache"     # where a suggested change is made: a `vllm serve` flag, or the cache itself
+SERVE, CACHE, CARD = "serve", "cache", "card"   # where a change is made: a `vllm serve` flag, the cache, the GPU
 
 
 @dataclass(frozen=True)
@@ -379,7 +379,7 @@ class Suggestion:
     change: str        # context, sequences, batched-tokens, tier, base-only, kv-cache-dtype, gpu
     setting: str       # the flag that gets there, e.g. "--max-model-len 131072"
     margin: int        # bytes left over with that change
-    where: str = SERVE  # SERVE: a serve (vLLM) flag; CACHE: `moet-cache retier` / `build` with that option
+    where: str = SERVE  # SERVE: a serve (vLLM) flag; CACHE: `moet-cache retier` / `build` with that option; CARD
 
     def advice(self) -> str:
         """How to make the change, in words a user can act on."""
@@ -388,6 +388,8 @@ class Suggestion:
             tier = self.setting.split(" --max-model-len")[0]
             text = f"moet-cache retier CACHE {tier} (a --lossless cache; else build again with it)"
             return text + (f", then serve with --{serve[0].strip()}" if serve else "")
+        if self.where == CARD:
+            return f"another card: {self.setting.removeprefix('--gpu ')}"
         return self.setting
 
 
@@ -633,7 +635,13 @@ def _suggestions(fp: Footprint, s: PlanSettings, kvm: _Kv, budget: int, static: 
                     out.append(Suggestion("kv-cache-dtype", f"--kv-cache-dtype {dtype}", m))
                     break
     if not out:
-        out.append(Suggestion("gpu", f"a card with {short / GIB:.2f} GiB more usable memory", 0))
+        out.append(Suggestion("gpu", f"a card with {short / GIB:.2f} GiB more usable memory", 0, CARD))
+        need = static + kv
+        for g in sorted(GPU_PRESETS.values(), key=lambda g: g.total_bytes):
+            m = int(g.total_bytes * s.utilization) - need
+            if m >= 0 and g.total_bytes > s.gpu.total_bytes:
+                out.append(Suggestion("gpu", f"--gpu {g.name} ({g.note})", m, CARD))
+                break
     return tuple(out)
 
 
