@@ -55,7 +55,7 @@ def plan_document(p: vram.Plan) -> dict:
                  "delta_experts": [fp.tier_experts, fp.total_experts],
                  "mtp_bytes": p.mtp_need, "mtp_fits": p.mtp_fits},
         "suggestions": [{"change": x.change, "setting": x.setting, "margin_bytes": x.margin, "where": x.where,
-                         "advice": x.advice()} for x in p.suggestions],
+                         "advice": x.advice(), "thin_margin": x.thin(p.budget)} for x in p.suggestions],
         "warnings": list(p.warnings),
         "notes": list(p.notes),
     }
@@ -109,7 +109,8 @@ def show_plan(out: Output, p: vram.Plan) -> None:
         out.print(f"[red]does not fit[/red]: short by {_g(-p.margin)} GiB. Deciding term: {p.deciding}")
         out.print("nearest settings that fit:")
         for x in p.suggestions:
-            out.print(f"  {x.change}: {x.advice()} (leaves {_g(x.margin)} GiB)")
+            thin = ": the edge, within the estimates' error" if x.thin(p.budget) else ""
+            out.print(f"  {x.change}: {x.advice()} (leaves {_g(x.margin)} GiB{thin})")
     if p.mtp_need:
         verdict = "fits" if p.mtp_fits else "does not fit"
         out.print(f"speculative decoding (drafter weights + its KV, {_g(p.mtp_need)} GiB): {verdict}")

@@ -323,8 +323,7 @@ class _Builder:
         if not (self.opts.include_mtp or self.opts.lossless):
             omitted = {n for n in ck.tensors if fam.is_mtp(-1 if (x := fam.layer_of(n)) is None else x)}
         formats = {i: ck.layer_format(i) for i in served}
-        input_scales = {i: "input_scale" in ck.expert_names(i, 0, PROJECTIONS[0], formats[i])
-                        and ck.expert_names(i, 0, PROJECTIONS[0], formats[i])["input_scale"] in ck.tensors for i in served}
+        input_scales = {i: ck.has_input_scales(i, formats[i]) for i in served}
         plan = _Plan(served, kinds, omitted, planed, formats, input_scales)
         for name in sorted(ck.tensors):
             if name not in planed and name not in omitted:
@@ -565,25 +564,7 @@ class _Builder:
         return kinds if self.plan.input_scales[layer] else tuple(k for k in kinds if k != "input_scale")
 
     def _scale_forms(self, layer: int) -> tuple[str, str]:
-        """The block-scale form of w13 and of w2: MXFP4's own e8m0; for NVFP4 e8m0 when every scale of the
-        projection group (over all experts) is a non-zero power of two equal in pairs, else e4m3."""
-        fmt = self.plan.formats[layer]
-        if fmt.scale_form == E8M0_32:
-            return E8M0_32, E8M0_32
-        ck = self.ckpt
-        forms = []
-        for projs in (PROJECTIONS[:2], PROJECTIONS[2:]):
-            compact = True
-            for e in range(self.model.n_routed_experts):
-                for proj in projs:
-                    name = ck.expert_names(layer, e, proj, fmt)["block_scale"]
-                    if compact_e8m0(ck.read(name).reshape(ck.tensors[name].shape)) is None:
-                        compact = False
-                        break
-                if not compact:
-                    break
-            forms.append(E8M0_32 if compact else E4M3_16)
-        return forms[0], forms[1]
+        return self.ckpt.scale_forms(layer, self.plan.formats[layer])
 
     def _build_layer(self, layer: int, key: str) -> Callable[[], LayerManifest]:
         """Read, split and write one layer's planes; returns its commit (fsync, hash, rename, then the manifest)."""

@@ -21,7 +21,7 @@ import numpy as np
 
 from .errors import InputError, UnsupportedCheckpointError
 from .families import PROJECTIONS, Family, detect_family
-from .formats import CT_NVFP4, MODELOPT_NVFP4, MXFP4, ExpertFormat, format_of
+from .formats import CT_NVFP4, E4M3_16, E8M0_32, MODELOPT_NVFP4, MXFP4, ExpertFormat, compact_e8m0, format_of
 from .fsutil import read_json_file
 from .hashing import xxh3_file_hex, xxh3_hex
 from .modelconfig import ModelConfig
@@ -340,6 +340,31 @@ class Checkpoint:
             config_xxh3=xxh3_file_hex(self.root / "config.json", follow=True),
             index_xxh3=xxh3_file_hex(idx, follow=True) if idx.is_file() else None,
         )
+
+    def scale_forms(self, layer: int, fmt: ExpertFormat | None = None) -> tuple[str, str]:
+        """The block-scale form the base planes store for w13 and for w2: MXFP4's own e8m0; for NVFP4 e8m0 when
+        every scale of the projection group (over all experts) is a non-zero power of two equal in pairs, else
+        e4m3. Reads the scales of NVFP4 layers (stops at the first one that is not compact)."""
+        fmt = fmt or self.layer_format(layer)
+        if fmt.scale_form == E8M0_32:
+            return E8M0_32, E8M0_32
+        forms = []
+        for projs in (PROJECTIONS[:2], PROJECTIONS[2:]):
+            compact = True
+            for e in range(self.model.n_routed_experts):
+                for proj in projs:
+                    name = self.expert_names(layer, e, proj, fmt)["block_scale"]
+                    if compact_e8m0(self.read(name).reshape(self.tensors[name].shape)) is None:
+                        compact = False
+                        break
+                if not compact:
+                    break
+            forms.append(E8M0_32 if compact else E4M3_16)
+        return forms[0], forms[1]
+
+    def has_input_scales(self, layer: int, fmt: ExpertFormat | None = None) -> bool:
+        names = self.expert_names(layer, 0, PROJECTIONS[0], fmt or self.layer_format(layer))
+        return "input_scale" in names and names["input_scale"] in self.tensors
 
     def expert_tensor_names(self, layers: list[int]) -> set[str]:
         out: set[str] = set()

@@ -16,6 +16,7 @@ from typing import Any
 
 from . import layout as L
 from .errors import InputError
+from .families import Family, family_from_dict
 from .manifest import CACHE_MANIFEST, COMMIT_RECORD, DeltaIndex, PartManifest
 from .modelconfig import ModelConfig
 from .kv_v4 import BLOCK_SIZE_V4, KV_DTYPES_V4, V4Attention, V4Kv, compress_ratios_of, longest_context, v4_kv
@@ -175,7 +176,10 @@ def _nbytes(dtype: str, shape: tuple[int, ...]) -> int:
     return TensorSpec("", dtype, shape).nbytes
 
 
-def _layer_of(name: str) -> int | None:
+def _layer_of(name: str, family: Family | None = None) -> int | None:
+    """The layer a tensor name belongs to (through the checkpoint's naming family when known)."""
+    if family is not None:
+        return family.layer_of(name)
     parts = name.split(".")
     if len(parts) >= 3 and parts[0] == "model" and parts[1] == "layers" and parts[2].isdigit():
         return int(parts[2])
@@ -203,24 +207,34 @@ def _mtp_estimate(m: ModelConfig, dense_per_layer: int) -> int:
 
 
 def footprint_from_checkpoint(path: str | os.PathLike[str], delta_budget: str | None = None) -> Footprint:
-    """Computed bytes of the cache a default build of this checkpoint would give (all main MoE layers)."""
+    """Computed bytes of the cache a default build of this checkpoint would give (all main MoE layers).
+
+    Each layer's base planes are counted in the block-scale form the build would store (Checkpoint.scale_forms:
+    MXFP4 e8m0 by format; NVFP4 e8m0 only where every scale of the projection group allows it, which reads
+    the NVFP4 scales; a scale that is not compact gives the e4m3 form)."""
     from .checkpoint import open_checkpoint
+    from .families import PROJECTIONS
+    from .geometry import LayerGeometry
     from .tiering import DEFAULT_DELTA_BUDGET
     with open_checkpoint(path) as ck:
-        m = ck.model
-        served = [i for i in m.main_moe_layers()
-                  if any(n.startswith(f"model.layers.{i}.mlp.experts.0.") for n in ck.tensors)]
+        m, fam = ck.model, ck.family
+        served = [i for i in fam.moe_layers
+                  if any(n in ck.tensors for n in ck.expert_names(i, 0, PROJECTIONS[0]).values())]
         if not served:
             raise InputError(f"{path} has no routed-expert tensors in its MoE layers")
         planed = ck.expert_tensor_names(served)
-        input_scales = ck.expert_names(served[0], 0, "gate_proj")["input_scale"] in ck.tensors
+        base = 0
+        for i in served:
+            fmt = ck.layer_format(i)
+            base += LayerGeometry(m.n_routed_experts, m.hidden_size, m.moe_intermediate_size,
+                                  *ck.scale_forms(i, fmt), ck.has_input_scales(i, fmt)).base_bytes
         dense = mtp_dense = 0
         for name, info in ck.tensors.items():
             if name in planed:
                 continue
             n = _nbytes(info.dtype, info.shape)
-            layer = _layer_of(name)
-            if layer is not None and layer >= m.num_hidden_layers:
+            layer = _layer_of(name, fam)
+            if layer is not None and fam.is_mtp(layer):
                 mtp_dense += n
             else:
                 dense += n
@@ -228,9 +242,8 @@ def footprint_from_checkpoint(path: str | os.PathLike[str], delta_budget: str | 
     edb = expert_delta_bytes(m)
     total_experts = len(served) * m.n_routed_experts
     budget = parse_budget(delta_budget or DEFAULT_DELTA_BUDGET, total_experts * edb, what="delta budget")
-    fp = Footprint("checkpoint", str(path), False, len(served) * base_layer_bytes(m, input_scales), 0, dense,
-                   edb, 0, total_experts, len(served), mtp_dense, mtp_dense > 0, attention_from_config(cfg),
-                   cfg)
+    fp = Footprint("checkpoint", str(path), False, base, 0, dense, edb, 0, total_experts, len(served), mtp_dense,
+                   mtp_dense > 0, attention_from_config(cfg), cfg)
     return fp.with_tier(budget)
 
 
@@ -253,6 +266,7 @@ def footprint_from_cache(root: str | os.PathLike[str], delta_budget: str | None 
     root = Path(root)
     cf = load_cache_files(root)
     m = ModelConfig.from_dict(cf.manifest.model)
+    fam = family_from_dict(cf.manifest.model.get("family"), m.num_hidden_layers)
     base = mtp_base = 0
     main_layers: list[int] = []
     for layer, lm in cf.layers.items():
@@ -275,7 +289,7 @@ def footprint_from_cache(root: str | os.PathLike[str], delta_budget: str | None 
         if fe.role == L.ROLE_PART and fe.path.startswith(L.DENSE_DIR + "/"):
             part = PartManifest.parse(_verified_json(root, fe.path, fe.size, fe.xxh3), fe.path)
             for t in part.tensors:
-                layer = _layer_of(t.name)
+                layer = _layer_of(t.name, fam)
                 if layer is not None and layer >= m.num_hidden_layers:
                     mtp_dense += t.end - t.begin
                 else:
@@ -380,6 +394,10 @@ class Suggestion:
     setting: str       # the flag that gets there, e.g. "--max-model-len 131072"
     margin: int        # bytes left over with that change
     where: str = SERVE  # SERVE: a serve (vLLM) flag; CACHE: `moet-cache retier` / `build` with that option; CARD
+
+    def thin(self, budget: int) -> bool:
+        """The change fits by less than the estimates' error."""
+        return self.where != CARD and self.margin < thin_margin(budget)
 
     def advice(self) -> str:
         """How to make the change, in words a user can act on."""
