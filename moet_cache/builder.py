@@ -19,13 +19,14 @@ from contextlib import nullcontext
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
 from safetensors import safe_open
 
 from . import layout as L
+from .commit import Committer, utc_now
 from .checkpoint import (
     INDEX_NAME,
     LAYOUT_FORMAT,
@@ -36,7 +37,7 @@ from .checkpoint import (
     open_checkpoint,
     tensor_bytes,
 )
-from .errors import EnvironmentProblem, InputError, VerificationError
+from .errors import InputError, VerificationError
 from .formats import E4M3_16, E8M0_32, MXFP4, ExpertFormat, compact_e8m0, e4m3_shift, e8m0_to_e4m3, stored_scales
 from .fsutil import (
     CacheLock,
@@ -56,7 +57,7 @@ from .manifest import (
     FORMAT_VERSION,
     BuildParams,
     CacheManifest,
-    CommitRecord,
+    VERIFIED_STATE,
     DeltaIndex,
     FileEntry,
     LayerManifest,
@@ -89,7 +90,6 @@ from .tiering import (
     load_profile,
 )
 from .units import parse_budget
-from .verifier import record_verified_state
 from .version import __version__
 
 AUX_MAX_BYTES = 64 << 20
@@ -151,10 +151,6 @@ class BuildResult:
 
 def _key(obj: object) -> str:
     return xxh3_hex(json.dumps(obj, sort_keys=True).encode())
-
-
-def _now() -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
 
 def file_matches(root: Path, entry: FileEntry) -> bool:
@@ -277,8 +273,10 @@ class _Plan:
 
 
 class _Builder:
-    def __init__(self, ckpt: Checkpoint, root: Path, opts: BuildOptions, progress: Progress) -> None:
+    def __init__(self, ckpt: Checkpoint, root: Path, opts: BuildOptions, progress: Progress,
+                 commits: Committer) -> None:
         self.ckpt, self.root, self.opts, self.progress = ckpt, root, opts, progress
+        self.commits = commits
         self.model = ckpt.model
         self.fingerprint = ckpt.fingerprint().to_dict()
         self.plan = self._make_plan()
@@ -358,7 +356,7 @@ class _Builder:
         done = self._already_complete(params)
         if done is not None:
             return self._result(done, True, budget, t0)
-        self._uncommit()
+        self.commits.uncommit()
         self._check_space(budget)
         expert_bytes = sum(self._nbytes(n) for n in self.plan.planed)
         dense_bytes = sum(self._nbytes(n) for names in self.plan.dense_by_shard.values() for n in names)
@@ -384,13 +382,10 @@ class _Builder:
         files.extend(self._tier(manifests, budget))
         files.append(self._source_map())
         refs = tuple(LayerRef(layer, fe.path, fe.size, fe.xxh3) for layer, (_, fe) in sorted(manifests.items()))
-        manifest = CacheManifest(__version__, _now(), str(self.ckpt.root.resolve()), self.ckpt.layout,
+        manifest = CacheManifest(__version__, utc_now(), str(self.ckpt.root.resolve()), self.ckpt.layout,
                                  self.fingerprint, {**self.model.to_dict(), "family": self.ckpt.family.to_dict()},
                                  params, refs, tuple(files))
-        mdata = write_record(self.root / CACHE_MANIFEST, manifest)
-        self._sweep(manifest)
-        write_record(self.root / COMMIT_RECORD, CommitRecord(CACHE_MANIFEST, len(mdata), xxh3_hex(mdata), _now()))
-        record_verified_state(self.root, manifest, xxh3_hex(mdata), by="build")
+        self.commits.commit(manifest, partial(sweep, self.root))
         self.progress.finish()
         return self._result(manifest, False, budget, t0)
 
@@ -414,13 +409,6 @@ class _Builder:
             return None
         from .verifier import boot_check
         return manifest if boot_check(self.root).ok else None
-
-    def _uncommit(self) -> None:
-        """A cache being (re)built must never look complete: the commit record goes first."""
-        commit = self.root / COMMIT_RECORD
-        if commit.exists():
-            commit.unlink()
-            fsync_dir(self.root)
 
     def _check_space(self, budget: int) -> None:
         codes = sum(self._nbytes(n) for n in self.plan.planed)
@@ -718,25 +706,30 @@ class _Builder:
         atomic_write_bytes(self.root / L.SOURCE_MAP, data)
         return FileEntry(L.SOURCE_MAP, len(data), xxh3_hex(data), L.ROLE_SOURCE_MAP)
 
-    def _sweep(self, manifest: CacheManifest) -> None:
-        """Remove what an earlier build left in our folders that this cache does not list."""
-        keep = {f.path for f in manifest.files} | {r.manifest for r in manifest.layers}
-        for layer in manifest.layers:
-            lm = load_record(self.root / layer.manifest, LayerManifest.parse)
-            keep.update(f.path for f in lm.files)
-        for folder in (L.LAYERS_DIR, L.DENSE_DIR, "delta", L.AUX_DIR):
-            d = self.root / folder
-            if d.is_dir() and not d.is_symlink():
-                for p in (d.rglob("*") if folder == L.AUX_DIR else d.iterdir()):
-                    if p.relative_to(self.root).as_posix() not in keep and (p.is_file() or p.is_symlink()):
-                        p.unlink()
-        staging = self.root / L.STAGING_DIR
-        if staging.is_dir():
-            shutil.rmtree(staging)
-        for name in (CACHE_MANIFEST, COMMIT_RECORD):  # temp files of a killed build's atomic writes (we hold the lock)
-            for p in self.root.glob(f".{name}.tmp-*"):
-                p.unlink(missing_ok=True)
-        fsync_dir(self.root)
+
+def sweep(root: Path, manifest: CacheManifest) -> None:
+    """Remove what an earlier (killed) build or retier left that this cache does not list: unlisted files
+    in our folders, the staging folder, temp files of atomic writes (the caller holds the lock)."""
+    keep = {f.path for f in manifest.files} | {r.manifest for r in manifest.layers}
+    for layer in manifest.layers:
+        lm = load_record(root / layer.manifest, LayerManifest.parse)
+        keep.update(f.path for f in lm.files)
+    for folder in (L.LAYERS_DIR, L.DENSE_DIR, "delta", L.AUX_DIR):
+        d = root / folder
+        if d.is_dir() and not d.is_symlink():
+            for p in (d.rglob("*") if folder == L.AUX_DIR else d.iterdir()):
+                if p.relative_to(root).as_posix() not in keep and (p.is_file() or p.is_symlink()):
+                    p.unlink()
+    staging = root / L.STAGING_DIR
+    if staging.is_dir():
+        shutil.rmtree(staging)
+    for name in (CACHE_MANIFEST, COMMIT_RECORD):
+        for p in root.glob(f".{name}.tmp-*"):
+            p.unlink(missing_ok=True)
+    state = root / VERIFIED_STATE
+    for p in state.parent.glob(f".{state.name}.tmp-*") if state.parent.is_dir() and not state.parent.is_symlink() else ():
+        p.unlink(missing_ok=True)
+    fsync_dir(root)
 
 
 TIER_PART = "delta/tier.part.json"
@@ -818,36 +811,13 @@ def build_cache(src: str | os.PathLike[str], cache: str | os.PathLike[str],
     root.mkdir(parents=True, exist_ok=True)
     with CacheLock(root, wait=opts.wait):
         refuse_links(root, L.WRITTEN_DIRS)
-        previous = (root / COMMIT_RECORD).read_bytes() if (root / COMMIT_RECORD).is_file() else None
-        try:
-            with open_checkpoint(src_path) as ckpt:
-                builder = _Builder(ckpt, root, opts, progress or NullProgress())
-                try:
-                    return builder.run()
-                finally:
-                    builder.reader.close()
-        except BaseException:
-            _restore_commit(root, previous)
-            raise
-
-
-def _restore_commit(root: Path, previous: bytes | None) -> None:
-    """A rebuild that failed (disk full, Ctrl-C, bad input) before replacing anything leaves the previous cache served.
-
-    The old commit record is put back only if the boot check then proves every listed file is
-    exactly the one last verified (same size, mtime and inode: atomic replaces change the inode).
-    """
-    from .verifier import VERIFIED, boot_check
-    commit = root / COMMIT_RECORD
-    if previous is None or commit.exists():
-        return
-    try:
-        atomic_write_bytes(commit, previous)
-        if boot_check(root, check_source=False).state != VERIFIED:
-            commit.unlink()
-            fsync_dir(root)
-    except (OSError, InputError, EnvironmentProblem):
-        commit.unlink(missing_ok=True)  # could not prove it: the cache stays uncommitted (rerun the build)
+        commits = Committer(root)
+        with commits.guard(), open_checkpoint(src_path) as ckpt:
+            builder = _Builder(ckpt, root, opts, progress or NullProgress(), commits)
+            try:
+                return builder.run()
+            finally:
+                builder.reader.close()
 
 
 @dataclass(frozen=True)
@@ -861,39 +831,64 @@ class RetierResult:
 
 def retier_cache(cache: str | os.PathLike[str], delta_budget: str, profile: str | None = None,
                  wait: bool = False) -> RetierResult:
-    """Choose a new delta tier for a --lossless cache, without the source; recommits the cache."""
+    """Choose a new delta tier for a --lossless cache, without the source; recommits the cache.
+
+    The same commit protocol as a build (moet_cache.commit): interrupted with Ctrl-C or SIGTERM it puts
+    the previous commit back where it can prove nothing changed; killed inside its window it leaves the
+    cache uncommitted, and the same command resumes it (from cache.json, re-hashing the files it keeps).
+    """
     from dataclasses import replace
 
-    from .verifier import load_cache_files
     root = Path(cache)
     with CacheLock(root, wait=wait):
         refuse_links(root, L.WRITTEN_DIRS)
+        commits = Committer(root)
+        with commits.guard():
+            cf = _retier_source(root)
+            m = cf.manifest
+            total = sum(lm.n_experts * lm.expert_delta_bytes for lm in cf.layers.values())
+            budget = parse_budget(delta_budget, total, what="delta budget")
+            prof = load_profile(profile) if profile else None
+            if prof:
+                check_profile(prof, {layer: lm.n_experts for layer, lm in cf.layers.items()})
+            chosen = choose_tier(tier_candidates(cf.layers, prof), budget)
+            commits.uncommit()
+            deltas = _file_deltas({layer: root / L.delta_file(layer) for layer, ex in chosen.items() if ex})
+            pack_fe, index_fe = write_delta_pack(root, cf.layers, chosen, deltas, budget, prof is not None)
+            key = tier_key({r.layer: r.xxh3 for r in m.layers}, budget, prof.digest if prof else None)
+            part_fe = _write_json_entry(root, TIER_PART, PartManifest(key, (pack_fe, index_fe), ()), L.ROLE_PART)
+            keep = [f for f in m.files if f.role not in TIER_ROLES and f.path != TIER_PART]
+            new = replace(m, created=utc_now(), files=(*keep, pack_fe, index_fe, part_fe),
+                          build=replace(m.build, delta_budget_bytes=budget, profile_xxh3=prof.digest if prof else None))
+            commits.commit(new, partial(sweep, root))
+            return RetierResult(str(root), budget, sum(len(ex) for ex in chosen.values()), pack_fe.size,
+                                prof is not None)
+
+
+TIER_ROLES = (L.ROLE_PACK, L.ROLE_DELTA_INDEX)
+
+
+def _retier_source(root: Path) -> Any:
+    """The cache to re-tier: the committed one, or the one a killed retier (or build) left uncommitted,
+    if every file it keeps still matches its digest (re-hashed); the tier itself is rewritten anyway."""
+    from .verifier import load_cache_files, load_uncommitted_cache_files
+    if (root / COMMIT_RECORD).is_file():
         cf = load_cache_files(root)
-        m = cf.manifest
-        if not m.build.lossless:
-            raise InputError("only a --lossless cache keeps every delta plane, so only it can be re-tiered",
-                             "build again with the new --delta-budget (the source is needed)")
-        total = sum(lm.n_experts * lm.expert_delta_bytes for lm in cf.layers.values())
-        budget = parse_budget(delta_budget, total, what="delta budget")
-        prof = load_profile(profile) if profile else None
-        if prof:
-            check_profile(prof, {layer: lm.n_experts for layer, lm in cf.layers.items()})
-        chosen = choose_tier(tier_candidates(cf.layers, prof), budget)
-        commit = root / COMMIT_RECORD
-        commit.unlink()
-        fsync_dir(root)
-        deltas = _file_deltas({layer: root / L.delta_file(layer) for layer, ex in chosen.items() if ex})
-        pack_fe, index_fe = write_delta_pack(root, cf.layers, chosen, deltas, budget, prof is not None)
-        key = tier_key({r.layer: r.xxh3 for r in m.layers}, budget, prof.digest if prof else None)
-        part_fe = _write_json_entry(root, TIER_PART, PartManifest(key, (pack_fe, index_fe), ()), L.ROLE_PART)
-        keep = [f for f in m.files if f.role not in (L.ROLE_PACK, L.ROLE_DELTA_INDEX) and f.path != TIER_PART]
-        new = replace(m, created=_now(), files=(*keep, pack_fe, index_fe, part_fe),
-                      build=replace(m.build, delta_budget_bytes=budget, profile_xxh3=prof.digest if prof else None))
-        mdata = write_record(root / CACHE_MANIFEST, new)
-        write_record(commit, CommitRecord(CACHE_MANIFEST, len(mdata), xxh3_hex(mdata), _now()))
-        record_verified_state(root, new, xxh3_hex(mdata), by="build")
-        return RetierResult(str(root), budget, sum(len(ex) for ex in chosen.values()), pack_fe.size,
-                            prof is not None)
+    else:
+        try:
+            cf = load_uncommitted_cache_files(root)
+        except ManifestError as e:
+            raise InputError(f"{root} is not committed and cannot be resumed without the source: {e.message}",
+                             "run moet-cache build SRC CACHE (with --lossless) to finish it") from None
+        bad = next((f.path for f, _ in cf.files
+                    if f.role not in TIER_ROLES and f.path != TIER_PART and not file_matches(root, f)), None)
+        if bad is not None:
+            raise InputError(f"{root} is not committed and {bad} does not match its record, so it cannot be "
+                             "resumed without the source", "run moet-cache build SRC CACHE (with --lossless)")
+    if not cf.manifest.build.lossless:
+        raise InputError("only a --lossless cache keeps every delta plane, so only it can be re-tiered",
+                         "build again with the new --delta-budget (the source is needed)")
+    return cf
 
 
 __all__ = ["BuildOptions", "BuildResult", "RetierResult", "build_cache", "file_matches", "read_json_file", "retier_cache"]

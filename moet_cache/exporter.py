@@ -1,28 +1,30 @@
-"""Turn a lossless cache back into an NVFP4 checkpoint in the source's layout, tensor for tensor."""
+"""Turn a lossless cache back into an NVFP4 checkpoint in the source's layout: every tensor exact (the
+shard files are not byte-identical: moet-cache writes their headers), every byte read checked first."""
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
-from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from safetensors import safe_open
+import numpy as np
 
 from . import layout as L
-from .checkpoint import INDEX_NAME, LAYOUT_FORMAT, tensor_bytes
+from .checkpoint import INDEX_NAME, LAYOUT_FORMAT
+from .commit import kill_point
 from .families import DeepseekV3, Family, family_from_dict
 from .formats import FORMATS, ExpertFormat, source_scales
 from .geometry import names_of
 from .errors import InputError, VerificationError
-from .fsutil import read_json_file, resolve_inside
-from .manifest import PartManifest, load_record
+from .fsutil import (atomic_write_bytes, atomic_write_json, fsync_dir, open_regular, pread_into, read_all,
+                     read_json_file, resolve_inside)
+from .hashing import xxh3_file_hex, xxh3_hex
+from .manifest import PartManifest, TensorEntry, load_record
 from .planes import join_planes
 from .progress import NullProgress, Progress
-from .stwriter import SafetensorsWriter, TensorSpec
+from .stwriter import DTYPE_SIZES, SafetensorsWriter, TensorSpec
 from .verifier import cache_read_errors, load_cache_files
 
 
@@ -86,10 +88,106 @@ def _shard_specs(shard: Any) -> list[TensorSpec]:
     return specs
 
 
+PROGRESS_RECORD = ".moet-export.json"
+
+
+class VerifiedTensors:
+    """Whole cache tensors read through the read seam (pread, no map), each checked against the xxh3 of
+    its manifest entry before any byte of it is used; the most recent ones are kept up to a byte budget
+    (a source shard takes its experts from one or two layers at a time)."""
+
+    def __init__(self, root: Path, entries: dict[tuple[str, str], TensorEntry]) -> None:
+        self.root = root
+        self.entries = entries
+        largest = max((t.end - t.begin for t in entries.values()), default=0)
+        self.budget = max(3 * largest, 256 << 20)
+        self._kept: dict[tuple[str, str], np.ndarray] = {}
+        self._fds: dict[str, int] = {}
+
+    def raw(self, file: str, name: str) -> np.ndarray:
+        key = (file, name)
+        if key in self._kept:
+            return self._kept[key]
+        t = self.entries.get(key)
+        if t is None:
+            raise VerificationError(f"{file} has no manifest entry for tensor {name}",
+                                    "run moet-cache verify --full; rebuild the cache")
+        if file not in self._fds:
+            self._fds[file] = open_regular(resolve_inside(self.root, file))
+        buf = np.empty(t.end - t.begin, dtype=np.uint8)
+        try:
+            n = pread_into(self._fds[file], memoryview(buf), t.begin)
+        except OSError as e:
+            raise VerificationError(f"{file} cannot be read ({e.strerror}): nothing of it is exported",
+                                    "check the disk; run moet-cache verify --full") from None
+        if n != buf.nbytes or xxh3_hex(memoryview(buf)) != t.xxh3:
+            raise VerificationError(f"{file}: tensor {name} does not match its digest (the cache is damaged)",
+                                    "run moet-cache verify --full; rebuild the cache")
+        while self._kept and sum(a.nbytes for a in self._kept.values()) + buf.nbytes > self.budget:
+            self._kept.pop(next(iter(self._kept)))
+        self._kept[key] = buf
+        return buf
+
+    def expert(self, file: str, name: str, e: int) -> np.ndarray:
+        """Expert e's bytes of a per-expert tensor [E, ...], shaped as tensor_bytes(t[e]) would be."""
+        t = self.entries[(file, name)]
+        raw = self.raw(file, name)
+        size = DTYPE_SIZES[t.dtype]
+        if len(t.shape) == 1:
+            return raw.reshape(t.shape[0], size)[e]
+        return raw.reshape(*t.shape[:-1], t.shape[-1] * size)[e]
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+        self._kept.clear()
+
+
+def _prepare_out(out: Path, cache_digest: str) -> dict[str, str]:
+    """A new or empty folder, or one an interrupted export of this same cache left (resumed): returns the
+    shards already exported (name -> xxh3), after removing the temp files a kill left."""
+    if not out.exists():
+        out.mkdir(parents=True)
+        return {}
+    if not out.is_dir() or out.is_symlink():
+        raise InputError(f"{out} exists and is not a folder", "choose a new folder for the export")
+    names = [p.name for p in out.iterdir()]
+    if not names:
+        return {}
+    record = out / PROGRESS_RECORD
+    doc = None
+    if record.is_file() and not record.is_symlink():
+        try:
+            doc = read_json_file(record)
+        except InputError:
+            doc = None
+    ok = isinstance(doc, dict) and doc.get("cache_xxh3") == cache_digest and isinstance(doc.get("shards"), dict)
+    if not ok and not all(n.startswith(".") and ".tmp-" in n for n in names):
+        raise InputError(f"{out} exists and is not empty (and holds no unfinished export of this cache)",
+                         "choose a new folder for the export")
+    for n in names:
+        if n.startswith(".") and ".tmp-" in n:
+            (out / n).unlink()
+    if not ok:
+        return {}
+    done = {str(k): str(v) for k, v in doc["shards"].items()}
+    return {k: v for k, v in done.items() if (out / k).is_file() and not (out / k).is_symlink()
+            and _checked_name(k) == k and xxh3_file_hex(out / k) == v}
+
+
 @cache_read_errors
 def export_checkpoint(root: str | os.PathLike[str], out: str | os.PathLike[str],
                       progress: Progress | None = None) -> ExportResult:
-    """Write the source's shards, index and aux files again from a --lossless cache."""
+    """Write the source's shards, index and aux files again from a --lossless cache.
+
+    Every tensor comes out exact (its bytes, dtype, shape, shard and the shard's metadata); the shard
+    files are written by moet-cache's own writer, so their headers (key order, padding) may differ from
+    the source's and the files need not be byte-identical. Every cache byte read is checked against its
+    manifest digest first (a damaged cache exports nothing as good: exit 1). Interrupted or killed, the
+    same command resumes: shards already exported (recorded in OUT/.moet-export.json with their
+    digests, re-hashed) are kept, temp files removed; the record goes once the export is complete.
+    """
     root, out = Path(root), Path(out)
     progress = progress or NullProgress()
     cf = load_cache_files(root)
@@ -99,32 +197,34 @@ def export_checkpoint(root: str | os.PathLike[str], out: str | os.PathLike[str],
     bad = next((f.path for f, _ in cf.files if not (root / f.path).is_file() or (root / f.path).stat().st_size != f.size), None)
     if bad is not None:  # a missing file is a damaged cache (exit 1), not an environment problem (exit 3)
         raise VerificationError(f"{bad} is missing or has the wrong size", "run moet-cache verify --full; rebuild the cache")
-    if out.exists() and any(out.iterdir()):
-        raise InputError(f"{out} exists and is not empty", "choose a new folder for the export")
     smap_fe = cf.manifest.file(L.ROLE_SOURCE_MAP)
-    smap = read_json_file(resolve_inside(root, smap_fe.path))
+    smap_data = read_all(resolve_inside(root, smap_fe.path), 64 << 20)
+    if len(smap_data) != smap_fe.size or xxh3_hex(smap_data) != smap_fe.xxh3:
+        raise VerificationError(f"{smap_fe.path} does not match its digest", "run moet-cache verify --full; rebuild the cache")
+    try:
+        smap = json.loads(smap_data)
+    except ValueError:
+        raise InputError("the cache's source map is not valid JSON", "rebuild the cache") from None
     layout = cf.manifest.source_layout
     fam = cache_family(cf)
+    entries: dict[tuple[str, str], TensorEntry] = {}
     dense_at: dict[str, str] = {}
     for f, _ in cf.files:
         if f.role == L.ROLE_PART and f.path.startswith(L.DENSE_DIR + "/"):
             part = load_record(resolve_inside(root, f.path), PartManifest.parse, f.path)
             dense_at.update({t.name: t.file for t in part.tensors})
-    out.mkdir(parents=True, exist_ok=True)
-    weight_map: dict[str, str] = {}
-    n_tensors = written_bytes = 0
+            entries.update({(t.file, t.name): t for t in part.tensors})
+    for lm in cf.layers.values():
+        entries.update({(t.file, t.name): t for t in lm.tensors})
     shards = smap.get("shards") if isinstance(smap, dict) else None
     if not isinstance(shards, list):
         raise InputError("the cache's source map has no list of shards", "rebuild the cache")
+    done = _prepare_out(out, cf.manifest_xxh3)
+    weight_map: dict[str, str] = {}
+    n_tensors = written_bytes = 0
     progress.start(sum(f.size for f, _ in cf.files if f.role in (L.ROLE_BASE, L.ROLE_DELTA_ALL, L.ROLE_DENSE)), "export")
-    with ExitStack() as stack:
-        handles: dict[str, Any] = {}
-
-        def handle(rel: str) -> Any:
-            if rel not in handles:
-                handles[rel] = stack.enter_context(safe_open(str(resolve_inside(root, rel)), framework="pt"))
-            return handles[rel]
-
+    reader = VerifiedTensors(root, entries)
+    try:
         room = sum(f.size for f, _ in cf.files)  # an export gives back at most the bytes the cache holds
         for shard in shards:
             specs = _shard_specs(shard)
@@ -132,35 +232,56 @@ def export_checkpoint(root: str | os.PathLike[str], out: str | os.PathLike[str],
             if room < 0:
                 raise InputError("the cache's source map lists more bytes than the cache holds", "rebuild the cache")
             name = _checked_name(shard.get("name"))
+            weight_map.update({spec.name: name for spec in specs})
+            n_tensors += len(specs)
+            if name in done:
+                written_bytes += (out / name).stat().st_size
+                progress.advance(sum(sp.nbytes for sp in specs))
+                continue
             with SafetensorsWriter(out / name, specs, shard.get("metadata")) as w:
                 for spec in specs:
-                    data = _tensor_bytes(spec.name, layout, cf, dense_at, handle, fam)
+                    data = _tensor_bytes(spec.name, layout, cf, dense_at, reader, fam)
                     if data.nbytes != spec.nbytes:
                         raise VerificationError(f"the cache holds {data.nbytes} bytes for {spec.name}, its source map says "
                                                 f"{spec.nbytes}", "run moet-cache verify --full; rebuild the cache")
                     w.write(spec.name, data)
-                    weight_map[spec.name] = name
                     progress.advance(data.nbytes)
+                kill_point("export-shard-temp")
                 written = w.commit()
-            n_tensors += len(specs)
+            done[name] = written.xxh3
             written_bytes += written.size
+            atomic_write_json(out / PROGRESS_RECORD, {"format": "moet-cache-export-progress", "format_version": 1,
+                                                      "cache_xxh3": cf.manifest_xxh3, "shards": done})
+            kill_point("export-shard-written")
+    finally:
+        reader.close()
     if len(shards) > 1 or shards and shards[0].get("name") != "model.safetensors":
         index = {"metadata": smap.get("index_metadata") or {}, "weight_map": dict(sorted(weight_map.items()))}
-        (out / INDEX_NAME).write_text(json.dumps(index, indent=1))
+        atomic_write_bytes(out / INDEX_NAME, json.dumps(index, indent=1).encode())
+        kill_point("export-index-written")
     for f, _ in cf.files:
         if f.role == L.ROLE_AUX:
+            data = read_all(resolve_inside(root, f.path), AUX_LIMIT)
+            if len(data) != f.size or xxh3_hex(data) != f.xxh3:
+                raise VerificationError(f"{f.path} does not match its digest", "run moet-cache verify --full; rebuild the cache")
             dest = out / Path(f.path).relative_to(L.AUX_DIR)
             dest.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(resolve_inside(root, f.path), dest)
+            atomic_write_bytes(dest, data)
+    (out / PROGRESS_RECORD).unlink(missing_ok=True)
+    fsync_dir(out)
     progress.finish()
     return ExportResult(str(out), len(shards), n_tensors, written_bytes)
 
 
-def _tensor_bytes(name: str, layout: str, cf: Any, dense_at: dict[str, str], handle: Any, fam: Family) -> Any:
+AUX_LIMIT = 64 << 20
+
+
+def _tensor_bytes(name: str, layout: str, cf: Any, dense_at: dict[str, str], reader: VerifiedTensors,
+                  fam: Family) -> Any:
     """One source tensor's bytes, in the source's own format: a dense copy, or an expert tensor rebuilt
     from its planes (codes), its stored block scales (back to the source's form) or its source scalars."""
     if name in dense_at:
-        return tensor_bytes(handle(dense_at[name]).get_tensor(name))
+        return reader.raw(dense_at[name], name)
     parsed = _parse_expert_name(name, fam, cf, layout)
     if parsed is None:
         raise InputError(f"the cache does not hold {name}", "rebuild the cache with --lossless")
@@ -173,10 +294,10 @@ def _tensor_bytes(name: str, layout: str, cf: Any, dense_at: dict[str, str], han
     rows = lm.geometry().rows(proj)
     base_name, delta_name, scale_name = names_of(proj)
     if kind == "codes":
-        base = tensor_bytes(handle(base_rel).get_slice(base_name)[e])[rows]
-        delta = tensor_bytes(handle(all_rel).get_slice(delta_name)[e])[rows]
+        base = reader.expert(base_rel, base_name, e)[rows]
+        delta = reader.expert(all_rel, delta_name, e)[rows]
         return join_planes(base, delta)
     if kind == "block_scale":
-        stored = tensor_bytes(handle(base_rel).get_slice(scale_name)[e])[rows]
+        stored = reader.expert(base_rel, scale_name, e)[rows]
         return source_scales(stored, lm.scale_form(scale_name), layer_source_format(lm, layout).scale_form)
-    return tensor_bytes(handle(all_rel).get_slice(L.source_scalar(proj, kind))[e])
+    return reader.expert(all_rel, L.source_scalar(proj, kind), e)

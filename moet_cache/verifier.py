@@ -127,6 +127,23 @@ def load_cache_files(root: Path) -> CacheFiles:
         raise ManifestError(f"{root} has no commit record: the cache is incomplete",
                             "run moet-cache build to finish it")
     manifest, mdigest = _committed(root)
+    return cache_files_of(root, manifest, mdigest)
+
+
+def load_uncommitted_cache_files(root: Path) -> CacheFiles:
+    """What an uncommitted cache's cache.json lists (a command killed inside its commit window left it):
+    the manifests are checked as in a committed cache; the big files are not (the caller re-hashes them)."""
+    try:
+        data = read_all(root / CACHE_MANIFEST, 64 << 20)
+    except (OSError, InputError):
+        raise ManifestError(f"{root} has neither a commit record nor a readable {CACHE_MANIFEST}",
+                            "run moet-cache build SRC CACHE to finish it") from None
+    manifest = CacheManifest.parse(loads_record(data, CACHE_MANIFEST), CACHE_MANIFEST)
+    return cache_files_of(root, manifest, xxh3_hex(data))
+
+
+def cache_files_of(root: Path, manifest: CacheManifest, mdigest: str) -> CacheFiles:
+    """The layer manifests (checked against cache.json) and every listed file of this manifest."""
     layers: dict[int, LayerManifest] = {}
     files: list[tuple[FileEntry, int | None]] = [(f, None) for f in manifest.files]
     for ref in manifest.layers:

@@ -1,7 +1,7 @@
 """A warm process for the crash campaign: it imports moet_cache once, then forks one child per request.
 
 Protocol (one JSON document per line): it prints {"ready": true}; for each request {"argv": [...]}
-on stdin it forks a child that runs moet_cache.cli.app.main(argv), prints {"pid": N}, waits for the
+(optionally "env": {...}, set in the child only) on stdin it forks a child that runs moet_cache.cli.app.main(argv), prints {"pid": N}, waits for the
 child and prints {"rc": exit code or null, "signal": signal number or null}. The campaign SIGKILLs
 the child by pid. The server itself never runs torch code, so forking it is safe.
 """
@@ -36,9 +36,11 @@ def serve() -> None:
         warm(json.loads(sys.argv[1]))
     print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
-        argv = json.loads(line)["argv"]
+        req = json.loads(line)
+        argv = req["argv"]
         pid = os.fork()
         if pid == 0:  # the child: quiet, and exits without running the parent's cleanup
+            os.environ.update(req.get("env") or {})  # e.g. MOET_CACHE_TEST_KILL_AT (moet_cache.commit)
             null = os.open(os.devnull, os.O_WRONLY)
             os.dup2(null, 1)
             os.dup2(null, 2)

@@ -137,9 +137,10 @@ class ForkServer:
             raise RuntimeError("the fork server died")
         return json.loads(line)
 
-    def start(self, argv: list[Any]) -> int:
-        """Start `moet-cache ARGV` in a fresh child; returns its pid (then call finish())."""
-        self.proc.stdin.write(json.dumps({"argv": [str(a) for a in argv]}) + "\n")  # type: ignore[union-attr]
+    def start(self, argv: list[Any], env: dict[str, str] | None = None) -> int:
+        """Start `moet-cache ARGV` in a fresh child (with `env` added); returns its pid (then call finish())."""
+        req = {"argv": [str(a) for a in argv], "env": env or {}}
+        self.proc.stdin.write(json.dumps(req) + "\n")  # type: ignore[union-attr]
         self.proc.stdin.flush()  # type: ignore[union-attr]
         return int(self._read()["pid"])
 
@@ -147,10 +148,10 @@ class ForkServer:
         """Wait for the child: {"rc": exit code or None, "signal": signal number or None}."""
         return self._read()
 
-    def run(self, argv: list[Any], kill_after: float | None) -> dict[str, Any]:
+    def run(self, argv: list[Any], kill_after: float | None, env: dict[str, str] | None = None) -> dict[str, Any]:
         """Run `moet-cache ARGV` in a fresh child; SIGKILL it after `kill_after` seconds (None: let it finish)."""
         t0 = time.perf_counter()
-        pid = self.start(argv)
+        pid = self.start(argv, env)
         if kill_after is not None:
             time.sleep(max(0.0, kill_after - (time.perf_counter() - t0)))
             try:
@@ -254,6 +255,84 @@ def crash_campaign(work: Path, kills: int, seed: int = 0, verify_kills: int | No
             if not full.ok:
                 c["verify_kill_broke_cache"] += 1
     return c
+
+
+def window_campaign(work: Path, log: Callable[[str], None] | None = None) -> Counter:
+    """SIGKILL build (fresh and rebuild), retier and export at every window of their commit protocol
+    (moet_cache.commit.WINDOWS, EXPORT_WINDOWS), deterministically: the child kills itself there
+    (MOET_CACHE_TEST_KILL_AT). After each kill: a boot check that says complete must be right; the same
+    command must then finish (exit 0), verify --full (or, for export, every tensor equal to the source's),
+    and leave no temp file.
+
+    Counts: cases, killed_in_window (the child died of SIGKILL at the window: must equal cases),
+    wrongly_complete, clean_resumes, failed_resumes, leftover_temps, export_inexact.
+    """
+    from moet_cache.commit import EXPORT_WINDOWS, KILL_ENV, WINDOWS
+    c: Counter = Counter()
+    src = make_tiny(work / "src", seed=11)
+    ref = work / "ref"
+    build_cache(src, ref, BuildOptions(delta_budget="30%", lossless=True))
+    cases = [(what, w) for w in WINDOWS for what in ("build", "rebuild", "retier")]
+    cases += [("export", w) for w in EXPORT_WINDOWS]
+    with ForkServer(warm=["build", src, work / "warm", "--quiet"]) as fs:
+        for what, window in cases:
+            cache, out = work / "cache", work / "out"
+            for d in (cache, out):
+                if d.exists():
+                    shutil.rmtree(d)
+            if what != "build":
+                link_copy(ref, cache)
+            argv = {"build": ["build", src, cache, "--lossless", "--delta-budget", "30%"],
+                    "rebuild": ["build", src, cache, "--lossless", "--delta-budget", "10%"],
+                    "retier": ["retier", cache, "--delta-budget", "10%"],
+                    "export": ["export", cache, out]}[what] + ["--quiet"]
+            c["cases"] += 1
+            res = fs.run(argv, None, env={KILL_ENV: window})
+            if res["signal"] == signal.SIGKILL:
+                c["killed_in_window"] += 1
+            elif log:
+                log(f"{what} never reached {window}: {res}")
+            if what != "export":
+                rep = boot_check(cache)
+                if rep.complete and not full_verify(cache).ok:
+                    c["wrongly_complete"] += 1
+                    if log:
+                        log(f"{what} killed at {window}: boot check said {rep.state}, --full disagrees")
+            again = fs.run(argv, None)
+            good = again["rc"] == 0
+            if what == "export":
+                good = good and exported_equals_source(out, src)
+                c["export_inexact"] += 0 if good else 1
+                temps = sorted(p.name for p in out.iterdir() if p.name.startswith("."))
+            else:
+                good = good and full_verify(cache).ok
+                temps = leftover_temps(cache)
+            c["clean_resumes" if good else "failed_resumes"] += 1
+            if not good and log:
+                log(f"{what} killed at {window}: the same command did not finish cleanly: {again}")
+            if temps:
+                c["leftover_temps"] += 1
+                if log:
+                    log(f"{what} killed at {window}: left {temps}")
+    return c
+
+
+def exported_equals_source(out: Path, src: Path) -> bool:
+    """Every tensor of the source is in the export, in the same shard, with the same dtype, shape and bytes."""
+    from safetensors import safe_open
+
+    from moet_cache.checkpoint import tensor_bytes
+    for shard in sorted(src.glob("*.safetensors")):
+        if not (out / shard.name).is_file():
+            return False
+        with safe_open(str(shard), framework="pt") as a, safe_open(str(out / shard.name), framework="pt") as b:
+            if set(a.keys()) != set(b.keys()) or a.metadata() != b.metadata():
+                return False
+            for k in a.keys():
+                x, y = a.get_tensor(k), b.get_tensor(k)
+                if x.dtype != y.dtype or x.shape != y.shape or tensor_bytes(x).tobytes() != tensor_bytes(y).tobytes():
+                    return False
+    return True
 
 
 # --- corruption ---------------------------------------------------------------------------------------

@@ -1,0 +1,111 @@
+"""The one commit protocol of every command that changes a cache (build, retier): uncommit, write,
+commit, record, restore.
+
+1. `uncommit()`: COMMIT.json goes first, so a cache being changed never reads complete.
+2. The command writes its files (each atomically).
+3. `commit(manifest)`: cache.json, then (the command's `before_commit`, e.g. the sweep of unlisted
+   files), then COMMIT.json naming cache.json's size and digest, then the stats for the boot check.
+4. On any exception (Ctrl-C, SIGTERM, disk full, bad input found late), `restore()` puts the previous
+   commit record back only if the boot check then proves every listed file is the one last verified;
+   otherwise the cache stays uncommitted and the same command resumes it.
+
+`kill_point(window)` marks each window between the steps: with MOET_CACHE_TEST_KILL_AT naming it the
+process signals itself there (tests and the fault campaign only; docs/GUARANTEES.md, section 1).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from .errors import EnvironmentProblem, InputError
+from .fsutil import atomic_write_bytes, fsync_dir, read_all
+from .hashing import xxh3_hex
+from .manifest import CACHE_MANIFEST, COMMIT_RECORD, CacheManifest, CommitRecord, write_record
+
+KILL_ENV = "MOET_CACHE_TEST_KILL_AT"
+#: Every window a kill can be aimed at, in the order a build or retier reaches them.
+WINDOWS = ("uncommitted", "parts-written", "manifest-written", "swept", "committed", "recorded")
+#: Export's windows: after a shard's temp file is written and before it is renamed, after a shard.
+EXPORT_WINDOWS = ("export-shard-temp", "export-shard-written", "export-index-written")
+_SIGNALS = {"KILL": signal.SIGKILL, "TERM": signal.SIGTERM, "INT": signal.SIGINT}
+
+
+def kill_point(window: str) -> None:
+    """Test hook: MOET_CACHE_TEST_KILL_AT=WINDOW[:SIGNAL] sends SIGNAL (KILL, TERM or INT; default KILL)
+    to this process each time it reaches WINDOW. Unset (always, outside tests): does nothing."""
+    spec = os.environ.get(KILL_ENV)
+    if not spec:
+        return
+    name, _, sig = spec.partition(":")
+    if name == window:
+        os.kill(os.getpid(), _SIGNALS.get(sig or "KILL", signal.SIGKILL))
+
+
+class Committer:
+    """The commit protocol of one cache, for one command run under the cache's lock."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        commit = root / COMMIT_RECORD
+        try:
+            self.previous: bytes | None = read_all(commit, 1 << 20) if commit.is_file() else None
+        except (OSError, InputError):
+            self.previous = None
+
+    def uncommit(self) -> None:
+        """A cache being (re)built must never look complete: the commit record goes first."""
+        commit = self.root / COMMIT_RECORD
+        if commit.exists():
+            commit.unlink()
+            fsync_dir(self.root)
+        kill_point("uncommitted")
+
+    def commit(self, manifest: CacheManifest,
+               before_commit: Callable[[CacheManifest], None] | None = None) -> str:
+        """Write cache.json, run `before_commit`, write COMMIT.json, record the stats; returns the digest."""
+        from .verifier import record_verified_state
+        kill_point("parts-written")
+        mdata = write_record(self.root / CACHE_MANIFEST, manifest)
+        digest = xxh3_hex(mdata)
+        kill_point("manifest-written")
+        if before_commit is not None:
+            before_commit(manifest)
+        kill_point("swept")
+        write_record(self.root / COMMIT_RECORD, CommitRecord(CACHE_MANIFEST, len(mdata), digest, utc_now()))
+        kill_point("committed")
+        record_verified_state(self.root, manifest, digest, by="build")
+        kill_point("recorded")
+        return digest
+
+    def restore(self) -> None:
+        """After a failure: the previous commit record back, only if every listed file is provably the one
+        last verified (same size, mtime and inode: atomic replaces change the inode); else uncommitted."""
+        from .verifier import VERIFIED, boot_check
+        commit = self.root / COMMIT_RECORD
+        if self.previous is None or commit.exists():
+            return
+        try:
+            atomic_write_bytes(commit, self.previous)
+            if boot_check(self.root, check_source=False).state != VERIFIED:
+                commit.unlink()
+                fsync_dir(self.root)
+        except (OSError, InputError, EnvironmentProblem):
+            commit.unlink(missing_ok=True)  # could not prove it: the cache stays uncommitted (rerun resumes)
+
+    @contextmanager
+    def guard(self) -> Iterator[Committer]:
+        """Run the command's body; on any exception restore what can be proven, then re-raise."""
+        try:
+            yield self
+        except BaseException:
+            self.restore()
+            raise
+
+
+def utc_now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
