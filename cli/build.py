@@ -42,7 +42,8 @@ def build(
     rate = r.source_bytes / r.seconds / 1e9 if r.seconds > 0 else 0.0
     out.print(f"built {cache}: {len(r.layers)} layers ({len(r.layers_built)} built, {len(r.layers_reused)} reused), "
               f"{fmt_bytes(r.cache_bytes)} in {r.seconds:.1f} s ({rate:.2f} GB/s of source)")
-    out.print(f"delta tier: {r.tier_experts} experts, {fmt_bytes(r.tier_bytes)} (budget {fmt_bytes(r.budget_bytes)})")
+    out.print(f"delta tier: {r.tier_experts} experts, {fmt_bytes(r.tier_bytes)} of delta planes (budget "
+              f"{fmt_bytes(r.budget_bytes)}; the pack file adds a {fmt_bytes(r.tier_file_bytes - r.tier_bytes)} header)")
 
 
 def retier(
@@ -60,5 +61,5 @@ def retier(
     if out.json_mode:
         out.json({"command": "retier", **r.__dict__})
     else:
-        out.print(f"re-tiered {cache}: {r.tier_experts} experts, {fmt_bytes(r.tier_bytes)} "
-                  f"(budget {fmt_bytes(r.budget_bytes)}{', weighted by the profile' if r.weighted_by_profile else ''})")
+        out.print(f"re-tiered {cache}: {r.tier_experts} experts, {fmt_bytes(r.tier_bytes)} of delta planes "
+                  f"(budget {fmt_bytes(r.budget_bytes)}; the pack file adds a {fmt_bytes(r.tier_file_bytes - r.tier_bytes)} header{', weighted by the profile' if r.weighted_by_profile else ''})")

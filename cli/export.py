@@ -20,7 +20,8 @@ def export(
     json_: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
-    """Write an NVFP4 checkpoint again, in the source's layout, every tensor bit for bit."""
+    """Write the NVFP4 checkpoint again, in the source's layout: every tensor exact (bytes, dtype, shape,
+    shard); the shard files are not byte-identical (their headers are moet-cache's). Resumes when rerun."""
     from moet_cache import export_checkpoint  # here, not at the top: it imports torch (seconds)
     out = Output(json_, quiet)
     r = export_checkpoint(cache, out_dir, progress_for(out))

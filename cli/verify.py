@@ -8,6 +8,7 @@ from typing import Annotated, Optional
 import typer
 
 from moet_cache import boot_check, full_verify, verify_against
+from moet_cache.units import fmt_bytes
 from moet_cache.verifier import VerifyReport
 
 from ._common import JsonOpt, QuietOpt
@@ -20,6 +21,24 @@ MAX_LISTED = 20
 
 def report_exit_code(r: VerifyReport) -> int:
     return EXIT_OK if r.ok else EXIT_PROBLEM
+
+
+def unverified_hint(r: VerifyReport) -> str:
+    """Copied or touched files are not damage: say so, and what one --full costs here."""
+    d = r.details
+    what = (f"{d['changed_files']} files were copied ({d['copied_files']}) or touched ({d['touched_files']}) "
+            "since the last full verify; that is not damage, but the boot check cannot prove their bytes. "
+            if d.get("changed_files") else "no full verify is recorded for this cache. ")
+    cost = ""
+    if d.get("full_verify_bytes") is not None:
+        cost = f" It re-hashes {fmt_bytes(d['full_verify_bytes'])} once"
+        speed, est = d.get("hash_bytes_per_second"), d.get("full_verify_seconds_estimate")
+        if speed and est is not None:
+            cost += f", about {est:.0f} s" if est >= 10 else f", about {est:.1f} s"
+            cost += f" at the {speed / 1e9:.2f} GB/s measured on this machine."
+        else:
+            cost += " (no hashing speed recorded here yet)."
+    return f"hint: {what}Run `moet-cache verify --full` once to re-hash and record them.{cost}"
 
 
 def show_report(out: Output, r: VerifyReport, cache: Path) -> None:
@@ -36,10 +55,10 @@ def show_report(out: Output, r: VerifyReport, cache: Path) -> None:
         out.print(f"  {p.kind}: {p.describe()}")
     if len(r.problems) > MAX_LISTED:
         out.print(f"  ... and {len(r.problems) - MAX_LISTED} more (use --json for all)")
-    if r.details:
+    if r.details and r.mode == "against":
         out.print("  checked: " + ", ".join(f"{v} {k.replace('_', ' ')}" for k, v in r.details.items()))
     if r.state == "unverified":
-        out.info("hint: run `moet-cache verify --full` to re-hash the changed files and record them")
+        out.info(unverified_hint(r))
     elif not r.complete:
         out.info("hint: run `moet-cache build SRC CACHE` again to finish or repair the cache")
 

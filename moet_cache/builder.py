@@ -8,6 +8,7 @@ A killed build is rerun: finished parts whose files still match their records ar
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import threading
@@ -90,6 +91,7 @@ from .tiering import (
     load_profile,
 )
 from .units import parse_budget
+from .verifier import speed_sample
 from .version import __version__
 
 AUX_MAX_BYTES = 64 << 20
@@ -144,7 +146,8 @@ class BuildResult:
     source_bytes: int
     cache_bytes: int
     tier_experts: int
-    tier_bytes: int
+    tier_bytes: int         # the delta planes of the tier: what the budget counts (never above it)
+    tier_file_bytes: int    # delta/tier.safetensors on disk: the planes plus the file's header
     budget_bytes: int
     seconds: float
 
@@ -223,6 +226,17 @@ def _plane_work(read: Future[list[RawExpert]], device: str | None = None) -> lis
     return out
 
 
+def _check_source_finite(layer: int, e: int, proj: str, g: float, error: float, energy: float,
+                         input_scale: float | None) -> None:
+    """A NaN or infinite scale is the source's problem: say so (it used to surface as a damaged manifest)."""
+    bad = "global scale" if not math.isfinite(g) else \
+        "input scale" if input_scale is not None and not math.isfinite(input_scale) else \
+        "block scales" if not (math.isfinite(error) and math.isfinite(energy)) else None
+    if bad is not None:
+        raise InputError(f"the source checkpoint's {bad} of layer {layer} expert {e} {proj} is NaN or infinite",
+                         "the source checkpoint is damaged; copy it again or fix its scales")
+
+
 def _plane_device() -> str | None:
     """Where the split runs: None for the host kernels (C, or numpy), else a torch device.
 
@@ -274,9 +288,9 @@ class _Plan:
 
 class _Builder:
     def __init__(self, ckpt: Checkpoint, root: Path, opts: BuildOptions, progress: Progress,
-                 commits: Committer) -> None:
+                 commits: Committer | None = None) -> None:
         self.ckpt, self.root, self.opts, self.progress = ckpt, root, opts, progress
-        self.commits = commits
+        self.commits = commits or Committer(root)
         self.model = ckpt.model
         self.fingerprint = ckpt.fingerprint().to_dict()
         self.plan = self._make_plan()
@@ -290,6 +304,7 @@ class _Builder:
         self._in_flight: Future[object] | None = None
         self.reader = SourceReader(ckpt)
         self._count_lock = threading.Lock()
+        self.hashed = (0, 0.0)  # (bytes, seconds) of written files re-read and hashed: a speed sample
 
     # --- planning ----------------------------------------------------------------------------
     def _make_plan(self) -> _Plan:
@@ -385,7 +400,8 @@ class _Builder:
         manifest = CacheManifest(__version__, utc_now(), str(self.ckpt.root.resolve()), self.ckpt.layout,
                                  self.fingerprint, {**self.model.to_dict(), "family": self.ckpt.family.to_dict()},
                                  params, refs, tuple(files))
-        self.commits.commit(manifest, partial(sweep, self.root))
+        size, secs = self.hashed
+        self.commits.commit(manifest, partial(sweep, self.root), speed_sample(size, secs))
         self.progress.finish()
         return self._result(manifest, False, budget, t0)
 
@@ -396,8 +412,8 @@ class _Builder:
             cache=str(self.root), already_complete=already, layers=tuple(self.plan.served),
             layers_built=tuple(self.built), layers_reused=tuple(self.reused), source_bytes=self.read_bytes,
             cache_bytes=sum(f.size for f in manifest.files) + sum(r.size for r in manifest.layers),
-            tier_experts=sum(len(ex) for _, ex in index.layers), tier_bytes=pack.size if pack else 0,
-            budget_bytes=budget, seconds=time.perf_counter() - t0)
+            tier_experts=sum(len(ex) for _, ex in index.layers), tier_bytes=index.used_bytes,
+            tier_file_bytes=pack.size if pack else 0, budget_bytes=budget, seconds=time.perf_counter() - t0)
 
     def _already_complete(self, params: BuildParams) -> CacheManifest | None:
         from .verifier import read_committed_manifest
@@ -596,6 +612,8 @@ class _Builder:
                 for j, proj in enumerate(PROJECTIONS):
                     x, base, delta, table = work[j].x, work[j].base, work[j].delta, work[j].table
                     g = x.scale_2
+                    _check_source_finite(layer, e, proj, g, work[j].error, work[j].energy,
+                                         None if x.input_scale is None else fmt.multiply(x.input_scale))
                     err, en = err + work[j].error * g * g, en + work[j].energy * g * g
                     w13 = is_w13(proj)
                     bw.write(L.W13_BASE if w13 else L.W2_BASE, base)
@@ -637,7 +655,10 @@ class _Builder:
             files, tensors = [], []
             try:
                 for w, rel, role in writers:
-                    fe, t = _entries(rel, w.commit(), role)
+                    written = w.commit()
+                    with self._count_lock:
+                        self.hashed = (self.hashed[0] + written.size, self.hashed[1] + written.hash_seconds)
+                    fe, t = _entries(rel, written, role)
                     files.append(fe)
                     tensors += t
             finally:
@@ -825,7 +846,8 @@ class RetierResult:
     cache: str
     budget_bytes: int
     tier_experts: int
-    tier_bytes: int
+    tier_bytes: int         # the delta planes of the tier: what the budget counts (never above it)
+    tier_file_bytes: int    # delta/tier.safetensors on disk: the planes plus the file's header
     weighted_by_profile: bool
 
 
@@ -861,7 +883,8 @@ def retier_cache(cache: str | os.PathLike[str], delta_budget: str, profile: str 
             new = replace(m, created=utc_now(), files=(*keep, pack_fe, index_fe, part_fe),
                           build=replace(m.build, delta_budget_bytes=budget, profile_xxh3=prof.digest if prof else None))
             commits.commit(new, partial(sweep, root))
-            return RetierResult(str(root), budget, sum(len(ex) for ex in chosen.values()), pack_fe.size,
+            used = sum(cf.layers[layer].expert_delta_bytes * len(ex) for layer, ex in chosen.items())
+            return RetierResult(str(root), budget, sum(len(ex) for ex in chosen.values()), used, pack_fe.size,
                                 prof is not None)
 
 

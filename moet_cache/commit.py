@@ -65,9 +65,11 @@ class Committer:
             fsync_dir(self.root)
         kill_point("uncommitted")
 
-    def commit(self, manifest: CacheManifest,
-               before_commit: Callable[[CacheManifest], None] | None = None) -> str:
-        """Write cache.json, run `before_commit`, write COMMIT.json, record the stats; returns the digest."""
+    def commit(self, manifest: CacheManifest, before_commit: Callable[[CacheManifest], None] | None = None,
+               hash_rate: float | None = None) -> str:
+        """Write cache.json, run `before_commit`, write COMMIT.json, record the stats (and `hash_rate`, bytes
+        a second this machine hashed cache files at, for the boot check's estimate of a --full); returns
+        the digest."""
         from .verifier import record_verified_state
         kill_point("parts-written")
         mdata = write_record(self.root / CACHE_MANIFEST, manifest)
@@ -78,7 +80,7 @@ class Committer:
         kill_point("swept")
         write_record(self.root / COMMIT_RECORD, CommitRecord(CACHE_MANIFEST, len(mdata), digest, utc_now()))
         kill_point("committed")
-        record_verified_state(self.root, manifest, digest, by="build")
+        record_verified_state(self.root, manifest, digest, by="build", bytes_per_second=hash_rate)
         kill_point("recorded")
         return digest
 

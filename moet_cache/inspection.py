@@ -40,7 +40,7 @@ class CacheInfo:
     build: BuildParams
     layers: tuple[LayerInfo, ...]
     base_bytes: int
-    delta_tier_bytes: int
+    delta_tier_bytes: int   # the tier's delta planes, as the budget counts them (the pack file adds its header)
     delta_all_bytes: int
     dense_bytes: int
     total_bytes: int
@@ -70,12 +70,12 @@ def inspect_cache(root: str | os.PathLike[str]) -> CacheInfo:
             sum(r for e, r in enumerate(rel) if e not in tier) / len(rel),
             lm.source_format or m.source_layout, f"{geo.w13_form}/{geo.w2_form}", base / geo.weights))
     sizes = {role: sum(f.size for f, _ in cf.files if f.role == role)
-             for role in (L.ROLE_BASE, L.ROLE_PACK, L.ROLE_DELTA_ALL, L.ROLE_DENSE)}
+             for role in (L.ROLE_BASE, L.ROLE_DELTA_ALL, L.ROLE_DENSE)}
     from .exporter import cache_family
     fam = cache_family(cf)
     return CacheInfo(
         str(root), m.source_path, m.source_layout, m.tool_version, m.created, m.build, tuple(infos),
-        sizes[L.ROLE_BASE], sizes[L.ROLE_PACK], sizes[L.ROLE_DELTA_ALL], sizes[L.ROLE_DENSE],
+        sizes[L.ROLE_BASE], sum(i.delta_bytes for i in infos), sizes[L.ROLE_DELTA_ALL], sizes[L.ROLE_DENSE],
         sum(f.size for f, _ in cf.files), sum(i.delta_experts for i in infos), sum(i.experts for i in infos),
         fam.name, served_blocks(fam, m.build.layers))
 

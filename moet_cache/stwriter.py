@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,6 +51,7 @@ class WrittenFile:
     size: int
     xxh3: str
     tensors: tuple[WrittenTensor, ...]
+    hash_seconds: float = 0.0  # how long re-reading and hashing the written file took (a speed sample)
 
 
 def header_bytes(specs: list[TensorSpec], metadata: dict[str, str] | None) -> tuple[bytes, list[int]]:
@@ -146,7 +148,9 @@ class SafetensorsWriter:
             raise
         os.close(self._fd)
         self._fd = -1
+        t0 = time.perf_counter()
         digest = xxh3_file_hex(self._tmp)
+        hash_seconds = time.perf_counter() - t0
         os.replace(self._tmp, self.path)
         fsync_dir(self.path.parent)
         tensors = []
@@ -154,7 +158,7 @@ class SafetensorsWriter:
             s = self.specs[n]
             b = self._begin[n]
             tensors.append(WrittenTensor(n, s.dtype, s.shape, b, b + s.nbytes, self._hashers[n].hexdigest()))
-        return WrittenFile(self.size, digest, tuple(tensors))
+        return WrittenFile(self.size, digest, tuple(tensors), hash_seconds)
 
     def abort(self) -> None:
         if self._fd >= 0:

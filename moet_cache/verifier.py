@@ -170,24 +170,44 @@ def _stat_key(st: os.stat_result) -> list[int]:
     return [st.st_size, st.st_mtime_ns, st.st_ino]
 
 
-def record_verified_state(root: Path, manifest: CacheManifest, manifest_xxh3: str, by: str) -> None:
-    """Remember each file's (size, mtime_ns, inode) after a build or a full verify, for the boot check."""
+def record_verified_state(root: Path, manifest: CacheManifest, manifest_xxh3: str, by: str,
+                          bytes_per_second: float | None = None) -> None:
+    """Remember each file's (size, mtime_ns, inode) after a build or a full verify, for the boot check,
+    and the speed this machine hashed the cache at (kept from the previous record when none is given)."""
     refuse_links(root, (".state",))
     cf = load_cache_files(root)
     stats = {f.path: _stat_key((root / f.path).stat()) for f, _ in cf.files}
     for name in (CACHE_MANIFEST, COMMIT_RECORD):
         stats[name] = _stat_key((root / name).stat())
+    if bytes_per_second is None:
+        bytes_per_second = _recorded_speed(_verified_state(root, None))
     atomic_write_json(root / VERIFIED_STATE, {
         "format": "moet-cache-verified", "format_version": 1, "manifest_xxh3": manifest_xxh3,
-        "by": by, "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "files": stats})
+        "by": by, "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "files": stats,
+        "hash_bytes_per_second": bytes_per_second})
 
 
-def _verified_state(root: Path, manifest_xxh3: str) -> dict[str, Any] | None:
+MIN_SPEED_SAMPLE = 256 << 10  # fewer bytes hashed than this say nothing about a disk's speed
+
+
+def speed_sample(nbytes: int, seconds: float) -> float | None:
+    """Bytes a second, from enough bytes hashed to mean something; else None (nothing recorded)."""
+    return nbytes / seconds if nbytes >= MIN_SPEED_SAMPLE and seconds > 0 else None
+
+
+def _recorded_speed(state: dict[str, Any] | None) -> float | None:
+    v = state.get("hash_bytes_per_second") if state else None
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and 1e3 < v < 1e13 else None
+
+
+def _verified_state(root: Path, manifest_xxh3: str | None) -> dict[str, Any] | None:
+    """The record of the last build or full verify (of this manifest; of any when `manifest_xxh3` is None)."""
     try:
         doc = read_json_file(root / VERIFIED_STATE)
     except InputError:
         return None
-    if not isinstance(doc, dict) or doc.get("manifest_xxh3") != manifest_xxh3 or not isinstance(doc.get("files"), dict):
+    if not isinstance(doc, dict) or not isinstance(doc.get("files"), dict) or \
+            manifest_xxh3 is not None and doc.get("manifest_xxh3") != manifest_xxh3:
         return None
     return doc
 
@@ -281,7 +301,7 @@ def boot_check(root: str | os.PathLike[str], check_source: bool = True) -> Verif
         elif st.st_size != f.size:
             problems.append(Problem("size", f.path, f"size is {st.st_size}, the manifest says {f.size}", layer))
         elif recorded.get(f.path) != _stat_key(st):
-            changed.append(Problem("changed", f.path, "changed since the last verification", layer))
+            changed.append(Problem("changed", f.path, _how_changed(recorded.get(f.path), st), layer))
     problems += _structure(root, cf)
     present, stale = _source_changes(cf) if check_source else (None, [])
     if any(p.kind == "missing" for p in problems) and not any(p.kind in ("size", "link") for p in problems):
@@ -294,9 +314,30 @@ def boot_check(root: str | os.PathLike[str], check_source: bool = True) -> Verif
         verdict = UNVERIFIED
     else:
         verdict = VERIFIED
+    details: dict[str, Any] = {}
+    if verdict == UNVERIFIED:
+        details = _full_cost(cf, changed, _recorded_speed(state or _verified_state(root, None)))
     return VerifyReport("boot", verdict, tuple(problems + stale + changed), len(cf.files),
                         seconds=time.perf_counter() - t0, verified_by=state.get("by") if state else None,
-                        verified_at=state.get("at") if state else None, source_present=present)
+                        verified_at=state.get("at") if state else None, source_present=present, details=details)
+
+
+def _how_changed(recorded: Any, st: os.stat_result) -> str:
+    """Plain words for a file whose stats differ from the last verification: not damage, just not proven."""
+    if isinstance(recorded, list) and len(recorded) == 3 and recorded[:2] == [st.st_size, st.st_mtime_ns]:
+        return "copied since the last full verify (same size and time, another inode; e.g. cp -a)"
+    if isinstance(recorded, list) and len(recorded) == 3:
+        return "touched or rewritten since the last full verify (same size, another modification time)"
+    return "not yet verified on this copy (no record of it)"
+
+
+def _full_cost(cf: CacheFiles, changed: list[Problem], speed: float | None) -> dict[str, Any]:
+    """What one `verify --full` costs: every listed byte, and the time at the speed recorded here."""
+    total = sum(f.size for f, _ in cf.files)
+    copied = sum(1 for p in changed if p.detail.startswith("copied"))
+    return {"changed_files": len(changed), "copied_files": copied, "touched_files": len(changed) - copied,
+            "full_verify_bytes": total, "hash_bytes_per_second": speed,
+            "full_verify_seconds_estimate": round(total / speed, 1) if speed else None}
 
 
 UNREADABLE = "unreadable"
@@ -382,7 +423,9 @@ def full_verify(root: str | os.PathLike[str], workers: int | None = None,
             verdict = STALE
     else:
         verdict = VERIFIED
-        record_verified_state(root, cf.manifest, cf.manifest_xxh3, by="full")
+        secs = time.perf_counter() - t0
+        record_verified_state(root, cf.manifest, cf.manifest_xxh3, by="full",
+                              bytes_per_second=speed_sample(hashed, secs))
     ok = verdict == VERIFIED
     return VerifyReport("full", verdict, tuple(problems), len(cf.files), bytes_hashed=hashed,
                         seconds=time.perf_counter() - t0, verified_by="full" if ok else None,
@@ -409,7 +452,10 @@ def cache_read_errors(fn: Any) -> Any:
 @cache_read_errors
 def verify_against(root: str | os.PathLike[str], src: str | os.PathLike[str],
                    progress: Progress | None = None) -> VerifyReport:
-    """Every base and delta plane equals the source's bits, the scales are equal; names the first mismatch."""
+    """Every plane, block scale, global scale, input scale and table of every expert equals what the
+    source gives (planes and scales bit for bit, tables recomputed from the source's codes); every dense
+    tensor is there and equal; names the first mismatch. A cache the boot check finds incomplete or
+    corrupt is reported as such (exit 1), as is one without its model config or source map."""
     # numpy, torch and safetensors are imported here, not at the top: the boot check (every start of
     # `moet-cache verify`) needs none of them, and torch alone costs seconds of import time.
     import numpy as np
@@ -417,19 +463,36 @@ def verify_against(root: str | os.PathLike[str], src: str | os.PathLike[str],
 
     from .checkpoint import PROJECTIONS, open_checkpoint, tensor_bytes
     from .formats import FORMATS, stored_scales
-    from .geometry import names_of
-    from .planes import split_planes
+    from .geometry import is_w13, names_of
+    from .planes import code_histogram, fit_table, split_planes
     t0 = time.perf_counter()
     root = Path(root)
     progress = progress or NullProgress()
+    boot = boot_check(root, check_source=False)
+    if not boot.complete:
+        return VerifyReport("against", boot.state, boot.problems, boot.files_checked, seconds=time.perf_counter() - t0)
     cf = load_cache_files(root)
     problems: list[Problem] = []
-    checked = {"experts": 0, "delta_planes": 0, "dense_tensors": 0}
+    smap_fe = cf.manifest.file(L.ROLE_SOURCE_MAP)
+    if smap_fe is None:
+        problems.append(Problem("coverage", CACHE_MANIFEST, "the cache lists no source map (source-map.json)"))
+    if not any(f.role == L.ROLE_AUX and f.path.rsplit("/", 1)[-1] == "config.json" for f, _ in cf.files):
+        problems.append(Problem("coverage", CACHE_MANIFEST, f"the cache lists no model config ({L.AUX_DIR}/config.json)"))
+    if problems:
+        return VerifyReport("against", CORRUPT, tuple(problems), len(cf.files), seconds=time.perf_counter() - t0)
+    checked = {"experts": 0, "delta_planes": 0, "scales": 0, "tables": 0, "dense_tensors": 0}
+
+    def differs(got: Any, want: Any) -> bool:
+        a, b = (np.ascontiguousarray(np.asarray(v).reshape(-1)).view(np.uint8) for v in (got, want))
+        return not np.array_equal(a, b)
+
     with open_checkpoint(src) as ck:
         if ck.layout != cf.manifest.source_layout:
-            raise InputError(f"the source is {ck.layout}, the cache was built from {cf.manifest.source_layout}")
+            return VerifyReport("against", CORRUPT, (Problem("mismatch", CACHE_MANIFEST,
+                                f"the source is {ck.layout}, the cache was built from {cf.manifest.source_layout}"),),
+                                len(cf.files), seconds=time.perf_counter() - t0)
         index_fe = cf.manifest.file(L.ROLE_DELTA_INDEX)
-        index = DeltaIndex.parse(loads_record((root / index_fe.path).read_bytes(), index_fe.path), index_fe.path) if index_fe else None
+        index = DeltaIndex.parse(loads_record(read_all(root / index_fe.path, 64 << 20), index_fe.path), index_fe.path) if index_fe else None
         pack = safe_open(str(resolve_inside(root, L.PACK)), framework="pt") if index else None
         progress.start(sum(lm.source_bytes for lm in cf.layers.values()), "verify --against")
         for layer, lm in sorted(cf.layers.items()):
@@ -440,36 +503,60 @@ def verify_against(root: str | os.PathLike[str], src: str | os.PathLike[str],
                 allf = safe_open(str(resolve_inside(root, all_fe.path)), framework="pt") if all_fe else None
                 geo = lm.geometry()
                 want_fmt = FORMATS.get(lm.source_format) if lm.source_format else None
+                names = set(bf.keys())
                 for e in range(lm.n_experts):
-                    for proj in PROJECTIONS:
+                    for j, proj in enumerate(PROJECTIONS):
                         x = ck.read_raw_expert(layer, e, proj)
                         name = f"expert {e} {proj}"
                         if want_fmt is not None and x.fmt is not want_fmt:
                             problems.append(Problem("mismatch", base_fe.path, f"{name}: the source is {x.fmt.name}, "
                                                     f"the cache was built from {want_fmt.name}", layer))
                             break
+
+                        def mismatch(what: str, tensor: str, path: str = base_fe.path) -> None:
+                            problems.append(Problem("mismatch", path, f"{name}: {what} differs from the source", layer, tensor))
                         base, delta = split_planes(x.codes)
                         base_name, delta_name, scale_name = names_of(proj)
                         rows = geo.rows(proj)
+                        w13 = is_w13(proj)
+                        at = (e, j) if w13 else (e,)
                         got_base = tensor_bytes(bf.get_slice(base_name)[e])[rows]
                         got_scale = tensor_bytes(bf.get_slice(scale_name)[e])[rows]
-                        if not np.array_equal(got_base, base):
-                            problems.append(Problem("mismatch", base_fe.path, f"{name}: base plane differs from the source", layer, base_name))
+                        if differs(got_base, base):
+                            mismatch("base plane", base_name)
                         try:
                             want_scale = stored_scales(x.scale_bytes, x.fmt.scale_form, lm.scale_form(scale_name))
                         except InputError:
                             want_scale = None
-                        if want_scale is None or not np.array_equal(got_scale, want_scale):
-                            problems.append(Problem("mismatch", base_fe.path, f"{name}: block scales differ from the source", layer, scale_name))
+                        if want_scale is None or differs(got_scale, want_scale):
+                            mismatch("block scales", scale_name)
+                        s2 = L.W13_SCALE_2 if w13 else L.W2_SCALE_2
+                        if differs(bf.get_tensor(s2)[at].numpy(), np.float32(x.scale_2)):
+                            mismatch("global scale", s2)
+                        tname = L.W13_TABLE if w13 else L.W2_TABLE
+                        if differs(bf.get_tensor(tname)[at].numpy(), fit_table(code_histogram(x.codes))):
+                            mismatch("table (recomputed from the source's codes)", tname)
+                        iname = L.W13_INPUT_SCALE if w13 else L.W2_INPUT_SCALE
+                        if (x.input_scale is None) != (iname not in names):
+                            mismatch("presence of an input scale", iname)
+                        elif x.input_scale is not None and differs(bf.get_tensor(iname)[at].numpy(),
+                                                                   np.float32(x.fmt.multiply(x.input_scale))):
+                            mismatch("input scale", iname)
+                        checked["scales"] += 1 + (x.global_scale is not None) + (x.input_scale is not None)
+                        checked["tables"] += 1
                         deltas = []
                         if allf is not None:
                             deltas.append((all_fe.path, delta_name, tensor_bytes(allf.get_slice(delta_name)[e])[rows]))
+                            for kind, t in (("global_scale", x.global_scale), ("input_scale", x.input_scale)):
+                                raw = L.source_scalar(proj, kind)
+                                if t is not None and differs(tensor_bytes(allf.get_slice(raw)[e]), t):
+                                    mismatch(f"source {kind.replace('_', ' ')}", raw, all_fe.path)
                         if e in tier:
                             which = L.pack_tensor(layer, delta_name)
                             deltas.append((L.PACK, which, tensor_bytes(pack.get_slice(which)[tier.index(e)])[rows]))
                         for path, tname, got in deltas:
                             checked["delta_planes"] += 1
-                            if not np.array_equal(got, delta):
+                            if differs(got, delta):
                                 problems.append(Problem("mismatch", path, f"{name}: delta plane differs from the source", layer, tname))
                         progress.advance(x.codes.nbytes)
                         ck.release(x.codes)
@@ -481,20 +568,37 @@ def verify_against(root: str | os.PathLike[str], src: str | os.PathLike[str],
             if problems:
                 break
         if not problems:
-            for f, _ in cf.files:
-                if f.role != L.ROLE_DENSE:
-                    continue
-                with safe_open(str(resolve_inside(root, f.path)), framework="pt") as df:
-                    for name in df.keys():
-                        checked["dense_tensors"] += 1
-                        if name not in ck.tensors or not np.array_equal(tensor_bytes(df.get_tensor(name)), ck.get_raw(name)):
-                            problems.append(Problem("mismatch", f.path, f"dense tensor {name} differs from the source", None, name))
-                            break
-                if problems:
-                    break
+            problems += _dense_against(root, cf, ck, checked, read_json_file(resolve_inside(root, smap_fe.path)))
     progress.finish()
     return VerifyReport("against", CORRUPT if problems else VERIFIED, tuple(problems[:1]), len(cf.files),
                         seconds=time.perf_counter() - t0, details=checked)
+
+
+def _dense_against(root: Path, cf: CacheFiles, ck: Any, checked: dict[str, int], smap: Any) -> list[Problem]:
+    """Every tensor the source map lists that is not a plane of a served layer is in a dense file, equal."""
+    import numpy as np
+    from safetensors import safe_open
+
+    from .checkpoint import tensor_bytes
+    planed = ck.expert_tensor_names(list(cf.manifest.build.layers))
+    listed = {t[0] for sh in (smap.get("shards") or []) if isinstance(sh, dict)
+              for t in (sh.get("tensors") or []) if isinstance(t, list) and t and isinstance(t[0], str)} \
+        if isinstance(smap, dict) else set()
+    seen: set[str] = set()
+    for f, _ in cf.files:
+        if f.role != L.ROLE_DENSE:
+            continue
+        with safe_open(str(resolve_inside(root, f.path)), framework="pt") as df:
+            for name in df.keys():
+                checked["dense_tensors"] += 1
+                seen.add(name)
+                if name not in ck.tensors or not np.array_equal(tensor_bytes(df.get_tensor(name)), ck.get_raw(name)):
+                    return [Problem("mismatch", f.path, f"dense tensor {name} differs from the source", None, name)]
+    missing = sorted(listed - planed - seen)
+    if missing:
+        return [Problem("missing", L.DENSE_DIR, f"dense tensor {missing[0]} of the source is in no dense file"
+                        + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""), None, missing[0])]
+    return []
 
 
 __all__ = ["boot_check", "full_verify", "verify_against", "VerifyReport", "Problem", "load_cache_files",

@@ -51,6 +51,17 @@ class _Param:
     literal: list[str]  # non-string value, held until its end
 
 
+# A bare call opener met in content (no block around it) starts a call only if what must follow it does
+# (DSML: whitespace, then a parameter or the call's end; V3.1: a function name, then the separator).
+# Anything else (words, another marker, the end of the output) makes it prose that quotes the marker:
+# the marker and all the text after it are content. A block opener always opens its block.
+_FOLLOWS: dict[Kind, frozenset[Kind]] = {
+    Kind.DSML_INVOKE_OPEN: frozenset({Kind.DSML_PARAM_OPEN, Kind.DSML_INVOKE_CLOSE, Kind.DSML_BLOCK_CLOSE}),
+    Kind.V31_CALL_OPEN: frozenset({Kind.V31_SEP}),
+}
+_MAX_NAME = 256  # a bare V3.1 call's function name (with its whitespace) is never longer
+
+
 def literal_json(raw: str) -> str:
     """A DSML string="false" value as JSON: verbatim if valid, else a string."""
     text = raw.strip()
@@ -78,6 +89,9 @@ class ContentStage:
         self._param: _Param | None = None
         self._next_index = 0
         self._out: list[Event] = []
+        # An opener met in content, and what followed it, until we know whether it starts a call
+        # (then replayed as one) or is prose that quotes a marker (then all of it is content).
+        self._held: list[Token] | None = None
 
     def feed(self, text: str) -> list[Event]:
         for tok in self._scanner.feed(text):
@@ -87,6 +101,8 @@ class ContentStage:
     def finish(self) -> list[Event]:
         for tok in self._scanner.flush():
             self._token(tok)
+        if self._held is not None:
+            self._release_held()  # the output ended before a call formed: it was prose
         self._content.cut()
         if self._call is not None and self._mode in (
             _Mode.V31_ARGS,
@@ -114,20 +130,63 @@ class ContentStage:
             self._tool(ToolCallDelta(self._call.index, None, text))
 
     def _token(self, tok: Token) -> None:
-        if isinstance(tok, str):
+        if self._held is not None:
+            self._held_token(tok)
+        elif isinstance(tok, str):
             self._text(tok)
         elif self._mode is _Mode.CONTENT:
-            if tok.kind in BLOCK_OPENERS:
-                self._content.cut()
-                v31 = tok.kind in (Kind.V31_BLOCK_OPEN, Kind.V31_CALL_OPEN)
-                self._mode = _Mode.V31_BLOCK if v31 else _Mode.DSML_BLOCK
-                if tok.kind in (Kind.V31_CALL_OPEN, Kind.DSML_INVOKE_OPEN):
-                    self._token(tok)  # a bare call opener: block and call at once
+            if tok.kind in _FOLLOWS:
+                self._held = [tok]  # a call, or prose that mentions the marker: the next tokens tell
+            elif tok.kind in BLOCK_OPENERS:
+                self._enter_block(tok)
             # any other marker in content is markup: dropped
         elif self._mode in (_Mode.V31_BLOCK, _Mode.V31_NAME, _Mode.V31_ARGS):
             self._v31_marker(tok)
         else:
             self._dsml_marker(tok)
+
+    # -- an opener in content: a call, or prose? ------------------------
+
+    def _held_token(self, tok: Token) -> None:
+        held = self._held
+        assert held is not None
+        opener = held[0]
+        assert isinstance(opener, Marker)
+        if isinstance(tok, str):
+            held.append(tok)
+            text = "".join(t for t in held[1:] if isinstance(t, str))
+            if opener.kind is Kind.V31_CALL_OPEN:  # a bare V3.1 call: a function name comes first
+                name = text.strip()
+                if len(text) > _MAX_NAME or any(c.isspace() for c in name):
+                    self._release_held()
+            elif text.strip():  # a DSML call opener is followed by tags, not by words
+                self._release_held()
+            return
+        if tok.kind in _FOLLOWS.get(opener.kind, ()):
+            self._held = None
+            self._enter_block(opener)
+            for t in held[1:]:
+                self._token(t)
+            self._token(tok)
+        else:
+            self._release_held()
+            self._token(tok)
+
+    def _release_held(self) -> None:
+        """The held opener did not start a call: it and the text after it are content, as written."""
+        held, self._held = self._held or [], None
+        for t in held:
+            out = self._content.push(t if isinstance(t, str) else t.raw)
+            if out:
+                self._out.append(ContentDelta(out))
+
+    def _enter_block(self, tok: Marker) -> None:
+        """A confirmed opener in content: the block (and, for a bare call opener, the call) starts."""
+        self._content.cut()
+        v31 = tok.kind in (Kind.V31_BLOCK_OPEN, Kind.V31_CALL_OPEN)
+        self._mode = _Mode.V31_BLOCK if v31 else _Mode.DSML_BLOCK
+        if tok.kind in (Kind.V31_CALL_OPEN, Kind.DSML_INVOKE_OPEN):
+            self._token(tok)  # a bare call opener: block and call at once
 
     def _text(self, text: str) -> None:
         mode = self._mode

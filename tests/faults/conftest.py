@@ -17,6 +17,18 @@ def work(tmp_path: Path) -> Iterator[Path]:
 
 
 @pytest.fixture(scope="module")
+def lossless(module_work: Path) -> tuple[Path, Path]:
+    """(checkpoint, a --lossless cache of it with a 30% tier), built once per module; copy it before changing it."""
+    from moet_cache import BuildOptions, build_cache
+
+    from .campaign import make_tiny
+    src = make_tiny(module_work / "src", seed=31)
+    cache = module_work / "cache"
+    build_cache(src, cache, BuildOptions(delta_budget="30%", lossless=True))
+    return src, cache
+
+
+@pytest.fixture(scope="module")
 def module_work(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     yield from _ram_dir(tmp_path_factory.mktemp("faults"))
 

@@ -11,20 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from moet_cache import BuildOptions, build_cache
 
 from .campaign import make_tiny, run_console, run_main
 
 ENVELOPE = ("command", "ok", "exit_code", "error", "hint")
 COMMANDS = ("build", "verify", "inspect", "export", "retier", "demo", "plan", "serve")
-
-
-@pytest.fixture(scope="module")
-def built(module_work: Path) -> tuple[Path, Path]:
-    src = make_tiny(module_work / "src", seed=13)
-    cache = module_work / "cache"
-    build_cache(src, cache, BuildOptions(delta_budget="30%", lossless=True))
-    return src, cache
 
 
 def _doc(out: str) -> dict:
@@ -33,8 +24,8 @@ def _doc(out: str) -> dict:
     return doc
 
 
-def test_json_on_every_exit(built: tuple[Path, Path], work: Path) -> None:
-    src, cache = built
+def test_json_on_every_exit(lossless: tuple[Path, Path], work: Path) -> None:
+    src, cache = lossless
     (work / "notempty").mkdir()
     (work / "notempty" / "x").write_text("x")
     cases = [
@@ -73,8 +64,8 @@ def test_json_on_a_real_process_error(work: Path) -> None:
     assert rc == 2 and _doc(out)["exit_code"] == 2 and "Error:" in err
 
 
-def test_quiet_prints_no_summaries(built: tuple[Path, Path], work: Path) -> None:
-    src, cache = built
+def test_quiet_prints_no_summaries(lossless: tuple[Path, Path], work: Path) -> None:
+    src, cache = lossless
     for argv in (["build", src, work / "q", "--lossless", "--quiet"], ["build", src, work / "q", "--lossless", "-q"],
                  ["verify", cache, "--quiet"], ["verify", cache, "--full", "--quiet"],
                  ["retier", work / "q", "--delta-budget", "10%", "--quiet"]):

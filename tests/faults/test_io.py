@@ -16,21 +16,13 @@ from typing import Any
 
 import pytest
 
-from moet_cache import BuildOptions, boot_check, build_cache, full_verify
+from moet_cache import boot_check, full_verify
 from moet_cache import fsutil
 from moet_cache.manifest import VERIFIED_STATE
 
 from .campaign import link_copy, make_tiny, private, run_main
 
 BASE = "layers/layer-001.base.safetensors"
-
-
-@pytest.fixture(scope="module")
-def built(module_work: Path) -> tuple[Path, Path]:
-    src = make_tiny(module_work / "src", seed=21)
-    cache = module_work / "cache"
-    build_cache(src, cache, BuildOptions(delta_budget="30%", lossless=True))
-    return src, cache
 
 
 def _inject(monkeypatch: pytest.MonkeyPatch, name: str, err: int, at: str) -> list[str]:
@@ -58,9 +50,9 @@ def _inject(monkeypatch: pytest.MonkeyPatch, name: str, err: int, at: str) -> li
 
 
 @pytest.mark.parametrize("err,at", [(errno.EIO, "read"), (errno.EACCES, "open")])
-def test_a_read_error_is_never_verified(built: tuple[Path, Path], work: Path, monkeypatch: pytest.MonkeyPatch,
+def test_a_read_error_is_never_verified(lossless: tuple[Path, Path], work: Path, monkeypatch: pytest.MonkeyPatch,
                                         err: int, at: str) -> None:
-    _, ref = built
+    _, ref = lossless
     cache = link_copy(ref, work / "cache")
     private(cache / BASE)  # its own inode (a hard link shares its times with the reference cache)
     os.utime(cache / BASE)  # touched: the boot check wants a --full before it trusts the file again
@@ -98,8 +90,8 @@ sys.exit(0 if rep.ok else 1)
 """
 
 
-def test_a_file_truncated_while_hashed_is_corrupt_not_a_dead_process(built: tuple[Path, Path], work: Path) -> None:
-    _, ref = built
+def test_a_file_truncated_while_hashed_is_corrupt_not_a_dead_process(lossless: tuple[Path, Path], work: Path) -> None:
+    _, ref = lossless
     cache = link_copy(ref, work / "cache")
     target = cache / "dense" / next(p.name for p in (ref / "dense").glob("*.safetensors"))
     data = target.read_bytes()
@@ -132,8 +124,8 @@ def _run_bounded(argv: list[str], seconds: float = 60) -> subprocess.CompletedPr
 
 
 @pytest.mark.parametrize("what", ["state", "lock", "cache-file", "manifest"])
-def test_a_fifo_in_the_cache_never_blocks(built: tuple[Path, Path], work: Path, what: str) -> None:
-    _, ref = built
+def test_a_fifo_in_the_cache_never_blocks(lossless: tuple[Path, Path], work: Path, what: str) -> None:
+    _, ref = lossless
     cache = link_copy(ref, work / "cache")
     rel = {"state": VERIFIED_STATE, "lock": ".lock", "cache-file": BASE, "manifest": "layers/layer-001.json"}[what]
     (cache / rel).unlink()
@@ -155,8 +147,8 @@ def test_a_fifo_in_the_cache_never_blocks(built: tuple[Path, Path], work: Path, 
 
 
 @pytest.mark.parametrize("what", ["config.json", "shard"])
-def test_a_fifo_in_the_source_never_blocks_verify_against(built: tuple[Path, Path], work: Path, what: str) -> None:
-    src, ref = built
+def test_a_fifo_in_the_source_never_blocks_verify_against(lossless: tuple[Path, Path], work: Path, what: str) -> None:
+    src, ref = lossless
     import shutil
     copy = work / "src"
     shutil.copytree(src, copy)
@@ -168,9 +160,9 @@ def test_a_fifo_in_the_source_never_blocks_verify_against(built: tuple[Path, Pat
     assert "Traceback" not in r.stderr
 
 
-def test_sigterm_stops_verify_against(built: tuple[Path, Path], work: Path) -> None:
+def test_sigterm_stops_verify_against(lossless: tuple[Path, Path], work: Path) -> None:
     """SIGTERM as soon as the process runs: it ends (exit 3, or 0 if it finished first), never hangs."""
-    src, ref = built
+    src, ref = lossless
     p = subprocess.Popen(_console("verify", ref, "--against", src), stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True)
     time.sleep(1.0)

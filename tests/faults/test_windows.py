@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from moet_cache import BuildOptions, boot_check, build_cache, full_verify
+from moet_cache import boot_check, full_verify
 from moet_cache.commit import KILL_ENV
 
 from .campaign import exported_equals_source, leftover_temps, link_copy, make_tiny, private, run_main, \
@@ -28,14 +28,6 @@ def test_kills_at_every_commit_window(work: Path) -> None:
     assert c["wrongly_complete"] == 0, log
     assert c["clean_resumes"] == c["cases"] and c["failed_resumes"] == 0, log
     assert c["leftover_temps"] == 0 and c["export_inexact"] == 0, log
-
-
-@pytest.fixture(scope="module")
-def lossless(module_work: Path) -> tuple[Path, Path]:
-    src = make_tiny(module_work / "src", seed=31)
-    cache = module_work / "cache"
-    build_cache(src, cache, BuildOptions(delta_budget="30%", lossless=True))
-    return src, cache
 
 
 def _console(argv: list[object], env: dict[str, str]) -> subprocess.CompletedProcess:
