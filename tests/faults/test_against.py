@@ -77,7 +77,7 @@ def test_a_cache_without_source_map_or_model_config_is_not_verified(lossless: tu
     recommit(cache)
     rc, rep = _against(cache, src)
     assert rc == 1 and rep["state"] == "corrupt", rep
-    assert ("source map" if role == "source-map" else "model config") in rep["problems"][0]["detail"]
+    assert ("source map" if role == "source-map" else "config.json") in rep["problems"][0]["detail"]
 
 
 def test_a_dense_tensor_missing_from_the_dense_file_is_noticed(lossless: tuple[Path, Path], work: Path) -> None:
