@@ -581,9 +581,10 @@ def _dense_against(root: Path, cf: CacheFiles, ck: Any, checked: dict[str, int],
 
     from .checkpoint import tensor_bytes
     planed = ck.expert_tensor_names(list(cf.manifest.build.layers))
-    listed = {t[0] for sh in (smap.get("shards") or []) if isinstance(sh, dict)
-              for t in (sh.get("tensors") or []) if isinstance(t, list) and t and isinstance(t[0], str)} \
-        if isinstance(smap, dict) else set()
+    shards = smap.get("shards") if isinstance(smap, dict) else None
+    listed = {t[0] for sh in (shards if isinstance(shards, list) else ()) if isinstance(sh, dict)
+              for t in (sh.get("tensors") if isinstance(sh.get("tensors"), list) else ())
+              if isinstance(t, list) and t and isinstance(t[0], str)}
     seen: set[str] = set()
     for f, _ in cf.files:
         if f.role != L.ROLE_DENSE:
