@@ -24,12 +24,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))  # before benchmarks/, so `faults` is the tests package, not this file
 
 from faults.campaign import (FUZZ_CASES, FUZZ_CI_EXAMPLES, FuzzEnv, corruption_campaign,  # noqa: E402
-                             crash_campaign, fuzz)
+                             crash_campaign, fuzz, window_campaign)
 
 MUST_BE_ZERO = {
     "crash": ("wrongly_complete", "failed_resumes", "unexpected_exit", "leftover_temps", "verify_kill_broke_cache"),
     "corruption": ("full_missed", "crashes", "boot_said_verified_on_content"),
     "fuzz": ("crashes", "bad_exit_codes", "written_outside"),
+    "windows": ("wrongly_complete", "failed_resumes", "leftover_temps", "export_inexact"),
 }
 
 
@@ -54,12 +55,12 @@ def main() -> int:
     ap.add_argument("--kills", type=int, help="build kills (default 20 x rounds)")
     ap.add_argument("--corruptions", type=int, help="corruption cases (default 200 x rounds)")
     ap.add_argument("--fuzz", type=int, help="fuzz cases in all (default 2000 x rounds), shared as in CI")
-    ap.add_argument("--only", choices=["crash", "corruption", "fuzz"], action="append")
+    ap.add_argument("--only", choices=["crash", "windows", "corruption", "fuzz"], action="append")
     ap.add_argument("--kinds", help="fuzz kinds, comma-separated (default all)")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--show", type=int, default=10, help="failures to print")
     args = ap.parse_args()
-    only = set(args.only or ["crash", "corruption", "fuzz"])
+    only = set(args.only or ["crash", "windows", "corruption", "fuzz"])
     kills = args.kills if args.kills is not None else 20 * args.rounds
     corruptions = args.corruptions if args.corruptions is not None else 200 * args.rounds
     fuzz_total = args.fuzz if args.fuzz is not None else 2000 * args.rounds
@@ -70,6 +71,14 @@ def main() -> int:
         t0 = time.perf_counter()
         c = crash_campaign(work, kills, seed=args.seed, log=log.append)
         _report("crash", c, time.perf_counter() - t0, bad)
+        shutil.rmtree(work, ignore_errors=True)
+    if "windows" in only:  # a kill at every commit window of build, rebuild, retier and export (deterministic)
+        work = _scratch()
+        t0 = time.perf_counter()
+        c = window_campaign(work, log=log.append)
+        _report("windows", c, time.perf_counter() - t0, bad)
+        if c.get("killed_in_window") != c.get("cases"):
+            bad.append("windows: a window was never reached")
         shutil.rmtree(work, ignore_errors=True)
     if "corruption" in only:
         work = _scratch()
