@@ -93,21 +93,27 @@ PROGRESS_RECORD = ".moet-export.json"
 
 class VerifiedTensors:
     """Whole cache tensors read through the read seam (pread, no map), each checked against the xxh3 of
-    its manifest entry before any byte of it is used; the most recent ones are kept up to a byte budget
-    (a source shard takes its experts from one or two layers at a time)."""
+    its manifest entry before any byte of it is used.
 
-    def __init__(self, root: Path, entries: dict[tuple[str, str], TensorEntry]) -> None:
+    The manifests hold one digest per tensor, and a source shard takes its experts' slices from a layer's
+    tensors in name order (expert 0, 1, 10, 100, ...), so a layer's expert tensors are kept while they are
+    used: the budget is the largest layer's (its base and lossless delta files' tensors; a DeepSeek-V3
+    layer is ~6 GB), least recently used dropped first. Dense tensors are read once and never kept.
+    """
+
+    def __init__(self, root: Path, entries: dict[tuple[str, str], TensorEntry], budget: int) -> None:
         self.root = root
         self.entries = entries
-        largest = max((t.end - t.begin for t in entries.values()), default=0)
-        self.budget = max(3 * largest, 256 << 20)
+        self.budget = budget
         self._kept: dict[tuple[str, str], np.ndarray] = {}
         self._fds: dict[str, int] = {}
 
-    def raw(self, file: str, name: str) -> np.ndarray:
+    def raw(self, file: str, name: str, keep: bool = True) -> np.ndarray:
         key = (file, name)
         if key in self._kept:
-            return self._kept[key]
+            buf = self._kept.pop(key)
+            self._kept[key] = buf  # the most recently used goes last
+            return buf
         t = self.entries.get(key)
         if t is None:
             raise VerificationError(f"{file} has no manifest entry for tensor {name}",
@@ -123,9 +129,10 @@ class VerifiedTensors:
         if n != buf.nbytes or xxh3_hex(memoryview(buf)) != t.xxh3:
             raise VerificationError(f"{file}: tensor {name} does not match its digest (the cache is damaged)",
                                     "run moet-cache verify --full; rebuild the cache")
-        while self._kept and sum(a.nbytes for a in self._kept.values()) + buf.nbytes > self.budget:
-            self._kept.pop(next(iter(self._kept)))
-        self._kept[key] = buf
+        if keep:
+            while self._kept and sum(a.nbytes for a in self._kept.values()) + buf.nbytes > self.budget:
+                self._kept.pop(next(iter(self._kept)))
+            self._kept[key] = buf
         return buf
 
     def expert(self, file: str, name: str, e: int) -> np.ndarray:
@@ -223,7 +230,8 @@ def export_checkpoint(root: str | os.PathLike[str], out: str | os.PathLike[str],
     weight_map: dict[str, str] = {}
     n_tensors = written_bytes = 0
     progress.start(sum(f.size for f, _ in cf.files if f.role in (L.ROLE_BASE, L.ROLE_DELTA_ALL, L.ROLE_DENSE)), "export")
-    reader = VerifiedTensors(root, entries)
+    per_layer = [sum(t.end - t.begin for t in lm.tensors) for lm in cf.layers.values()]
+    reader = VerifiedTensors(root, entries, max(per_layer, default=0))
     try:
         room = sum(f.size for f, _ in cf.files)  # an export gives back at most the bytes the cache holds
         for shard in shards:
@@ -281,7 +289,7 @@ def _tensor_bytes(name: str, layout: str, cf: Any, dense_at: dict[str, str], rea
     """One source tensor's bytes, in the source's own format: a dense copy, or an expert tensor rebuilt
     from its planes (codes), its stored block scales (back to the source's form) or its source scalars."""
     if name in dense_at:
-        return reader.raw(dense_at[name], name)
+        return reader.raw(dense_at[name], name, keep=False)
     parsed = _parse_expert_name(name, fam, cf, layout)
     if parsed is None:
         raise InputError(f"the cache does not hold {name}", "rebuild the cache with --lossless")
