@@ -33,6 +33,7 @@ TORCH_PIN = "2.14.0"          # vLLM 0.34.0's own pin (its wheel requires torch=
 INSTALL_HINT = f"install it with: pip install vllm=={VLLM_PIN} (or pip install 'moet-cache[vllm]')"
 PARSER_NAME = "moet_deepseek"
 PARSER_MODULE = "moet_cache.vllm_parsers"
+QUANT_MODULE = "moet_cache.vllm_quant"      # the vLLM quantization method `moet`
 LOAD_FORMAT = "moet"
 PROBE_MARK = "MOET_CACHE_PROBE "
 PROBE_TIMEOUT_S = 300
@@ -275,7 +276,9 @@ def check_known(flags: list[Flag], table: OptionTable) -> None:
 # --- vLLM's own parser, in vLLM's own interpreter ------------------------------------------------------
 
 _PROBE = r'''
-import contextlib, io, json, sys
+import contextlib, io, json, os, sys
+# `python -c` puts the working folder first on sys.path; `vllm serve` (a console script) does not.
+sys.path = [p for p in sys.path if p not in ("", ".", os.getcwd())]
 try:
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 except ImportError:
@@ -303,9 +306,12 @@ try:
     env["entry_point"] = eps[0].value if eps else None
     if eps:
         eps[0].load()                  # the module with the moet loader and quantization method
-    import moet_cache, moet_cache.vllm_plugin
+    import importlib, importlib.util, moet_cache, moet_cache.vllm_plugin
     env["moet_cache"] = moet_cache.__file__
     env["moet_version"] = getattr(moet_cache, "__version__", None)
+    env["moet_quant"] = importlib.util.find_spec("moet_cache.vllm_quant") is not None
+    if env["moet_quant"]:
+        importlib.import_module("moet_cache.vllm_quant")   # the quantization method `moet`
 except Exception as e:
     env["moet_error"] = f"{type(e).__name__}: {e}"
 print(M + json.dumps({"version": vllm.__version__, "options": opts, "env": env}), flush=True)
@@ -513,6 +519,9 @@ def check_plugin_env(table: OptionTable) -> list[str]:
     elif not env.get("entry_point"):
         out.append(f"moet-cache is importable in {table.python} but its vllm.general_plugins entry point is not "
                    "registered (installed without its metadata?): vLLM will not load the moet loader")
+    elif importlib.util.find_spec(QUANT_MODULE) is not None and not env.get("moet_quant"):
+        out.append(f"the moet-cache in {table.python} ({env.get('moet_cache')}) has no quantization method "
+                   "`moet` (an older install than this one)")
     return out
 
 
@@ -590,6 +599,10 @@ def build_serve_command(cache: str | os.PathLike[str], preset_name: str = DEFAUL
     elif skip_flag_check:
         warnings.append("--skip-flag-check: the flags were not checked against vLLM's parser")
     torch_v = table.environment.get("torch") if table is not None else None
+    theirs = table.environment.get("moet_cache") if table is not None else None
+    if theirs and Path(theirs).resolve().parent != Path(__file__).resolve().parent:
+        notes.append(f"vLLM's interpreter imports moet-cache from {Path(theirs).parent}, not this one "
+                     f"({Path(__file__).parent}): keep the two installs at the same version")
     if table is not None and table.version != VLLM_PIN:
         notes.append(f"vLLM {table.version} is installed; moet-cache is tested with {VLLM_PIN}")
     if torch_v is not None and not str(torch_v).startswith(TORCH_PIN):
