@@ -370,23 +370,37 @@ def boot_figures(work: Path, layers: int, experts: int, runs: int = BOOT_RUNS) -
 # --- the run ----------------------------------------------------------------------------------------
 
 
+def make_source(family: str, path: Path, size: int, seed: int = 0) -> tuple[Path, int]:
+    """A synthetic checkpoint of about `size` routed-expert bytes; (its folder, its largest expert tensor's bytes).
+
+    v3: DeepSeek-V3-like NVFP4 (bench_spec). v4: DeepSeek-V4-Flash-shaped (H 4096, I 2048, 32 experts a
+    layer), the -0731 hybrid's NVFP4 main experts cast from MXFP4 (their scales stored compact, e8m0 per 32).
+    """
+    from moet_cache import make_checkpoint
+    from moet_cache.synthetic import make_v4_checkpoint, v4_spec_for_size
+    if family == "v4":
+        v4 = v4_spec_for_size(size, seed=seed)
+        return make_v4_checkpoint(path, v4), v4.hidden_size * v4.moe_intermediate_size // 2
+    spec = bench_spec(size, seed)
+    return make_checkpoint(path, spec), spec.hidden_size * spec.moe_intermediate_size // 2
+
+
 def run(size: int, work: Path, boot_layers: int = 44, boot_experts: int = 256,
-        rss_small_size: int | None = None, gpu: bool = True, skip: frozenset[str] = frozenset()) -> dict[str, Any]:
-    from moet_cache import full_verify, make_checkpoint
+        rss_small_size: int | None = None, gpu: bool = True, skip: frozenset[str] = frozenset(),
+        family: str = "v3") -> dict[str, Any]:
+    from moet_cache import full_verify
     from moet_cache.builder import _plane_workers
     res: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "host": platform.node(),
         "cpu": platform.processor() or platform.machine(), "cores": _plane_workers(),
-        "size_requested": size,
+        "size_requested": size, "family": family,
     }
-    spec = bench_spec(size)
     small_size = rss_small_size or max(size // 4, 1)
-    small_spec = bench_spec(small_size, seed=1)
-    src_small = make_checkpoint(work / "src-small", small_spec) if "rss" not in skip else None
-    src = make_checkpoint(work / "src", spec)
+    src_small = make_source(family, work / "src-small", small_size, seed=1)[0] if "rss" not in skip else None
+    src, largest = make_source(family, work / "src", size)
     files = tree_files(src)
     res["source_bytes"] = sum(p.stat().st_size for p in files)
-    res["largest_source_tensor_bytes"] = spec.hidden_size * spec.moe_intermediate_size // 2
+    res["largest_source_tensor_bytes"] = largest
 
     # The disk: a direct read of the source, then the build from a cold page cache.
     drop_page_cache(files)
@@ -482,6 +496,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--boot-experts", type=int, default=256)
     ap.add_argument("--rss-small-size", help="the second, smaller size for rss_growth (default size/4)")
     ap.add_argument("--no-gpu", action="store_true")
+    ap.add_argument("--family", choices=("v3", "v4"), default="v3",
+                    help="v4: a DeepSeek-V4-Flash-shaped checkpoint (the -0731 hybrid's NVFP4 cast from MXFP4)")
     ap.add_argument("--skip", default="", help="comma-separated parts to leave out: rss, zstd, boot; "
                     "'quick' times each figure once (for tests; the figures are then rough)")
     args = ap.parse_args(argv)
@@ -493,7 +509,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         res = run(size, work, args.boot_layers, args.boot_experts,
                   parse_size(args.rss_small_size) if args.rss_small_size else None, not args.no_gpu,
-                  frozenset(filter(None, args.skip.split(","))))
+                  frozenset(filter(None, args.skip.split(","))), args.family)
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)

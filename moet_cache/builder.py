@@ -24,7 +24,6 @@ from typing import Any, TypeVar
 
 import numpy as np
 import torch
-from safetensors import safe_open
 
 from . import layout as L
 from .commit import Committer, utc_now
@@ -36,10 +35,9 @@ from .checkpoint import (
     RawExpert,
     SourceReader,
     open_checkpoint,
-    tensor_bytes,
 )
 from .errors import InputError, VerificationError
-from .formats import E4M3_16, E8M0_32, MXFP4, ExpertFormat, compact_e8m0, e4m3_shift, e8m0_to_e4m3, stored_scales
+from .formats import E4M3_16, E8M0_32, ExpertFormat, compact_e8m0, e4m3_shift, e8m0_to_e4m3, stored_scales
 from .fsutil import (
     CacheLock,
     atomic_write_bytes,

@@ -243,11 +243,12 @@ def small_spec(layout: str = MODELOPT, **overrides: Any) -> SyntheticSpec:
 # no model. prefix), every main layer MoE, hash-routed first layers (ffn.gate.tid2eid int32, no gate bias),
 # FP8 attention and shared experts with e8m0 block scales (or BF16 dense: the vLLM-loadable variant),
 # routed experts MXFP4 (official release) or NVFP4 cast losslessly from MXFP4 (e4m3 block scales exact
-# powers of two equal in pairs, weight_scale_2 = 2^-9: NVIDIA Model-Optimizer's --cast_mxfp4_to_nvfp4),
+# powers of two equal in pairs; NVIDIA Model-Optimizer's examples/deepseek/cast_mxfp4_to_nvfp4.py:
+# weight_scale_2 = 2^m with m = max(k_max(w1), k_max(w3)) - 8 for the w1/w3 pair, k_max - 8 for w2,
+# e4m3 = 2^(k - m); the generator keeps every block inside e4m3's window, so the cast is exact),
 # drafter blocks mtp.K (MXFP4 in the -0731 hybrid), compress_ratios, a tokenizer stub and encoding/.
 
 V4_MAIN_FORMATS = (MODELOPT, COMPRESSED_TENSORS, "mxfp4")
-V4_CAST_SCALE_2 = 2.0 ** -9
 
 
 @dataclass(frozen=True)
@@ -332,7 +333,8 @@ def _raw(t: torch.Tensor) -> _Tensor:
 def _mx_expert(rng: np.random.Generator, out_dim: int, in_dim: int, fast: _FastCodes | None
                ) -> tuple[np.ndarray, np.ndarray]:
     """MXFP4 codes (packed uint8 [out, in/2]) and e8m0 exponent bytes [out, in/32] of t(5) weights.
-    Exponents stay in 2^-18 .. 2^-1 so that the NVFP4 cast (e4m3 = 2^(k+9)) is exact."""
+    Exponents stay in 2^-18 .. 2^-1 (a span of 17 binades) so that the NVFP4 cast (e4m3 = 2^(k - m),
+    m = k_max - 8) is exact for every block."""
     if fast is not None:
         return fast.codes(rng, (out_dim, in_dim // 2)), rng.integers(127 - 12, 127 - 5, size=(out_dim, in_dim // 32),
                                                                      dtype=np.uint8)
@@ -345,23 +347,24 @@ def _mx_expert(rng: np.random.Generator, out_dim: int, in_dim: int, fast: _FastC
     return pack_codes(quantize_to_codes(q.reshape(w.shape))), (k + 127).astype(np.uint8)
 
 
-def _v4_expert(rng: np.random.Generator, prefix: str, out_dim: int, in_dim: int, fmt: str,
-               fast: _FastCodes | None) -> dict[str, _Tensor]:
+def _v4_expert(rng: np.random.Generator, prefix: str, codes: np.ndarray, e8: np.ndarray, m: int,
+               fmt: str) -> dict[str, _Tensor]:
+    """One projection in `fmt` from its MXFP4 codes and e8m0 scales; NVFP4 as the cast makes it (scale_2 2^m)."""
     from .formats import e8m0_to_e4m3
-    codes, e8 = _mx_expert(rng, out_dim, in_dim, fast)
     if fmt == "mxfp4":
         return {f"{prefix}.weight": ("I8", codes.reshape(-1), codes.shape),
                 f"{prefix}.scale": ("F8_E8M0", e8.reshape(-1), e8.shape)}
-    e4 = e8m0_to_e4m3(e8, -9)             # the cast: e4m3 = 2^(k + 9), weight_scale_2 = 2^-9
+    e4 = e8m0_to_e4m3(e8, m)              # the cast: e4m3 = 2^(k - m), weight_scale_2 = 2^m
+    scale_2 = np.float32(2.0 ** m)
     iscale = np.float32(rng.uniform(0.5, 2.0) / (6.0 * FP8_MAX))
     if fmt == MODELOPT:
         return {f"{prefix}.weight": ("U8", codes.reshape(-1), codes.shape),
                 f"{prefix}.weight_scale": ("F8_E4M3", e4.reshape(-1), e4.shape),
-                f"{prefix}.weight_scale_2": ("F32", np.array([V4_CAST_SCALE_2], "<f4").view(np.uint8), ()),
+                f"{prefix}.weight_scale_2": ("F32", np.array([scale_2], "<f4").view(np.uint8), ()),
                 f"{prefix}.input_scale": ("F32", np.array([iscale], "<f4").view(np.uint8), ())}
     return {f"{prefix}.weight_packed": ("U8", codes.reshape(-1), codes.shape),
             f"{prefix}.weight_scale": ("F8_E4M3", e4.reshape(-1), e4.shape),
-            f"{prefix}.weight_global_scale": ("F32", np.array([1.0 / V4_CAST_SCALE_2], "<f4").view(np.uint8), (1,)),
+            f"{prefix}.weight_global_scale": ("F32", np.array([1.0 / scale_2], "<f4").view(np.uint8), (1,)),
             f"{prefix}.input_global_scale": ("F32", np.array([1.0 / iscale], "<f4").view(np.uint8), (1,))}
 
 
@@ -425,9 +428,12 @@ def _v4_block(spec: V4Spec, rng: np.random.Generator, p: str, idx: int, ratio: i
         t.update(_v4_linear(spec, rng, f"{s}.w2", H, Is))
     yield t
     for e in range(E):
+        mx = {w: _mx_expert(rng, o, i, fast) for w, (o, i) in (("w1", (I, H)), ("w3", (I, H)), ("w2", (H, I)))}
+        m13 = max(int(mx["w1"][1].max()), int(mx["w3"][1].max())) - 127 - 8   # w1/w3 share 2^m (SwiGLU fusion)
+        m2 = int(mx["w2"][1].max()) - 127 - 8
         out: dict[str, _Tensor] = {}
-        for w, (o, i) in (("w1", (I, H)), ("w3", (I, H)), ("w2", (H, I))):
-            out.update(_v4_expert(rng, f"{p}.ffn.experts.{e}.{w}", o, i, fmt, fast))
+        for w, (codes, e8) in mx.items():
+            out.update(_v4_expert(rng, f"{p}.ffn.experts.{e}.{w}", codes, e8, m2 if w == "w2" else m13, fmt))
         yield out
 
 
