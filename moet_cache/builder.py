@@ -317,7 +317,8 @@ class _Builder:
             if beyond:
                 raise InputError(f"--layers names layer {beyond[0]}, but the model has layers 0-{total - 1}")
             if set(mtp) & sel and not self.opts.include_mtp:
-                raise InputError(f"--layers names the MTP layer {sorted(set(mtp) & sel)[0]}",
+                first = sorted(set(mtp) & sel)[0]
+                raise InputError(f"--layers names the MTP layer {first} ({fam.layer_prefix(first)} of the source)",
                                  "add --include-mtp to build planes for MTP layers")
             served = sorted(sel & set(main + mtp))
             if not served:
@@ -380,13 +381,20 @@ class _Builder:
         # layer is fsynced, hashed and renamed, and then its manifest written, on a committer thread
         # while the next layer is read and split (the disk writes one back while it reads the next).
         # Within a part the order is unchanged: its files are durable before the record naming them.
+        # The scale-form check of the next layer (it reads every block scale of the layer) runs on its own
+        # thread while this one is built, so the plane workers never wait for it.
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="moet-commit") as self._committer, \
-                ThreadPoolExecutor(max_workers=1, thread_name_prefix="moet-dense") as dense_pool:
+                ThreadPoolExecutor(max_workers=1, thread_name_prefix="moet-dense") as dense_pool, \
+                ThreadPoolExecutor(max_workers=1, thread_name_prefix="moet-forms") as forms_pool:
             dense = [dense_pool.submit(self._dense, shard, names)
                      for shard, names in sorted(self.plan.dense_by_shard.items())]
             done: list[Callable[[], tuple[LayerManifest, FileEntry]]] = []
-            for layer in self.plan.served:
-                done.append(self._layer(layer))
+            served = self.plan.served
+            forms = {served[0]: forms_pool.submit(self._scale_forms, served[0])}
+            for i, layer in enumerate(served):
+                if i + 1 < len(served):
+                    forms[served[i + 1]] = forms_pool.submit(self._scale_forms, served[i + 1])
+                done.append(self._layer(layer, forms.pop(layer)))
                 self.progress.layer_done(layer)
             for entries in dense:
                 files.extend(entries.result())
@@ -525,7 +533,7 @@ class _Builder:
                      "layer": layer, "lossless": self.opts.lossless, "input_scale": self.plan.input_scales[layer],
                      "format": self.plan.formats[layer].name, "scale_forms": 2})
 
-    def _layer(self, layer: int) -> Callable[[], tuple[LayerManifest, FileEntry]]:
+    def _layer(self, layer: int, forms: Future[tuple[str, str]] | None = None) -> Callable[[], tuple[LayerManifest, FileEntry]]:
         """Reuse or build one layer; returns what gives its manifest and manifest entry once committed."""
         rel = L.layer_manifest(layer)
         key = self._layer_key(layer)
@@ -542,7 +550,7 @@ class _Builder:
             self.reused.append(layer)
             self._advance(lm.source_bytes, read=False)
             return partial(self._manifest_entry, lm)
-        committed = self._commit_later(self._build_layer(layer, key))
+        committed = self._commit_later(self._build_layer(layer, key, forms.result() if forms else None))
         self.built.append(layer)
         return lambda: self._manifest_entry(committed())
 
@@ -568,12 +576,12 @@ class _Builder:
     def _scale_forms(self, layer: int) -> tuple[str, str]:
         return self.ckpt.scale_forms(layer, self.plan.formats[layer])
 
-    def _build_layer(self, layer: int, key: str) -> Callable[[], LayerManifest]:
+    def _build_layer(self, layer: int, key: str, forms: tuple[str, str] | None = None) -> Callable[[], LayerManifest]:
         """Read, split and write one layer's planes; returns its commit (fsync, hash, rename, then the manifest)."""
         m, ck = self.model, self.ckpt
         E = m.n_routed_experts
         fmt = self.plan.formats[layer]
-        forms = self._scale_forms(layer)
+        forms = forms or self._scale_forms(layer)
         geo = self._geometry(layer, *forms)
         base_specs, delta_specs = self._layer_specs(layer, geo)
         delta_rel = L.delta_file(layer)
