@@ -37,7 +37,7 @@ from .checkpoint import (
     open_checkpoint,
 )
 from .errors import InputError, VerificationError
-from .formats import E4M3_16, E8M0_32, ExpertFormat, compact_e8m0, e4m3_shift, e8m0_to_e4m3, stored_scales
+from .formats import E4M3_16, ExpertFormat, e4m3_shift, e8m0_to_e4m3, stored_scales
 from .fsutil import (
     CacheLock,
     atomic_write_bytes,
