@@ -35,6 +35,8 @@ def test_written_manifests_validate(built_cache: Path) -> None:
 
 
 def test_packaged_schemas_match_repo() -> None:
+    """The schemas import as moet_cache.manifests. Under the editable install this reads the repository's own
+    files, so it cannot show what a wheel leaves out: tests/test_packaging.py builds one and checks that."""
     from importlib import resources
     names = sorted(p.name for p in SCHEMAS.glob("*.json"))
     assert len(names) == 7
