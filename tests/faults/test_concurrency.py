@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import threading
 import time
 from pathlib import Path
@@ -27,19 +28,38 @@ def test_second_build_refuses_with_exit_3(work: Path) -> None:
         assert "a build is running" in boot_check(cache).problems[0].detail
 
 
-def test_second_build_waits_with_wait(work: Path) -> None:
+def test_second_build_waits_with_wait(work: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The build meets the held lock, blocks in flock itself, and goes on only once the lock is released."""
     src = make_tiny(work / "src")
     cache = work / "cache"
     cache.mkdir()
     result: list[int] = []
+    real_flock = fcntl.flock
+    entered = threading.Event()
+    events: list[tuple[str, float]] = []
+
+    def flock(fd: int, op: int) -> None:  # records the build thread's blocking lock calls
+        mine = threading.current_thread() is t and op & fcntl.LOCK_EX and not op & fcntl.LOCK_NB
+        if mine:
+            events.append(("enter", time.monotonic()))
+            entered.set()
+        real_flock(fd, op)
+        if mine:
+            events.append(("return", time.monotonic()))
     lock = CacheLock(cache).__enter__()
+    monkeypatch.setattr(fcntl, "flock", flock)
     t = threading.Thread(target=lambda: result.append(run_main(["build", src, cache, "--wait", "--quiet"])[0]))
     t.start()
+    assert entered.wait(60), "the build never asked for the lock"
     time.sleep(0.5)
     assert t.is_alive() and not result  # blocked on the lock
+    assert [e for e, _ in events] == ["enter"], events  # still inside flock
+    released = time.monotonic()
     lock.__exit__(None, None, None)
     t.join(60)
     assert result == [0]
+    assert [e for e, _ in events] == ["enter", "return"], events
+    assert events[0][1] < released <= events[1][1]  # it waited on our lock, not merely ran slowly
     assert full_verify(cache).ok
 
 
