@@ -22,6 +22,7 @@ def env(module_work: Path) -> FuzzEnv:
     return FuzzEnv(module_work)
 
 
+@pytest.mark.slow  # 17-30 s per kind on 2 busy cores
 @pytest.mark.parametrize("kind", sorted(FUZZ_CASES))
 def test_fuzz(env: FuzzEnv, kind: str) -> None:
     got = fuzz_counted(kind, env, FUZZ_CI_EXAMPLES[kind])
@@ -33,6 +34,7 @@ def test_ci_share_is_at_least_2000_cases() -> None:
     assert sum(FUZZ_CI_EXAMPLES.values()) >= 2000
 
 
+@pytest.mark.slow  # ~13 s: real processes
 def test_real_processes_refuse_bad_input(env: FuzzEnv) -> None:
     """The console script itself: a manifest path that climbs out (re-sealed), a linked folder, a broken config."""
     case = env.case(with_cache=True)

@@ -9,6 +9,8 @@ import subprocess
 import time
 from pathlib import Path
 
+import pytest
+
 from moet_cache import BuildOptions, boot_check, build_cache, full_verify
 from moet_cache.manifest import COMMIT_RECORD
 
@@ -17,6 +19,7 @@ from .campaign import crash_campaign, leftover_temps, make_tiny, run_console, ru
 CI_KILLS = 20  # the long form (benchmarks/faults.py) runs 200 and more
 
 
+@pytest.mark.slow  # ~11 s: 20 SIGKILLed builds
 def test_sigkill_build_campaign(work: Path) -> None:
     log: list[str] = []
     c = crash_campaign(work, CI_KILLS, seed=7, verify_kills=6, log=log.append)
@@ -31,6 +34,7 @@ def test_sigkill_build_campaign(work: Path) -> None:
     assert c["verify_kill_broke_cache"] == 0, log
 
 
+@pytest.mark.slow  # ~13 s: real console scripts
 def test_sigkill_real_console_script(work: Path) -> None:
     """The installed `moet-cache build`, killed once it holds the lock, then resumed by the console script."""
     src = make_tiny(work / "src", seed=3)

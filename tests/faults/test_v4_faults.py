@@ -17,6 +17,7 @@ V4_KILLS = 8
 V4_FUZZ = {"config": 60, "index": 40, "source-header": 80, "cache-header": 60}
 
 
+@pytest.mark.slow  # ~19 s: SIGKILLed V4 builds
 def test_sigkill_v4_hybrid_build_campaign(work: Path) -> None:
     log: list[str] = []
     c = crash_campaign(work, V4_KILLS, seed=11, verify_kills=2, log=log.append,
