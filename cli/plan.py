@@ -39,8 +39,8 @@ def plan_document(p: vram.Plan) -> dict:
         "attention": fp.attention.kind,
         "budget_bytes": p.budget, "budget_gib": p.budget / GIB,
         "terms_bytes": terms, "terms_gib": {k: v / GIB for k, v in terms.items()},
-        "kv_bytes_per_token_per_layer": p.kv_per_token_layer, "kv_layers": p.kv_layers,
-        "kv_bytes_per_token": p.kv_per_token_layer * p.kv_layers, "kv_tokens": p.kv_tokens,
+        "kv_bytes_per_token_per_layer": None if v4 else p.kv_per_token_layer, "kv_layers": p.kv_layers,
+        "kv_bytes_per_token": None if v4 else p.kv_per_token_layer * p.kv_layers, "kv_tokens": p.kv_tokens,
         "kv_raw_bytes": p.kv_raw, "kv_raw_gib": p.kv_raw / GIB,
         "kv_allocator": None if v4 is None else {
             "bytes_per_block": v4.bytes_per_block, "blocks_per_sequence": v4.blocks_per_seq,
