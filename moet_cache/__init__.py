@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     from .exporter import ExportResult, export_checkpoint
     from .inspection import CacheInfo, inspect_cache
     from .loader import Cache, LoadedLayer, open_cache
-    from .synthetic import SyntheticSpec, make_checkpoint, small_spec
+    from .synthetic import SyntheticSpec, V4Spec, make_checkpoint, make_v4_checkpoint, small_spec, small_v4_spec
     from .verifier import VerifyReport, boot_check, full_verify, verify_against
 
 # The API's modules load on first use (PEP 562): builder, exporter and synthetic import torch, which
@@ -24,7 +24,7 @@ _LAZY = {
     "exporter": ("ExportResult", "export_checkpoint"),
     "inspection": ("CacheInfo", "inspect_cache"),
     "loader": ("Cache", "LoadedLayer", "open_cache"),
-    "synthetic": ("SyntheticSpec", "make_checkpoint", "small_spec"),
+    "synthetic": ("SyntheticSpec", "make_checkpoint", "small_spec", "V4Spec", "make_v4_checkpoint", "small_v4_spec"),
     "verifier": ("VerifyReport", "boot_check", "full_verify", "verify_against"),
 }
 _WHERE = {name: module for module, names in _LAZY.items() for name in names}
@@ -41,6 +41,6 @@ __all__ = [
     "BuildOptions", "BuildResult", "RetierResult", "build_cache", "retier_cache",
     "MoetError", "InputError", "UnsupportedCheckpointError", "VerificationError", "EnvironmentProblem",
     "LockHeldError", "DiskFullError", "ExportResult", "export_checkpoint", "CacheInfo", "inspect_cache",
-    "SyntheticSpec", "make_checkpoint", "small_spec", "VerifyReport", "boot_check", "full_verify",
+    "SyntheticSpec", "make_checkpoint", "small_spec", "V4Spec", "make_v4_checkpoint", "small_v4_spec", "VerifyReport", "boot_check", "full_verify",
     "verify_against", "__version__", "open_cache", "Cache", "LoadedLayer",
 ]

@@ -186,8 +186,11 @@ def config_for(spec: SyntheticSpec) -> dict[str, Any]:
     return cfg
 
 
-def make_checkpoint(path: str | Path, spec: SyntheticSpec | None = None) -> Path:
-    """Write a sharded checkpoint (index, config.json, shards) at `path` and return it."""
+def make_checkpoint(path: str | Path, spec: SyntheticSpec | V4Spec | None = None) -> Path:
+    """Write a sharded checkpoint (index, config.json, shards) at `path` and return it (a V4Spec: the
+    DeepSeek-V4 family, make_v4_checkpoint)."""
+    if isinstance(spec, V4Spec):
+        return make_v4_checkpoint(path, spec)
     spec = spec or SyntheticSpec()
     root = Path(path)
     root.mkdir(parents=True, exist_ok=True)
