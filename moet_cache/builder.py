@@ -91,6 +91,7 @@ from .tiering import (
 from .units import parse_budget
 from .verifier import speed_sample
 from .version import __version__
+from .vllm_config import E4M3_16, SERVED_CONFIG, SOURCE_CONFIG, LayerForm, served_config_bytes
 
 AUX_MAX_BYTES = 64 << 20
 AUX_MAX_FILES = 4096
@@ -122,6 +123,12 @@ def aux_files(src: Path) -> list[tuple[str, Path]]:
     walk(src, "", 0)
     return out
 _T = TypeVar("_T")
+
+
+def _scale_form(lm: LayerManifest, tensor: str) -> str:
+    """The form of a layer's block-scale tensor (CONTRACT fact 2): e4m3-16, or the compact e8m0-32."""
+    form = getattr(lm, "scale_form", None)
+    return str(form(tensor)) if callable(form) else E4M3_16
 
 
 @dataclass(frozen=True)
@@ -402,6 +409,7 @@ class _Builder:
                 manifests[layer] = result()
         files.extend(self._tier(manifests, budget))
         files.append(self._source_map())
+        files = self._served_config(files, {layer: lm for layer, (lm, _) in manifests.items()})
         refs = tuple(LayerRef(layer, fe.path, fe.size, fe.xxh3) for layer, (_, fe) in sorted(manifests.items()))
         manifest = CacheManifest(__version__, utc_now(), str(self.ckpt.root.resolve()), self.ckpt.layout,
                                  self.fingerprint, {**self.model.to_dict(), "family": self.ckpt.family.to_dict()},
@@ -459,6 +467,27 @@ class _Builder:
         if not any(f.path == f"{L.AUX_DIR}/config.json" for f in out):
             raise InputError(f"cannot copy {self.ckpt.root / 'config.json'} into the cache's model folder",
                              "config.json must be a readable file (or a link to one) of at most 64 MiB")
+        return out
+
+    def _served_config(self, files: list[FileEntry], layers: dict[int, LayerManifest]) -> list[FileEntry]:
+        """model/config.json becomes what vLLM reads: the source's with `quant_method: moet` (vllm_config.py),
+        the source's block inside; the source's own bytes stay beside it (model/config.source.json, for export)."""
+        rel = f"{L.AUX_DIR}/{SERVED_CONFIG}"
+        entry = next((f for f in files if f.path == rel and f.role == L.ROLE_AUX), None)
+        if entry is None:
+            return files
+        source = (self.root / rel).read_bytes()  # _copy_aux just wrote the source's bytes there
+        forms = {layer: LayerForm(_scale_form(lm, L.W13_SCALE), _scale_form(lm, L.W2_SCALE),
+                                  any(t.name == L.W13_INPUT_SCALE for t in lm.tensors))
+                 for layer, lm in layers.items()}
+        served = served_config_bytes(source, forms)
+        src_rel = f"{L.AUX_DIR}/{SOURCE_CONFIG}"
+        for path, data in ((src_rel, source), (rel, served)):
+            if not ((self.root / path).is_file() and (self.root / path).read_bytes() == data):
+                atomic_write_bytes(self.root / path, data)
+        out = [f for f in files if f is not entry]
+        out.append(FileEntry(rel, len(served), xxh3_hex(served), L.ROLE_AUX))
+        out.append(FileEntry(src_rel, len(source), xxh3_hex(source), L.ROLE_SOURCE_CONFIG))
         return out
 
     def _reusable_part(self, rel: str, key: str) -> PartManifest | None:

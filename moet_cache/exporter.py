@@ -267,12 +267,16 @@ def export_checkpoint(root: str | os.PathLike[str], out: str | os.PathLike[str],
         index = {"metadata": smap.get("index_metadata") or {}, "weight_map": dict(sorted(weight_map.items()))}
         atomic_write_bytes(out / INDEX_NAME, json.dumps(index, indent=1).encode())
         kill_point("export-index-written")
+    source_config = any(f.role == L.ROLE_SOURCE_CONFIG for f, _ in cf.files)
     for f, _ in cf.files:
-        if f.role == L.ROLE_AUX:
+        served = source_config and f.role == L.ROLE_AUX and f.path == f"{L.AUX_DIR}/config.json"
+        if f.role in (L.ROLE_AUX, L.ROLE_SOURCE_CONFIG) and not served:
             data = read_all(resolve_inside(root, f.path), AUX_LIMIT)
             if len(data) != f.size or xxh3_hex(data) != f.xxh3:
                 raise VerificationError(f"{f.path} does not match its digest", "run moet-cache verify --full; rebuild the cache")
-            dest = out / Path(f.path).relative_to(L.AUX_DIR)
+            # the source's config.json (model/config.source.json), not the one served to vLLM
+            rel = "config.json" if f.role == L.ROLE_SOURCE_CONFIG else Path(f.path).relative_to(L.AUX_DIR)
+            dest = out / rel
             dest.parent.mkdir(parents=True, exist_ok=True)
             atomic_write_bytes(dest, data)
     (out / PROGRESS_RECORD).unlink(missing_ok=True)

@@ -15,6 +15,9 @@ WRITTEN_DIRS = (LAYERS_DIR, DENSE_DIR, STAGING_DIR, AUX_DIR, "delta", ".state")
 # Roles of the files that the cache manifest lists.
 ROLE_BASE, ROLE_DELTA_ALL, ROLE_DENSE, ROLE_PACK = "base", "delta-all", "dense", "delta-pack"
 ROLE_DELTA_INDEX, ROLE_SOURCE_MAP, ROLE_AUX, ROLE_PART = "delta-index", "source-map", "aux", "part-manifest"
+# The model folder's config.json is the one vLLM reads (quant_method moet, vllm_config.py); the source's own
+# config.json is kept byte for byte beside it for export.
+ROLE_SOURCE_CONFIG = "source-config"
 
 # Base-plane file of a layer (vLLM's fused-MoE names; w13 = gate and up stacked, w2 = down).
 W13_BASE, W2_BASE = "w13_base", "w2_base"

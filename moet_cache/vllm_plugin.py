@@ -4,8 +4,9 @@ Registered through the `vllm.general_plugins` entry point (pyproject.toml). This
 without vLLM: the weight mapping (`load_into_model`) is plain torch and is tested against a fake
 model; the BaseModelLoader subclass is only defined when `register()` finds vLLM.
 
-Mapping (docs/LOADER.md): each served layer's tensors go into
-`model.layers.{L}.mlp.experts.<name>`. A stock NVFP4 model (it has `w13_weight`) gets the expanded
+Mapping (docs/LOADER.md): each served layer's tensors go into the fused-MoE module of layer L
+(`model.layers.{L}.mlp.experts.` in vLLM's DeepSeek-V3 models, `model.layers.{L}.ffn.experts.routed_experts.`
+in its DeepSeek-V4 models, drafter blocks at L = num_hidden_layers + K). A stock NVFP4 model (it has `w13_weight`) gets the expanded
 FP4 codes (expand=True); a plane-aware runtime (it has `w13_base`) gets the planes, and tensors
 whose shapes depend on the tier (w13_delta, w2_delta, delta_experts) become buffers of the experts
 module where the model declares no parameter for them. Dense tensors go through the model's own
@@ -16,6 +17,7 @@ Only tensor parallelism 1 without expert parallelism: shapes are checked and a m
 from __future__ import annotations
 
 import functools
+import re
 import time
 from dataclasses import dataclass, fields
 from typing import Any
@@ -68,9 +70,22 @@ class LoadSummary:
     seconds: float
 
 
+_EXPERTS = re.compile(r"^(?:.*\.)?layers\.(\d+)\.(?:mlp|ffn)\.experts\.(?:routed_experts\.)?(?=w13_(?:base|weight)$)")
+
+
 def experts_prefix(layer: int) -> str:
-    """Where vLLM's DeepSeek models keep a layer's fused-MoE parameters."""
+    """Where vLLM's DeepSeek-V3 models keep a layer's fused-MoE parameters."""
     return f"model.layers.{layer}.mlp.experts."
+
+
+def experts_prefixes(names: Any) -> dict[int, str]:
+    """Layer number -> the prefix of its fused-MoE parameters, from a model's parameter names (V3 and V4)."""
+    out: dict[int, str] = {}
+    for n in names:
+        m = _EXPERTS.match(n)
+        if m is not None:
+            out.setdefault(int(m.group(1)), m.group(0))
+    return out
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
@@ -88,7 +103,8 @@ def load_into_model(model: torch.nn.Module, opts: PluginOptions) -> LoadSummary:
     cache = open_cache(opts.cache)
     params = dict(model.named_parameters())
     params.update(dict(model.named_buffers()))
-    first = experts_prefix(cache.layers[0])
+    where = experts_prefixes(params)
+    first = where.get(cache.layers[0], experts_prefix(cache.layers[0]))
     if opts.expand is None:
         if first + "w13_base" in params:
             expand = False
@@ -104,19 +120,22 @@ def load_into_model(model: torch.nn.Module, opts: PluginOptions) -> LoadSummary:
     moe_bytes = 0
     for layer in cache.load(device=device, delta=opts.delta, verify=opts.verify, workers=opts.workers,
                             max_inflight=opts.max_inflight, expand=expand):
-        prefix = experts_prefix(layer.index)
+        prefix = where.get(layer.index, experts_prefix(layer.index))
         wanted = {n for n in params if n.startswith(prefix) and "." not in n[len(prefix):]}
         for name, t in layer.tensors.items():
             p = params.get(prefix + name)
+            if name in _TIER_SHAPED and not expand and (p is None or p.shape != t.shape):
+                # the tier decides these shapes: the cache's tensor replaces any placeholder buffer
+                modules[prefix[:-1]].register_buffer(name, t, persistent=False)
+                wanted.discard(prefix + name)
+                continue
             if p is None:
-                if name in _TIER_SHAPED and not expand:
-                    modules[prefix[:-1]].register_buffer(name, t, persistent=False)
-                    continue
                 raise InputError(f"the model has no parameter {prefix + name} for the cache's tensor",
                                  "the cache was built for another model")
             _copy(p.data, t, prefix + name)
             wanted.discard(prefix + name)
-        left = sorted(n for n in wanted if n.rsplit(".", 1)[1].startswith(("w13_", "w2_")))
+        left = sorted(n for n in wanted if n.rsplit(".", 1)[1].startswith(("w13_", "w2_"))
+                      and n.rsplit(".", 1)[1] not in _TIER_SHAPED)  # no tier rows (delta="none"): stay empty
         if left:
             raise InputError(f"the cache gives no value for {left[0]}",
                              "the model expects tensors the cache does not hold (e.g. input scales)")
@@ -164,12 +183,16 @@ def _loader_class() -> type:
 
 
 def register() -> type | None:
-    """The `vllm.general_plugins` entry point: registers `--load-format moet`; None without vLLM."""
+    """The `vllm.general_plugins` entry point: registers `--load-format moet` and the quantization method
+    `moet` (vllm_quant.py); returns the loader class, None without vLLM. Registering again changes nothing."""
     try:
         import vllm.model_executor.model_loader  # noqa: F401
     except ImportError:
         return None
+    from .vllm_quant import quant_classes
+    quant_classes()
     return _loader_class()
 
 
-__all__ = ["register", "load_into_model", "PluginOptions", "LoadSummary", "LOAD_FORMAT", "experts_prefix"]
+__all__ = ["register", "load_into_model", "PluginOptions", "LoadSummary", "LOAD_FORMAT", "experts_prefix",
+           "experts_prefixes"]

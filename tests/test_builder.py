@@ -186,7 +186,14 @@ def test_cache_must_not_be_inside_the_source(src_copy: Path) -> None:
 
 
 def test_aux_files_and_scales(built_cache: Path, ckpt_modelopt: Path) -> None:
-    assert (built_cache / "model/config.json").read_bytes() == (ckpt_modelopt / "config.json").read_bytes()
+    # The source's config.json is kept byte for byte; the one vLLM reads names the moet method and keeps
+    # the source's block and every other key.
+    assert (built_cache / "model/config.source.json").read_bytes() == (ckpt_modelopt / "config.json").read_bytes()
+    served, source = (json.loads((p).read_text()) for p in (built_cache / "model/config.json", ckpt_modelopt / "config.json"))
+    block = served.pop("quantization_config")
+    assert block["quant_method"] == "moet" and block["source"] == source.pop("quantization_config")
+    assert served == source and sorted(block["layers"]) == ["1", "2", "3"]
+    assert block["layers"]["1"] == {"w13_weight_scale": "e4m3-16", "w2_weight_scale": "e4m3-16", "input_scales": True}
     ck = open_checkpoint(ckpt_modelopt)
     with safe_open(str(built_cache / "layers/layer-001.base.safetensors"), "pt") as b:
         s2 = b.get_tensor("w13_weight_scale_2")
