@@ -458,37 +458,33 @@ class _Builder:
                 data = read_all(p, AUX_MAX_BYTES, follow=True)
             except (OSError, InputError):
                 continue  # not a plain file after all (it changed), or grown past the limit: not carried
-            rel = f"{L.AUX_DIR}/{rel_src}"
+            # the source's config.json is kept as config.source.json; _served_config writes config.json
+            source_config = rel_src == SERVED_CONFIG
+            rel = f"{L.AUX_DIR}/{SOURCE_CONFIG if source_config else rel_src}"
             refuse_links(self.root, tuple(str(Path(rel).parents[i]) for i in range(len(Path(rel).parts) - 1)))
             dest = self.root / rel
             if not (dest.is_file() and not dest.is_symlink() and dest.read_bytes() == data):
                 atomic_write_bytes(dest, data)
-            out.append(FileEntry(rel, len(data), xxh3_hex(data), L.ROLE_AUX))
-        if not any(f.path == f"{L.AUX_DIR}/config.json" for f in out):
+            out.append(FileEntry(rel, len(data), xxh3_hex(data), L.ROLE_SOURCE_CONFIG if source_config else L.ROLE_AUX))
+        if not any(f.role == L.ROLE_SOURCE_CONFIG for f in out):
             raise InputError(f"cannot copy {self.ckpt.root / 'config.json'} into the cache's model folder",
                              "config.json must be a readable file (or a link to one) of at most 64 MiB")
         return out
 
     def _served_config(self, files: list[FileEntry], layers: dict[int, LayerManifest]) -> list[FileEntry]:
-        """model/config.json becomes what vLLM reads: the source's with `quant_method: moet` (vllm_config.py),
-        the source's block inside; the source's own bytes stay beside it (model/config.source.json, for export)."""
-        rel = f"{L.AUX_DIR}/{SERVED_CONFIG}"
-        entry = next((f for f in files if f.path == rel and f.role == L.ROLE_AUX), None)
+        """model/config.json: what vLLM reads, the source's config.json with `quant_method: moet` and the
+        source's block inside (vllm_config.py); the source's own bytes stay in model/config.source.json."""
+        entry = next((f for f in files if f.role == L.ROLE_SOURCE_CONFIG), None)
         if entry is None:
             return files
-        source = (self.root / rel).read_bytes()  # _copy_aux just wrote the source's bytes there
         forms = {layer: LayerForm(_scale_form(lm, L.W13_SCALE), _scale_form(lm, L.W2_SCALE),
                                   any(t.name == L.W13_INPUT_SCALE for t in lm.tensors))
                  for layer, lm in layers.items()}
-        served = served_config_bytes(source, forms)
-        src_rel = f"{L.AUX_DIR}/{SOURCE_CONFIG}"
-        for path, data in ((src_rel, source), (rel, served)):
-            if not ((self.root / path).is_file() and (self.root / path).read_bytes() == data):
-                atomic_write_bytes(self.root / path, data)
-        out = [f for f in files if f is not entry]
-        out.append(FileEntry(rel, len(served), xxh3_hex(served), L.ROLE_AUX))
-        out.append(FileEntry(src_rel, len(source), xxh3_hex(source), L.ROLE_SOURCE_CONFIG))
-        return out
+        served = served_config_bytes((self.root / entry.path).read_bytes(), forms)
+        dest = self.root / L.AUX_DIR / SERVED_CONFIG
+        if not (dest.is_file() and dest.read_bytes() == served):
+            atomic_write_bytes(dest, served)
+        return [*files, FileEntry(f"{L.AUX_DIR}/{SERVED_CONFIG}", len(served), xxh3_hex(served), L.ROLE_AUX)]
 
     def _reusable_part(self, rel: str, key: str) -> PartManifest | None:
         path = self.root / rel
