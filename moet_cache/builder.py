@@ -91,7 +91,7 @@ from .tiering import (
 from .units import parse_budget
 from .verifier import speed_sample
 from .version import __version__
-from .vllm_config import E4M3_16, SERVED_CONFIG, SOURCE_CONFIG, LayerForm, served_config_bytes
+from .vllm_config import SERVED_CONFIG, SOURCE_CONFIG, LayerForm, served_config_bytes
 
 AUX_MAX_BYTES = 64 << 20
 AUX_MAX_FILES = 4096
@@ -124,11 +124,6 @@ def aux_files(src: Path) -> list[tuple[str, Path]]:
     return out
 _T = TypeVar("_T")
 
-
-def _scale_form(lm: LayerManifest, tensor: str) -> str:
-    """The form of a layer's block-scale tensor (CONTRACT fact 2): e4m3-16, or the compact e8m0-32."""
-    form = getattr(lm, "scale_form", None)
-    return str(form(tensor)) if callable(form) else E4M3_16
 
 
 @dataclass(frozen=True)
@@ -477,7 +472,7 @@ class _Builder:
         entry = next((f for f in files if f.role == L.ROLE_SOURCE_CONFIG), None)
         if entry is None:
             return files
-        forms = {layer: LayerForm(_scale_form(lm, L.W13_SCALE), _scale_form(lm, L.W2_SCALE),
+        forms = {layer: LayerForm(lm.scale_form(L.W13_SCALE), lm.scale_form(L.W2_SCALE),
                                   any(t.name == L.W13_INPUT_SCALE for t in lm.tensors))
                  for layer, lm in layers.items()}
         served = served_config_bytes((self.root / entry.path).read_bytes(), forms)

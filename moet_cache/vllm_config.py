@@ -23,14 +23,12 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from .errors import InputError
+from .formats import E4M3_16, E8M0_32, SCALE_FORMS  # noqa: F401 (E8M0_32 re-exported)
 
 QUANT_METHOD = "moet"
 BLOCK_VERSION = 1
 SERVED_CONFIG = "config.json"              # in the model folder: what vLLM reads
 SOURCE_CONFIG = "config.source.json"       # in the model folder: the source's config.json, byte for byte
-E4M3_16 = "e4m3-16"                        # float8_e4m3fn, one scale per 16 inputs (NVFP4)
-E8M0_32 = "e8m0-32"                        # float8_e8m0fnu, one scale per 32 inputs (compact form)
-SCALE_FORMS = (E4M3_16, E8M0_32)
 SCALE_TENSORS = ("w13_weight_scale", "w2_weight_scale")
 
 

