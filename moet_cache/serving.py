@@ -453,14 +453,40 @@ def _served_name(cache: Path) -> str:
     return name or cache.resolve().name
 
 
-def integration_flags(cache: Path, verify_hash: bool, warnings: list[str]) -> list[Flag]:
-    """The loader, the parsers and the served name: what makes vLLM read this cache."""
+STOCK_WARNING = ("--stock: vLLM's own FP4 MoE serves the experts, the loader expands every plane back to FP4: "
+                 "the routed experts take their FP4 size in VRAM (about 4.5 bits a weight), not the planes' that "
+                 "`moet-cache plan` counts")
+
+
+def stock_overrides(cache: Path) -> Flag:
+    """--hf-overrides giving vLLM the source's own quantization_config (the cache's config.json names moet)."""
+    try:
+        cfg = json.loads((cache / L.AUX_DIR / "config.json").read_text())
+    except (OSError, ValueError):
+        cfg = {}
+    block = cfg.get("quantization_config") if isinstance(cfg, dict) else None
+    source = block.get("source") if isinstance(block, dict) else None
+    if not isinstance(source, dict):
+        raise InputError(f"{cache}: the model folder's config.json keeps no source quantization block",
+                         "--stock needs the source's own quantization method; serve without --stock")
+    return Flag("--hf-overrides", (json.dumps({"quantization_config": source}),))
+
+
+def integration_flags(cache: Path, verify_hash: bool, warnings: list[str], stock: bool = False) -> list[Flag]:
+    """The loader, the parsers and the served name: what makes vLLM read this cache. By default vLLM's
+    routed experts compute on the planes (quantization method `moet`, named by the cache's config.json);
+    `stock` hands vLLM the source's own method and the loader expands the planes to FP4 (warns)."""
     extra: dict[str, Any] = {"cache": str(cache.resolve())}
     if verify_hash:
         extra["verify"] = "hash"
+    if stock:
+        extra["expand"] = True
+        warnings.append(STOCK_WARNING)
     flags = [Flag("--load-format", (LOAD_FORMAT,)),
              Flag("--model-loader-extra-config", (json.dumps(extra),)),
              Flag("--served-model-name", (_served_name(cache),))]
+    if stock:
+        flags.append(stock_overrides(cache))
     plugin = parser_plugin_path()
     if plugin is None:
         warnings.append(f"{PARSER_MODULE} is not installed: vLLM's own parsers apply, not this project's")
@@ -536,8 +562,10 @@ def model_type_of(model_dir: Path) -> str:
 
 def build_serve_command(cache: str | os.PathLike[str], preset_name: str = DEFAULT_PRESET,
                         user_args: list[str] | None = None, *, force: bool = False,
-                        skip_flag_check: bool = False, require_vllm: bool = True) -> ServeCommand:
+                        skip_flag_check: bool = False, require_vllm: bool = True,
+                        stock: bool = False) -> ServeCommand:
     """Boot-check the cache, build the `vllm serve` argv, check it with vLLM's parser when installed.
+    `stock`: vLLM's own FP4 MoE on expanded planes (FP4 VRAM) instead of the `moet` method (plan's VRAM).
 
     `require_vllm=False` is a dry run: a missing or broken vLLM (its parser does not load, moet-cache does not
     import there) is a warning and the command is still built; otherwise it is an error (exit 2 or 3)."""
@@ -572,7 +600,7 @@ def build_serve_command(cache: str | os.PathLike[str], preset_name: str = DEFAUL
             probe.close()
         probe = None
     try:
-        base = [Flag(o, v) for o, v in preset.flags] + integration_flags(root, unverified, warnings)
+        base = [Flag(o, v) for o, v in preset.flags] + integration_flags(root, unverified, warnings, stock)
         user = split_flags(list(user_args or []), table)
         base, n1 = adapt_renames(base, table)
         user, n2 = adapt_renames(user, table)

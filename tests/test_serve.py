@@ -94,6 +94,23 @@ def test_dry_run_default_profile_is_the_field_reports_settings(served: Path, mon
     assert any("not checked" in w for w in doc["warnings"])
 
 
+def test_by_default_vllm_computes_on_the_planes_and_stock_is_explicit(served: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    # Default: the model folder's config.json names the moet method (plan's VRAM), no expansion asked.
+    cfg = json.loads((served / "model" / "config.json").read_text())
+    assert cfg["quantization_config"]["quant_method"] == "moet"
+    doc = _dry_json([str(served)], monkeypatch)
+    f = _flags(doc["argv"])
+    assert "--hf-overrides" not in f and "expand" not in json.loads(f["--model-loader-extra-config"][0])
+    assert not any("--stock" in w for w in doc["warnings"])
+    # --stock: vLLM gets the source's own quantization block and the loader expands the planes; it warns.
+    doc = _dry_json([str(served), "--stock"], monkeypatch)
+    f = _flags(doc["argv"])
+    assert json.loads(f["--hf-overrides"][0]) == {"quantization_config": cfg["quantization_config"]["source"]}
+    assert json.loads(f["--model-loader-extra-config"][0])["expand"] is True
+    assert any("FP4 size in VRAM" in w for w in doc["warnings"])
+
+
 def test_dry_run_overrides_replace_the_profile_and_renames_are_adapted(served: Path,
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     doc = _dry_json([str(served), "--", "--max-model-len", "32768", "--cuda-graph-sizes", "1", "2",
