@@ -14,6 +14,7 @@ import shutil
 import subprocess
 
 import pytest
+import vllm_cpu_env
 
 from moet_cache.kv_v4 import V4Attention, v4_kv
 from moet_cache.serving import vllm_python
@@ -62,6 +63,9 @@ print("MOET_KV " + json.dumps(out))
 
 
 def _python() -> str:
+    if vllm_cpu_env.vllm_cpu_version() is not None and not os.environ.get("MOET_CACHE_VLLM_BIN"):
+        pytest.skip("the vllm on PATH is vllm-cpu (the end-to-end test's); this checks vLLM 0.34: set "
+                    "MOET_CACHE_VLLM_BIN to a vLLM 0.34 bin folder")
     folder = os.environ.get("MOET_CACHE_VLLM_BIN")
     exe = shutil.which("vllm", path=folder) if folder else shutil.which("vllm")
     if exe is None:

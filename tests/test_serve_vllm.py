@@ -12,6 +12,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import vllm_cpu_env
 
 from moet_cache import BuildOptions, build_cache, make_checkpoint, small_spec
 from moet_cache.cli.app import main
@@ -21,6 +22,9 @@ pytestmark = pytest.mark.vllm
 
 
 def _vllm_bin() -> str:
+    if vllm_cpu_env.vllm_cpu_version() is not None and not os.environ.get("MOET_CACHE_VLLM_BIN"):
+        pytest.skip("the vllm on PATH is vllm-cpu (the end-to-end test's); this checks vLLM 0.34: set "
+                    "MOET_CACHE_VLLM_BIN to a vLLM 0.34 bin folder")
     folder = os.environ.get("MOET_CACHE_VLLM_BIN")
     exe = shutil.which("vllm", path=folder) if folder else shutil.which("vllm")
     if exe is None:
