@@ -205,10 +205,16 @@ def test_hub_snapshot_links_are_followed_and_config_is_required(v4_sources: dict
             os.symlink(os.path.relpath(blob, link.parent), link)
     cache = tmp_path / "cache"
     build_cache(snap, cache, BuildOptions())
-    for rel in ("config.json", "hf_quant_config.json", "generation_config.json", "tokenizer.json",
-                "tokenizer_config.json", "encoding/encoding_dsv4.py"):
+    # the source's config.json is kept byte for byte as config.source.json (config.json is the one served
+    # to vLLM: quant_method moet, the source's block inside)
+    for rel, src in (("config.source.json", "config.json"), ("hf_quant_config.json",) * 2,
+                     ("generation_config.json",) * 2, ("tokenizer.json",) * 2, ("tokenizer_config.json",) * 2,
+                     ("encoding/encoding_dsv4.py",) * 2):
         got = cache / L.AUX_DIR / rel
-        assert got.is_file() and not got.is_symlink() and got.read_bytes() == (snap / rel).read_bytes(), rel
+        assert got.is_file() and not got.is_symlink() and got.read_bytes() == (snap / src).read_bytes(), rel
+    served = json.loads((cache / L.AUX_DIR / "config.json").read_text())["quantization_config"]
+    assert served["quant_method"] == "moet" and served["source"] == json.loads((snap / "config.json").read_text())[
+        "quantization_config"]
     assert boot_check(cache).state == VERIFIED
     # a cache whose manifest lists no config never verifies as complete
     from tests.faults.campaign import recommit, rewrite_json
