@@ -137,8 +137,8 @@ class VerifiedTensors:
 
     def expert(self, file: str, name: str, e: int) -> np.ndarray:
         """Expert e's bytes of a per-expert tensor [E, ...], shaped as tensor_bytes(t[e]) would be."""
+        raw = self.raw(file, name)  # first: a tensor without a manifest entry is a VerificationError there
         t = self.entries[(file, name)]
-        raw = self.raw(file, name)
         size = DTYPE_SIZES[t.dtype]
         if len(t.shape) == 1:
             return raw.reshape(t.shape[0], size)[e]
