@@ -34,6 +34,6 @@ def fused_moe(x: torch.Tensor, tensors: dict[str, torch.Tensor], topk_weights: t
     planes = LayerPlanes.from_tensors(tensors)
     _check_routing(x, planes, topk_weights, topk_ids)
     if x.is_cuda:
-        from .triton_moe import fused_moe_cuda
+        from .launch import fused_moe_cuda
         return fused_moe_cuda(x, planes, topk_weights, topk_ids, swiglu_limit)
     return fused_moe_reference(x, planes, topk_weights, topk_ids, swiglu_limit).to(x.dtype)

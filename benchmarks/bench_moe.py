@@ -1,0 +1,337 @@
+"""One DeepSeek-V4-Flash MoE layer (E 256, top-6, H 4096, I 2048) on the planes, against a bf16
+grouped GEMM, Humming's MXFP4 weight-only MoE and a device-to-device copy, all in one process.
+
+    python benchmarks/bench_moe.py --tokens 1,4,16,64,256,4096 [--sweep] [--json out.json]
+    python benchmarks/bench_moe.py --fidelity        # CPU is enough: layer error vs the FP4 layer
+
+Every contender is captured in a CUDA graph (as vLLM runs decode) and timed with
+triton.testing.do_bench (median; the L2 is flushed before each replay, so weights come from HBM).
+Bytes read: the planes/codes and scales of the distinct experts the routing touches (+ the tier's
+delta planes of the tier experts touched). Speed is reported as ratios within this run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+E, TOPK, H, I = 256, 6, 4096, 2048
+MiB = 1 << 20
+
+
+@dataclass(frozen=True)
+class Result:
+    name: str
+    tokens: int
+    us: float
+    bytes_read: int
+    note: str = ""
+
+    @property
+    def gbps(self) -> float:
+        return self.bytes_read / (self.us * 1e-6) / 1e9
+
+
+def timed(fn: Callable[[], object], graph: bool = True) -> tuple[float, str]:
+    """Median microseconds of fn, replayed from a CUDA graph when it captures."""
+    import triton.testing
+
+    fn()
+    torch.cuda.synchronize()
+    note = "graph"
+    run: Callable[[], object] = fn
+    if graph:
+        try:
+            s = torch.cuda.Stream()
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):
+                fn()
+            torch.cuda.current_stream().wait_stream(s)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                fn()
+            run = g.replay
+        except Exception as e:  # noqa: BLE001 - a contender that cannot be captured is timed eagerly
+            note = f"eager ({type(e).__name__})"
+            torch.cuda.synchronize()
+    ms = triton.testing.do_bench(run, warmup=25, rep=150, return_mode="median")
+    return ms * 1000.0, note
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy, bytes read + written per second (GB/s)."""
+    n = 2 << 30
+    src = torch.empty(n, dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+    us, _ = timed(lambda: dst.copy_(src), graph=False)
+    return 2 * n / (us * 1e-6) / 1e9
+
+
+def routing(T: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    ids = torch.rand((T, E), generator=g, device="cuda").topk(TOPK, dim=1).indices
+    w = torch.softmax(torch.randn((T, TOPK), generator=g, device="cuda"), dim=1) * 1.5
+    return w, ids
+
+
+def plane_bytes_per_expert(t: dict[str, torch.Tensor]) -> int:
+    names = ("w13_base", "w2_base", "w13_weight_scale", "w2_weight_scale")
+    return sum(t[n][0].numel() * t[n].element_size() for n in names)
+
+
+def layer_bytes(t: dict[str, torch.Tensor]) -> int:
+    return sum(v.numel() * v.element_size() for v in t.values())
+
+
+def bench_planes(name: str, t: dict[str, torch.Tensor], x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor,
+                 config=None) -> Result:
+    from moet_cache.runtime.dequant import LayerPlanes
+    from moet_cache.runtime.launch import DEFAULT, fused_moe_cuda
+
+    planes = LayerPlanes.from_tensors(t)
+    cfg = config or DEFAULT
+    us, note = timed(lambda: fused_moe_cuda(x, planes, w, ids, 10.0, cfg))
+    hit = set(ids.reshape(-1).tolist())
+    tier = set(t["delta_experts"].tolist()) if "delta_experts" in t else set()
+    delta = t["w13_delta"][0].numel() + t["w2_delta"][0].numel() if tier else 0
+    nbytes = len(hit) * plane_bytes_per_expert(t) + len(hit & tier) * delta
+    return Result(name, x.shape[0], us, nbytes, note)
+
+
+def bf16_moe(w13: torch.Tensor, w2: torch.Tensor) -> Callable:
+    """A bf16 MoE through torch's grouped GEMM (CUTLASS on sm90): pairs sorted by expert, two GEMMs."""
+    def run(x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        T = x.shape[0]
+        flat = ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.zeros(E, dtype=torch.int32, device=x.device).index_add_(
+            0, flat, torch.ones_like(flat, dtype=torch.int32))
+        offs = torch.cumsum(counts, 0, dtype=torch.int32)
+        xs = x[order // TOPK]
+        h = torch._grouped_mm(xs, w13.transpose(1, 2), offs=offs)
+        a = torch.nn.functional.silu(h[:, :I]) * h[:, I:]
+        y = torch._grouped_mm(a, w2.transpose(1, 2), offs=offs)
+        out = torch.empty_like(y)
+        out[order] = y
+        return (out.view(T, TOPK, H).float() * w.unsqueeze(-1)).sum(1).to(x.dtype)
+    return run
+
+
+class Humming:
+    """Humming's MXFP4 (E2M1 codes, e8m0 scales per 32) weight-only MoE, bf16 activations, indexed GEMM."""
+
+    def __init__(self, w13: torch.Tensor, w2: torch.Tensor) -> None:
+        from humming.config import GemmType
+        from humming.layer import HummingLayer, HummingMethod
+
+        self.method, self.gemm = HummingMethod, GemmType.INDEXED
+        cfg = {"dtype": "float4e2m1", "group_size": 32, "scale_dtype": "float8e8m0"}
+        self.layers = []
+        for weight in (w13, w2):
+            n, k = weight.shape[1], weight.shape[2]
+            layer = HummingLayer(shape_n=n, shape_k=k, num_experts=E, weight_config=dict(cfg),
+                                 torch_dtype=torch.bfloat16).cuda()
+            layer.load_from_unquantized(weight)
+            layer.transform()
+            self.layers.append(layer)
+        self.tuning = [HummingMethod.get_default_tuning_configs(lay, gemm_type=GemmType.INDEXED)
+                       for lay in self.layers]
+        self.compute = json.dumps({"use_f16_accum": False, "gemm_type": "indexed"})
+
+    def resident_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for lay in self.layers for p in lay.parameters())
+
+    @staticmethod
+    def _select(configs: list, m: int) -> dict:
+        for lo, hi, c in configs:
+            if lo < m <= hi:
+                return c
+        raise ValueError(f"no Humming config for {m} rows")
+
+    def prepare(self, ids: torch.Tensor) -> Callable:
+        from humming.testing.data import generate_moe_tensors
+
+        T = ids.shape[0]
+        m = ids.numel()
+        meta = []
+        for tuning in self.tuning:
+            bm = self._select(tuning, m)["block_shape"][0]
+            _, _, sorted_ids, expert_ids, padded = generate_moe_tensors(ids.int(), E, "indexed", bm)
+            meta.append((sorted_ids, expert_ids, padded))
+        tunings = [json.dumps(t) for t in self.tuning]
+        out13 = torch.empty((m, 2 * I), dtype=torch.bfloat16, device="cuda")
+        out2 = torch.empty((m, H), dtype=torch.bfloat16, device="cuda")
+
+        def run(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+            s, e, p = meta[0]
+            self.method.forward_layer(layer=self.layers[0], inputs=x, outputs=out13, sorted_ids=s, expert_ids=e,
+                                      num_tokens_padded=p, top_k=TOPK, valid_shape_m=m,
+                                      compute_config=self.compute, tuning_config=tunings[0])
+            a = (torch.nn.functional.silu(out13[:, :I]) * out13[:, I:]).contiguous()
+            s, e, p = meta[1]
+            self.method.forward_layer(layer=self.layers[1], inputs=a, outputs=out2, sorted_ids=s, expert_ids=e,
+                                      num_tokens_padded=p, top_k=1, valid_shape_m=m,
+                                      compute_config=self.compute, tuning_config=tunings[1])
+            return (out2.view(T, TOPK, H).float() * w.unsqueeze(-1)).sum(1).to(x.dtype)
+        return run
+
+
+def sweep_configs(T: int) -> list:
+    from moet_cache.runtime.launch import DEFAULT
+    if T * TOPK <= DEFAULT.pairs_max:
+        return [replace(DEFAULT, pair_bn=bn, pair_bkw=bkw, pair_warps=wp)
+                for bn, bkw, wp in ((16, 8, 4), (32, 8, 4), (32, 16, 4), (64, 8, 4), (64, 16, 8), (128, 8, 8))]
+    return [replace(DEFAULT, pairs_max=0, bm=bm, bn=bn, bkw=bkw, warps=wp, stages=st)
+            for bm, bn, bkw, wp, st in ((16, 64, 4, 4, 2), (32, 64, 4, 4, 3), (64, 64, 4, 4, 3),
+                                        (64, 128, 4, 8, 3), (128, 128, 4, 8, 3), (128, 64, 8, 8, 2))]
+
+
+def speed(args: argparse.Namespace) -> list[dict]:
+    from moet_cache.runtime.synthetic_layer import random_layer
+
+    torch.manual_seed(0)
+    rows: list[dict] = []
+    copy = copy_bandwidth()
+    print(f"device {torch.cuda.get_device_name()}  copy {copy:.0f} GB/s (read + written)", flush=True)
+    base0 = torch.cuda.memory_allocated()
+    planes8 = random_layer(E, H, I, n_tier=26, e8m0=True, device="cuda", seed=1)
+    resident8 = torch.cuda.memory_allocated() - base0
+    planes4 = random_layer(E, H, I, n_tier=26, e8m0=False, device="cuda", seed=2)
+    none8 = {k: v for k, v in planes8.items() if k not in ("w13_delta", "w2_delta", "delta_experts")}
+    none4 = {k: v for k, v in planes4.items() if k not in ("w13_delta", "w2_delta", "delta_experts")}
+    print(f"MoE VRAM, one layer: planes e8m0 + 10% tier {layer_bytes(planes8) / MiB:.1f} MiB "
+          f"(allocated {resident8 / MiB:.1f} MiB), base only {layer_bytes(none8) / MiB:.1f} MiB; "
+          f"planes e4m3 base only {layer_bytes(none4) / MiB:.1f} MiB", flush=True)
+    rows.append({"what": "vram", "planes_e8m0_tier_MiB": layer_bytes(planes8) / MiB,
+                 "allocated_MiB": resident8 / MiB, "planes_e8m0_base_MiB": layer_bytes(none8) / MiB,
+                 "planes_e4m3_base_MiB": layer_bytes(none4) / MiB, "copy_GBps": copy})
+    g = torch.Generator(device="cuda").manual_seed(3)
+    w13 = (torch.randn((E, 2 * I, H), generator=g, device="cuda") * 0.02).to(torch.bfloat16)
+    w2 = (torch.randn((E, H, I), generator=g, device="cuda") * 0.02).to(torch.bfloat16)
+    bf16 = bf16_moe(w13, w2)
+    hum = None
+    try:
+        t0 = time.time()
+        hum = Humming(w13, w2)
+        print(f"Humming MXFP4 resident {hum.resident_bytes() / MiB:.1f} MiB (set up in {time.time() - t0:.1f} s)",
+              flush=True)
+        rows.append({"what": "vram", "humming_MiB": hum.resident_bytes() / MiB})
+    except Exception as e:  # noqa: BLE001 - report and go on without it
+        print(f"Humming unavailable: {type(e).__name__}: {e}", flush=True)
+    for T in args.tokens:
+        w, ids = routing(T, 10 + T)
+        x = (torch.randn((T, H), device="cuda") * 0.5).to(torch.bfloat16)
+        res: list[Result] = []
+        if args.sweep:
+            for cfg in sweep_configs(T):
+                try:
+                    r = bench_planes(f"sweep {cfg}", none8, x, w, ids, cfg)
+                    print(f"  T={T} {r.us:9.1f} us {r.gbps:7.0f} GB/s  {cfg}", flush=True)
+                except Exception as e:  # noqa: BLE001
+                    print(f"  T={T} config failed {cfg}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+        res.append(bench_planes("planes e8m0 base-only", none8, x, w, ids))
+        res.append(bench_planes("planes e8m0 tier10%", planes8, x, w, ids))
+        res.append(bench_planes("planes e4m3 base-only", none4, x, w, ids))
+        hit = len(set(ids.reshape(-1).tolist()))
+        try:
+            us, note = timed(lambda: bf16(x, w, ids))
+            res.append(Result("bf16 grouped_mm", T, us, hit * 3 * H * I * 2, note))
+        except Exception as e:  # noqa: BLE001
+            print(f"  bf16 failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
+        if hum is not None:
+            try:
+                run = hum.prepare(ids)
+                us, note = timed(lambda: run(x, w))
+                res.append(Result("humming mxfp4", T, us, hit * 3 * H * I // 2 * (1 + 1 / 16), note))
+            except Exception as e:  # noqa: BLE001
+                print(f"  humming failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
+        ref = {r.name: r.us for r in res}
+        for r in res:
+            vs_h = ref.get("humming mxfp4", float("nan")) / r.us
+            vs_b = ref.get("bf16 grouped_mm", float("nan")) / r.us
+            print(f"T={T:5d} experts={hit:3d} {r.name:24s} {r.us:9.1f} us {r.gbps:7.0f} GB/s "
+                  f"{100 * r.gbps / copy:5.1f}% copy  x{vs_h:5.2f} vs humming  x{vs_b:5.2f} vs bf16  [{r.note}]",
+                  flush=True)
+            rows.append({"what": "speed", "name": r.name, "tokens": T, "experts": hit, "us": r.us,
+                         "GBps": r.gbps, "copy_frac": r.gbps / copy, "speedup_vs_humming": vs_h,
+                         "speedup_vs_bf16": vs_b, "note": r.note})
+    return rows
+
+
+def fidelity(args: argparse.Namespace) -> list[dict]:
+    """Layer output error against the FP4 layer: base only, a uniform tier, a routing-weighted tier."""
+    import tempfile
+
+    import numpy as np
+
+    from moet_cache import BuildOptions, build_cache, make_checkpoint, small_spec
+    from moet_cache.loader import open_cache
+    from moet_cache.runtime import fused_moe
+
+    e, k = 64, 6
+    spec = small_spec(hidden_size=512, moe_intermediate_size=256, n_routed_experts=e, num_experts_per_tok=k,
+                      num_hidden_layers=2, first_k_dense_replace=1, num_nextn_predict_layers=0,
+                      intermediate_size=512, shard_bytes=64 << 20)
+    rng = np.random.default_rng(0)
+    pop = rng.lognormal(0.0, args.skew, size=e)  # expert popularity: a skewed (not a balanced) router
+    pop = pop / pop.sum()
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        src = make_checkpoint(Path(tmp) / "src", spec)
+        layer = 1
+        profile = Path(tmp) / "profile.json"
+        counts = (pop * 100000).astype(int).tolist()
+        profile.write_text(json.dumps({"format": "moet-cache-routing-profile", "format_version": 1,
+                                       "layers": [{"layer": layer, "counts": counts}]}))
+        build_cache(src, Path(tmp) / "uni", BuildOptions(lossless=True, delta_budget="10%"))
+        build_cache(src, Path(tmp) / "wtd", BuildOptions(lossless=True, delta_budget="10%",
+                                                         profile=str(profile)))
+        T = 256
+        g = torch.Generator().manual_seed(1)
+        x = torch.randn((T, spec.hidden_size), generator=g)
+        ids = torch.from_numpy(np.stack([rng.choice(e, size=k, replace=False, p=pop) for _ in range(T)]))
+        w = torch.softmax(torch.randn((T, k), generator=g), dim=1) * 1.5
+        outs = {}
+        for name, cache, delta in (("fp4", "uni", "all"), ("base-only", "uni", "none"),
+                                   ("uniform tier 10%", "uni", "tier"), ("routing-weighted tier 10%", "wtd", "tier")):
+            c = open_cache(Path(tmp) / cache)
+            t = next(x_.tensors for x_ in c.load(device="cpu", delta=delta, layers=[layer], workers=1))
+            outs[name] = fused_moe(x, t, w, ids, swiglu_limit=10.0)
+            if delta == "tier":
+                tier = set(t["delta_experts"].tolist())
+                share = float(np.isin(ids.numpy(), list(tier)).mean())
+                print(f"{name}: {len(tier)} experts in the tier, {100 * share:.1f}% of routed pairs", flush=True)
+        ref = outs["fp4"]
+        for name, out in outs.items():
+            if name == "fp4":
+                continue
+            rel = ((out - ref).norm() / ref.norm()).item()
+            print(f"fidelity {name:28s} rel. error vs FP4 layer {rel:.4f}", flush=True)
+            rows.append({"what": "fidelity", "name": name, "rel_error_vs_fp4": rel})
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--tokens", default="1,4,16,64,256,4096", type=lambda s: [int(v) for v in s.split(",")])
+    ap.add_argument("--sweep", action="store_true", help="also time the block-size candidates (planes)")
+    ap.add_argument("--fidelity", action="store_true", help="only the fidelity figures (CPU is enough)")
+    ap.add_argument("--skew", type=float, default=1.0, help="fidelity: sigma of the lognormal expert popularity")
+    ap.add_argument("--json", type=Path, help="write every figure here")
+    args = ap.parse_args()
+    rows = fidelity(args) if args.fidelity else speed(args)
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()

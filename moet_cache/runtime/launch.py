@@ -1,0 +1,102 @@
+"""fused_moe on CUDA: picks the regime, sizes the blocks, launches the Triton kernels."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .align import align_pairs
+from .dequant import LayerPlanes
+
+
+@dataclass(frozen=True)
+class Config:
+    """Block sizes of one regime. Pairs: BN output rows x BKW words (16 codes each) per step."""
+
+    pairs_max: int = 128       # T * top_k up to this: the pairs (GEMV) regime, else grouped
+    pair_bn: int = 32
+    pair_bkw: int = 8
+    pair_warps: int = 4
+    bm: int = 64               # grouped: pairs per block
+    bn: int = 64
+    bkw: int = 4
+    warps: int = 4
+    stages: int = 2
+
+
+DEFAULT = Config()
+
+
+def _fit(n: int, want: int) -> int:
+    """The largest power of two <= want that divides n."""
+    b = want
+    while b > 1 and n % b:
+        b //= 2
+    return b
+
+
+def _words(t: torch.Tensor) -> torch.Tensor:
+    """uint8 plane [..., n/4] as int32 words [..., n/16] (16 codes a word, same bytes)."""
+    return t.contiguous().view(torch.int32)
+
+
+def fused_moe_cuda(x: torch.Tensor, planes: LayerPlanes, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                   swiglu_limit: float | None, config: Config = DEFAULT) -> torch.Tensor:
+    """[T, H] in x's dtype; works on CUDA tensors (and CPU ones under TRITON_INTERPRET=1)."""
+    from . import triton_moe as k
+
+    T, H, I, E = x.shape[0], planes.hidden, planes.inter, planes.num_experts
+    top_k = topk_ids.shape[1] if topk_ids.dim() == 2 else 0
+    if T == 0 or top_k == 0:
+        return torch.zeros((T, H), dtype=x.dtype, device=x.device)
+    if H % 16 or I % 16:
+        raise ValueError(f"hidden {H} and intermediate {I} must be multiples of 16")
+    dev = x.device
+    x = x.contiguous()
+    ids = topk_ids.reshape(-1).to(torch.int32).contiguous()
+    wts = topk_weights.reshape(-1).contiguous()
+    tier = torch.full((E,), -1, dtype=torch.int32, device=dev)
+    n = planes.delta_experts.numel()
+    if n:
+        tier[planes.delta_experts] = torch.arange(n, dtype=torch.int32, device=dev)
+    b13, b2 = _words(planes.w13_base), _words(planes.w2_base)
+    d13 = _words(planes.w13_delta) if n else b13  # never read without a tier row
+    d2 = _words(planes.w2_delta) if n else b2
+    s13, s2 = planes.w13_scale.contiguous().view(torch.uint8), planes.w2_scale.contiguous().view(torch.uint8)
+    g13, g2 = H // s13.shape[-1], I // s2.shape[-1]
+    e8_13, e8_2 = planes.w13_scale.dtype == torch.float8_e8m0fnu, planes.w2_scale.dtype == torch.float8_e8m0fnu
+    s2_13 = planes.w13_scale_2.contiguous()
+    s2_2 = planes.w2_scale_2.contiguous()
+    t13, t2 = planes.w13_table.contiguous(), planes.w2_table.contiguous()
+    limit = 0.0 if swiglu_limit is None else float(swiglu_limit)
+    P = T * top_k
+    act = torch.empty((P, I), dtype=x.dtype, device=dev)
+    out = torch.empty((P, H), dtype=torch.float32, device=dev)
+    c = config
+    if P <= c.pairs_max:
+        bn13, bkw13 = _fit(I, c.pair_bn), _fit(H // 16, c.pair_bkw)
+        k.w13_pairs_kernel[(P, I // bn13)](
+            x, ids, tier, b13, d13, s13, s2_13, t13, act, top_k, H, I, limit,
+            b13.stride(0), b13.stride(1), s13.stride(0), s13.stride(1),
+            GROUP=g13, E8M0=e8_13, HAS_LIMIT=swiglu_limit is not None, BN=bn13, BKW=bkw13,
+            num_warps=c.pair_warps)
+        bn2, bkw2 = _fit(H, c.pair_bn), _fit(I // 16, c.pair_bkw)
+        k.w2_pairs_kernel[(P, H // bn2)](
+            act, ids, wts, tier, b2, d2, s2, s2_2, t2, out, H, I,
+            b2.stride(0), b2.stride(1), s2.stride(0), s2.stride(1),
+            GROUP=g2, E8M0=e8_2, BN=bn2, BKW=bkw2, num_warps=c.pair_warps)
+    else:
+        blocks = align_pairs(topk_ids, E, c.bm)
+        bn13, bkw13 = _fit(I, c.bn), _fit(H // 16, c.bkw)
+        k.w13_grouped_kernel[(blocks.max_blocks, I // bn13)](
+            x, blocks.sorted_pairs, blocks.block_expert, tier, b13, d13, s13, s2_13, t13, act, top_k, H, I,
+            limit, b13.stride(0), b13.stride(1), s13.stride(0), s13.stride(1),
+            GROUP=g13, E8M0=e8_13, HAS_LIMIT=swiglu_limit is not None, BM=c.bm, BN=bn13, BKW=bkw13, DOT_F32=not x.is_cuda,
+            num_warps=c.warps, num_stages=c.stages)
+        bn2, bkw2 = _fit(H, c.bn), _fit(I // 16, c.bkw)
+        k.w2_grouped_kernel[(blocks.max_blocks, H // bn2)](
+            act, blocks.sorted_pairs, blocks.block_expert, wts, tier, b2, d2, s2, s2_2, t2, out, H, I,
+            b2.stride(0), b2.stride(1), s2.stride(0), s2.stride(1),
+            GROUP=g2, E8M0=e8_2, BM=c.bm, BN=bn2, BKW=bkw2, DOT_F32=not x.is_cuda, num_warps=c.warps, num_stages=c.stages)
+    return out.view(T, top_k, H).sum(1).to(x.dtype)

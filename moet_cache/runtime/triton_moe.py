@@ -1,0 +1,228 @@
+"""Triton kernels for one routed-expert layer on the planes (CUDA; the Triton interpreter on CPU).
+
+Two regimes (docs/RUNTIME.md has the figures that chose them):
+- pairs (decode): one program per (token, slot) pair and block of output rows; a GEMV on the CUDA
+  cores. No sorting by expert at all: a pair reads its expert's rows (pairs of one expert read the
+  same rows, which the L2 mostly absorbs at these sizes).
+- grouped (prefill): pairs sorted by expert into blocks of BM (`align.py`), one program per block and
+  block of output rows, the dequantized tile fed to tensor cores (tl.dot, bf16) in the K loop.
+
+Dequantization, per element, on int32 words of 16 codes (element 16w+j in bits 2j..2j+1):
+base-only experts: c = (word >> 2j) & 3 becomes a float by the 2^23 trick (c | 0x4B000000, minus
+2^23) and the table by a cubic through its 4 points (Horner, 3 FMAs): exact at c = 0..3 up to fp32
+rounding. Tier experts: the 4-bit code (base << 2 | delta) becomes its E2M1 value by placing its bits
+into an fp32 (exact). The block scale multiplies once per 16 codes (pairs: the per-word partial sum)
+or per element (grouped: the tile before the dot); scale_2 multiplies the result once.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _scale_value(s_u8, E8M0: tl.constexpr):
+    """float32 value of block-scale bytes: e8m0 (2^(s-127)) or float8_e4m3fn. NaN codes are not special-cased."""
+    s = s_u8.to(tl.int32)
+    if E8M0:
+        v = (s << 23).to(tl.float32, bitcast=True)
+        v = tl.where(s == 0, 5.877471754111438e-39, v)  # 2^-127, an fp32 subnormal
+    else:
+        e = (s >> 3) & 15
+        m = s & 7
+        normal = (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
+        v = tl.where(e == 0, m.to(tl.float32) * 0.001953125, normal)  # subnormal: m * 2^-9
+        v = tl.where((s & 128) != 0, -v, v)
+    return v
+
+
+@triton.jit
+def _cubic(tab_ptr):
+    """Horner coefficients of the cubic through (c, table[c]), c = 0..3."""
+    t0 = tl.load(tab_ptr)
+    t1 = tl.load(tab_ptr + 1)
+    t2 = tl.load(tab_ptr + 2)
+    t3 = tl.load(tab_ptr + 3)
+    b = t1 - t0
+    c = (t2 - 2.0 * t1 + t0) * 0.5
+    d = (t3 - 3.0 * t2 + 3.0 * t1 - t0) * (1.0 / 6.0)
+    return t0, b - c + 2.0 * d, c - 3.0 * d, d
+
+
+@triton.jit
+def _base_values(w, sh, k0, k1, k2, k3):
+    """[.., 16] table values of the 2-bit codes at shifts sh of words w (broadcast)."""
+    cf = (((w >> sh) & 3) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+    return k0 + cf * (k1 + cf * (k2 + cf * k3))
+
+
+@triton.jit
+def _fp4_values(w, d, sh):
+    """[.., 16] exact E2M1 values of the 4-bit codes (base << 2) | delta."""
+    code = (((w >> sh) & 3) << 2) | ((d >> sh) & 3)
+    k = code & 7
+    bits = tl.where(k >= 2, (((k >> 1) + 126) << 23) | ((k & 1) << 22), k * 0x3F000000)
+    return (bits | ((code & 8) << 28)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _gemv_rows(xrow_ptr, base_ptr, delta_ptr, scale_ptr, tab_ptr, rows, is_tier, K: tl.constexpr,
+               stride_bn, stride_sn, GROUP: tl.constexpr, E8M0: tl.constexpr, BN: tl.constexpr,
+               BKW: tl.constexpr):
+    """sum_k W[rows, k] * x[k] in float32 for one expert's BN rows, without scale_2."""
+    j = tl.arange(0, 16)
+    sh = (2 * j)[None, None, :]
+    acc = tl.zeros([BN, BKW], dtype=tl.float32)
+    k0, k1, k2, k3 = _cubic(tab_ptr)
+    for kw in range(0, K // 16, BKW):
+        wi = kw + tl.arange(0, BKW)
+        w = tl.load(base_ptr + rows[:, None] * stride_bn + wi[None, :])[:, :, None]
+        xk = tl.load(xrow_ptr + wi[:, None] * 16 + j[None, :]).to(tl.float32)[None, :, :]
+        if is_tier:
+            d = tl.load(delta_ptr + rows[:, None] * stride_bn + wi[None, :])[:, :, None]
+            v = _fp4_values(w, d, sh)
+        else:
+            v = _base_values(w, sh, k0, k1, k2, k3)
+        part = tl.sum(v * xk, axis=2)
+        s = _scale_value(tl.load(scale_ptr + rows[:, None] * stride_sn + ((wi * 16) // GROUP)[None, :]), E8M0)
+        acc += part * s
+    return tl.sum(acc, axis=1)
+
+
+@triton.jit
+def _swiglu(g, u, limit, HAS_LIMIT: tl.constexpr):
+    if HAS_LIMIT:
+        g = tl.minimum(g, limit)
+        u = tl.minimum(tl.maximum(u, -limit), limit)
+    return g / (1.0 + tl.exp(-g)) * u
+
+
+@triton.jit
+def w13_pairs_kernel(x_ptr, ids_ptr, tier_ptr, b_ptr, d_ptr, s_ptr, s2_ptr, tab_ptr, act_ptr,
+                     top_k, H: tl.constexpr, I: tl.constexpr, limit, stride_be, stride_bn, stride_se, stride_sn,
+                     GROUP: tl.constexpr, E8M0: tl.constexpr, HAS_LIMIT: tl.constexpr,
+                     BN: tl.constexpr, BKW: tl.constexpr):
+    """act[p, n] = swiglu(gate_e x_t, up_e x_t)[n] for pair p = (t, slot), e = ids[p]."""
+    p = tl.program_id(0)
+    n = tl.program_id(1) * BN + tl.arange(0, BN)
+    e = tl.load(ids_ptr + p).to(tl.int64)
+    t = p // top_k
+    row = tl.load(tier_ptr + e)
+    is_tier = row >= 0
+    rowc = tl.maximum(row, 0).to(tl.int64)
+    xrow = x_ptr + t.to(tl.int64) * H
+    g = _gemv_rows(xrow, b_ptr + e * stride_be, d_ptr + rowc * stride_be, s_ptr + e * stride_se,
+                   tab_ptr + e * 8, n, is_tier, H, stride_bn, stride_sn, GROUP, E8M0, BN, BKW)
+    u = _gemv_rows(xrow, b_ptr + e * stride_be, d_ptr + rowc * stride_be, s_ptr + e * stride_se,
+                   tab_ptr + e * 8 + 4, n + I, is_tier, H, stride_bn, stride_sn, GROUP, E8M0, BN, BKW)
+    g = g * tl.load(s2_ptr + e * 2)
+    u = u * tl.load(s2_ptr + e * 2 + 1)
+    a = _swiglu(g, u, limit, HAS_LIMIT)
+    tl.store(act_ptr + p.to(tl.int64) * I + n, a.to(act_ptr.dtype.element_ty))
+
+
+@triton.jit
+def w2_pairs_kernel(act_ptr, ids_ptr, wts_ptr, tier_ptr, b_ptr, d_ptr, s_ptr, s2_ptr, tab_ptr, out_ptr,
+                    H: tl.constexpr, I: tl.constexpr, stride_be, stride_bn, stride_se, stride_sn,
+                    GROUP: tl.constexpr, E8M0: tl.constexpr, BN: tl.constexpr, BKW: tl.constexpr):
+    """out[p, n] = topk_weights[p] * (down_e act[p])[n]."""
+    p = tl.program_id(0)
+    n = tl.program_id(1) * BN + tl.arange(0, BN)
+    e = tl.load(ids_ptr + p).to(tl.int64)
+    row = tl.load(tier_ptr + e)
+    rowc = tl.maximum(row, 0).to(tl.int64)
+    y = _gemv_rows(act_ptr + p.to(tl.int64) * I, b_ptr + e * stride_be, d_ptr + rowc * stride_be,
+                   s_ptr + e * stride_se, tab_ptr + e * 4, n, row >= 0, I, stride_bn, stride_sn,
+                   GROUP, E8M0, BN, BKW)
+    y = y * tl.load(s2_ptr + e) * tl.load(wts_ptr + p).to(tl.float32)
+    tl.store(out_ptr + p.to(tl.int64) * H + n, y)
+
+
+@triton.jit
+def _tile(base_ptr, delta_ptr, scale_ptr, rows, wi, is_tier, k0, k1, k2, k3, stride_bn, stride_sn,
+          GROUP: tl.constexpr, E8M0: tl.constexpr, BN: tl.constexpr, BKW: tl.constexpr):
+    """float32 [BN, 16 * BKW] tile of scaled weights (without scale_2), elements in natural K order."""
+    sh = (2 * tl.arange(0, 16))[None, None, :]
+    w = tl.load(base_ptr + rows[:, None] * stride_bn + wi[None, :])[:, :, None]
+    if is_tier:
+        d = tl.load(delta_ptr + rows[:, None] * stride_bn + wi[None, :])[:, :, None]
+        v = _fp4_values(w, d, sh)
+    else:
+        v = _base_values(w, sh, k0, k1, k2, k3)
+    s = _scale_value(tl.load(scale_ptr + rows[:, None] * stride_sn + ((wi * 16) // GROUP)[None, :]), E8M0)
+    return tl.reshape(v * s[:, :, None], (BN, 16 * BKW))
+
+
+@triton.jit
+def _dot_in(v, DOT_F32: tl.constexpr):
+    """Operand of tl.dot: bf16 on the GPU; float32 under the interpreter, whose bf16 dot is wrong."""
+    if DOT_F32:
+        return v.to(tl.float32)
+    return v.to(tl.bfloat16)
+
+
+@triton.jit
+def w13_grouped_kernel(x_ptr, sorted_ptr, bexp_ptr, tier_ptr, b_ptr, d_ptr, s_ptr, s2_ptr, tab_ptr, act_ptr,
+                       top_k, H: tl.constexpr, I: tl.constexpr, limit, stride_be, stride_bn, stride_se, stride_sn,
+                       GROUP: tl.constexpr, E8M0: tl.constexpr, HAS_LIMIT: tl.constexpr,
+                       BM: tl.constexpr, BN: tl.constexpr, BKW: tl.constexpr, DOT_F32: tl.constexpr):
+    """act[pairs of block b, n] for the BM pairs of one expert, on tensor cores."""
+    b = tl.program_id(0)
+    e = tl.load(bexp_ptr + b).to(tl.int64)
+    if e >= 0:
+        n = tl.program_id(1) * BN + tl.arange(0, BN)
+        pairs = tl.load(sorted_ptr + b * BM + tl.arange(0, BM))
+        valid = pairs >= 0
+        tok = tl.where(valid, pairs // top_k, 0).to(tl.int64)
+        row = tl.load(tier_ptr + e)
+        is_tier = row >= 0
+        rowc = tl.maximum(row, 0).to(tl.int64)
+        bp = b_ptr + e * stride_be
+        dp = d_ptr + rowc * stride_be
+        sp = s_ptr + e * stride_se
+        g0, g1, g2, g3 = _cubic(tab_ptr + e * 8)
+        u0, u1, u2, u3 = _cubic(tab_ptr + e * 8 + 4)
+        acc_g = tl.zeros([BM, BN], dtype=tl.float32)
+        acc_u = tl.zeros([BM, BN], dtype=tl.float32)
+        kk = tl.arange(0, 16 * BKW)
+        for kw in range(0, H // 16, BKW):
+            wi = kw + tl.arange(0, BKW)
+            xk = tl.load(x_ptr + tok[:, None] * H + kw * 16 + kk[None, :], mask=valid[:, None], other=0.0)
+            xk = _dot_in(xk, DOT_F32)
+            wg = _tile(bp, dp, sp, n, wi, is_tier, g0, g1, g2, g3, stride_bn, stride_sn, GROUP, E8M0, BN, BKW)
+            acc_g = tl.dot(xk, tl.trans(_dot_in(wg, DOT_F32)), acc_g)
+            wu = _tile(bp, dp, sp, n + I, wi, is_tier, u0, u1, u2, u3, stride_bn, stride_sn, GROUP, E8M0, BN, BKW)
+            acc_u = tl.dot(xk, tl.trans(_dot_in(wu, DOT_F32)), acc_u)
+        a = _swiglu(acc_g * tl.load(s2_ptr + e * 2), acc_u * tl.load(s2_ptr + e * 2 + 1), limit, HAS_LIMIT)
+        dst = act_ptr + tl.where(valid, pairs, 0).to(tl.int64)[:, None] * I + n[None, :]
+        tl.store(dst, a.to(act_ptr.dtype.element_ty), mask=valid[:, None])
+
+
+@triton.jit
+def w2_grouped_kernel(act_ptr, sorted_ptr, bexp_ptr, wts_ptr, tier_ptr, b_ptr, d_ptr, s_ptr, s2_ptr, tab_ptr,
+                      out_ptr, H: tl.constexpr, I: tl.constexpr, stride_be, stride_bn, stride_se, stride_sn,
+                      GROUP: tl.constexpr, E8M0: tl.constexpr,
+                      BM: tl.constexpr, BN: tl.constexpr, BKW: tl.constexpr, DOT_F32: tl.constexpr):
+    """out[pair, n] = topk_weight[pair] * (down_e act[pair])[n] for the BM pairs of one expert."""
+    b = tl.program_id(0)
+    e = tl.load(bexp_ptr + b).to(tl.int64)
+    if e >= 0:
+        n = tl.program_id(1) * BN + tl.arange(0, BN)
+        pairs = tl.load(sorted_ptr + b * BM + tl.arange(0, BM))
+        valid = pairs >= 0
+        pc = tl.where(valid, pairs, 0).to(tl.int64)
+        row = tl.load(tier_ptr + e)
+        rowc = tl.maximum(row, 0).to(tl.int64)
+        k0, k1, k2, k3 = _cubic(tab_ptr + e * 4)
+        acc = tl.zeros([BM, BN], dtype=tl.float32)
+        kk = tl.arange(0, 16 * BKW)
+        for kw in range(0, I // 16, BKW):
+            wi = kw + tl.arange(0, BKW)
+            ak = tl.load(act_ptr + pc[:, None] * I + kw * 16 + kk[None, :], mask=valid[:, None], other=0.0)
+            w = _tile(b_ptr + e * stride_be, d_ptr + rowc * stride_be, s_ptr + e * stride_se, n, wi, row >= 0,
+                      k0, k1, k2, k3, stride_bn, stride_sn, GROUP, E8M0, BN, BKW)
+            acc = tl.dot(_dot_in(ak, DOT_F32), tl.trans(_dot_in(w, DOT_F32)), acc)
+        wt = tl.load(wts_ptr + pc, mask=valid, other=0.0).to(tl.float32)
+        y = acc * tl.load(s2_ptr + e) * wt[:, None]
+        tl.store(out_ptr + pc[:, None] * H + n[None, :], y, mask=valid[:, None])

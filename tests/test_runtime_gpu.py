@@ -1,0 +1,105 @@
+"""The Triton kernels against the plain torch reference at DeepSeek-V4-Flash dims (E 256, top-6,
+H 4096, I 2048): skipped without CUDA (CI has none); run on the device machine."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moet_cache.runtime import fused_moe
+from moet_cache.runtime.dequant import LayerPlanes
+from moet_cache.runtime.launch import Config, fused_moe_cuda
+from moet_cache.runtime.reference import fused_moe_reference
+from moet_cache.runtime.synthetic_layer import random_layer
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+E, K, H, I = 256, 6, 4096, 2048
+
+
+@pytest.fixture(scope="module", params=["e8m0", "e4m3"])
+def layer(request: pytest.FixtureRequest) -> dict[str, torch.Tensor]:
+    return random_layer(E, H, I, n_tier=26, e8m0=request.param == "e8m0", device="cuda", seed=1)
+
+
+def _routing(T: int, seed: int, all_hot: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    ids = torch.rand((T, E), generator=g, device="cuda").topk(K, dim=1).indices
+    if all_hot:  # every expert routed at least once
+        ids.view(-1)[:E] = torch.randperm(E, generator=g, device="cuda")
+    if T > 1:
+        ids[1, 1] = ids[1, 0]  # a repeated expert in one row
+    w = torch.rand((T, K), generator=g, device="cuda") * 1.5
+    return w, ids
+
+
+def _reference(x: torch.Tensor, t: dict, w: torch.Tensor, ids: torch.Tensor, limit: float | None) -> torch.Tensor:
+    """The plain torch path: on the CPU for small T, on the GPU (same code, float32) for large T."""
+    planes = LayerPlanes.from_tensors(t if x.shape[0] >= 64 else {k: v.cpu() for k, v in t.items()})
+    dev = planes.w13_base.device
+    return fused_moe_reference(x.to(dev), planes, w.to(dev), ids.to(dev), limit).to(x.device)
+
+
+def _check(got: torch.Tensor, ref: torch.Tensor, tol: float = 1.5e-2) -> None:
+    assert got.shape == ref.shape and torch.isfinite(got).all()
+    rel = ((got.float() - ref).norm() / ref.norm()).item()
+    row = ((got.float() - ref).norm(dim=1) / ref.norm(dim=1).clamp_min(1e-30)).max().item()
+    assert rel < tol and row < 3 * tol, (rel, row)
+
+
+@pytest.mark.parametrize("T", [1, 7, 64, 4096])
+def test_kernels_equal_reference(layer: dict, T: int) -> None:
+    g = torch.Generator(device="cuda").manual_seed(T)
+    x = torch.randn((T, H), generator=g, device="cuda").to(torch.bfloat16)
+    w, ids = _routing(T, T, all_hot=T >= 64)
+    limit = 7.0 if T in (7, 4096) else None
+    got = fused_moe(x, layer, w, ids, swiglu_limit=limit)
+    assert got.dtype == torch.bfloat16
+    _check(got, _reference(x, layer, w, ids, limit))
+
+
+@pytest.mark.parametrize("T,mode", [(7, "grouped"), (64, "pairs"), (3, "grouped-bm16")])
+def test_both_regimes(layer: dict, T: int, mode: str) -> None:
+    """Each regime at sizes the default choice would give to the other one."""
+    cfg = {"grouped": Config(pairs_max=0), "pairs": Config(pairs_max=10_000),
+           "grouped-bm16": Config(pairs_max=0, bm=16)}[mode]
+    g = torch.Generator(device="cuda").manual_seed(100 + T)
+    x = torch.randn((T, H), generator=g, device="cuda").to(torch.bfloat16)
+    w, ids = _routing(T, 100 + T)
+    got = fused_moe_cuda(x, LayerPlanes.from_tensors(layer), w, ids, None, cfg)
+    _check(got, _reference(x, layer, w, ids, None))
+
+
+def test_tier_edges_and_float32(layer: dict) -> None:
+    """No tier, every expert in the tier, float32 activations, zero tokens."""
+    T = 5
+    x = torch.randn((T, H), device="cuda")
+    w, ids = _routing(T, 7)
+    none = {k: v for k, v in layer.items() if k not in ("w13_delta", "w2_delta", "delta_experts")}
+    _check(fused_moe(x, none, w, ids), _reference(x, none, w, ids, None))
+    full = dict(layer, delta_experts=torch.arange(E, device="cuda"),
+                w13_delta=torch.randint(0, 256, layer["w13_base"].shape, dtype=torch.uint8, device="cuda"),
+                w2_delta=torch.randint(0, 256, layer["w2_base"].shape, dtype=torch.uint8, device="cuda"))
+    _check(fused_moe(x, full, w, ids), _reference(x, full, w, ids, None))
+    empty = fused_moe(x[:0], layer, w[:0], ids[:0])
+    assert empty.shape == (0, H)
+
+
+@pytest.mark.parametrize("T", [4, 64])
+def test_cuda_graph_capture(layer: dict, T: int) -> None:
+    """No host sync inside, in either regime: vLLM captures decode steps in CUDA graphs."""
+    x = torch.randn((T, H), device="cuda").to(torch.bfloat16)
+    w, ids = _routing(T, 11)
+    ref = fused_moe(x, layer, w, ids)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fused_moe(x, layer, w, ids)  # warm up (compile) outside the capture
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fused_moe(x, layer, w, ids)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, ref)
