@@ -126,15 +126,19 @@ def bf16_moe(w13: torch.Tensor, w2: torch.Tensor) -> Callable:
     return run
 
 
-class Humming:
-    """Humming's MXFP4 (E2M1 codes, e8m0 scales per 32) weight-only MoE, bf16 activations, indexed GEMM."""
+MXFP4 = {"dtype": "float4e2m1", "group_size": 32, "scale_dtype": "float8e8m0"}
+INT2 = {"dtype": "int2", "group_size": 32}  # evenly spaced 2-bit levels, bf16 scale per 32
 
-    def __init__(self, w13: torch.Tensor, w2: torch.Tensor) -> None:
+
+class Humming:
+    """Humming's weight-only MoE (bf16 activations, indexed GEMM): MXFP4 (E2M1 codes, e8m0 scales per
+    32), the FP4 peer; or int2, what an evenly spaced 2-bit table would run at."""
+
+    def __init__(self, w13: torch.Tensor, w2: torch.Tensor, cfg: dict) -> None:
         from humming.config import GemmType
         from humming.layer import HummingLayer, HummingMethod
 
         self.method, self.gemm = HummingMethod, GemmType.INDEXED
-        cfg = {"dtype": "float4e2m1", "group_size": 32, "scale_dtype": "float8e8m0"}
         self.layers = []
         for weight in (w13, w2):
             n, k = weight.shape[1], weight.shape[2]
@@ -186,13 +190,20 @@ class Humming:
 
 
 def sweep_configs(T: int) -> list:
+    """Candidates timed by --sweep: the pairs regime up to T = 16, the grouped ones from T = 4."""
     from moet_cache.runtime.launch import DEFAULT
-    if T * TOPK <= DEFAULT.pairs_max:
-        return [replace(DEFAULT, pair_bn=bn, pair_bkw=bkw, pair_warps=wp)
-                for bn, bkw, wp in ((16, 8, 4), (32, 8, 4), (32, 16, 4), (64, 8, 4), (64, 16, 8), (128, 8, 8))]
-    return [replace(DEFAULT, pairs_max=0, bm=bm, bn=bn, bkw=bkw, warps=wp, stages=st)
-            for bm, bn, bkw, wp, st in ((16, 64, 4, 4, 2), (32, 64, 4, 4, 3), (64, 64, 4, 4, 3),
-                                        (64, 128, 4, 8, 3), (128, 128, 4, 8, 3), (128, 64, 8, 8, 2))]
+    out = []
+    if T <= 16:
+        out += [replace(DEFAULT, pairs_max=10_000, pair_bn=bn, pair_bkw=bkw, pair_warps=wp)
+                for bn, bkw, wp in ((32, 16, 2), (64, 16, 4), (64, 8, 2), (128, 16, 4), (128, 16, 8))]
+    if T >= 4:
+        v1 = ((16, 64, 4, 4, 2), (32, 128, 4, 8, 3)) if T <= 256 else ((64, 128, 4, 8, 3), (128, 128, 4, 8, 3))
+        v2 = ((16, 64, 16, 4, 2), (64, 128, 16, 8, 2)) if T <= 256 else \
+            ((64, 128, 16, 8, 2), (128, 64, 16, 8, 2), (128, 128, 16, 8, 2))
+        out += [replace(DEFAULT, pairs_max=0, bm=bm, bn=bn, bkw=bkw, warps=wp, stages=st) for bm, bn, bkw, wp, st in v1]
+        out += [replace(DEFAULT, pairs_max=0, bm=bm, bn=bn, bkw=bkw, warps=wp, stages=st, v2=True)
+                for bm, bn, bkw, wp, st in v2]
+    return out
 
 
 def speed(args: argparse.Namespace) -> list[dict]:
@@ -218,15 +229,16 @@ def speed(args: argparse.Namespace) -> list[dict]:
     w13 = (torch.randn((E, 2 * I, H), generator=g, device="cuda") * 0.02).to(torch.bfloat16)
     w2 = (torch.randn((E, H, I), generator=g, device="cuda") * 0.02).to(torch.bfloat16)
     bf16 = bf16_moe(w13, w2)
-    hum = None
-    try:
-        t0 = time.time()
-        hum = Humming(w13, w2)
-        print(f"Humming MXFP4 resident {hum.resident_bytes() / MiB:.1f} MiB (set up in {time.time() - t0:.1f} s)",
-              flush=True)
-        rows.append({"what": "vram", "humming_MiB": hum.resident_bytes() / MiB})
-    except Exception as e:  # noqa: BLE001 - report and go on without it
-        print(f"Humming unavailable: {type(e).__name__}: {e}", flush=True)
+    hums: dict[str, tuple[Humming, int]] = {}
+    for hname, hcfg, bits in (("humming mxfp4", MXFP4, 4.25), ("humming int2", INT2, 2.5)):
+        try:
+            t0 = time.time()
+            hums[hname] = (Humming(w13, w2, hcfg), int(3 * H * I * bits / 8))
+            res_mib = hums[hname][0].resident_bytes() / MiB
+            print(f"{hname} resident {res_mib:.1f} MiB (set up in {time.time() - t0:.1f} s)", flush=True)
+            rows.append({"what": "vram", hname: res_mib})
+        except Exception as e:  # noqa: BLE001 - report and go on without it
+            print(f"{hname} unavailable: {type(e).__name__}: {str(e)[:300]}", flush=True)
     for T in args.tokens:
         w, ids = routing(T, 10 + T)
         x = (torch.randn((T, H), device="cuda") * 0.5).to(torch.bfloat16)
@@ -247,13 +259,13 @@ def speed(args: argparse.Namespace) -> list[dict]:
             res.append(Result("bf16 grouped_mm", T, us, hit * 3 * H * I * 2, note))
         except Exception as e:  # noqa: BLE001
             print(f"  bf16 failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
-        if hum is not None:
+        for hname, (hum, per_expert) in hums.items():
             try:
                 run = hum.prepare(ids)
                 us, note = timed(lambda: run(x, w))
-                res.append(Result("humming mxfp4", T, us, hit * 3 * H * I // 2 * (1 + 1 / 16), note))
+                res.append(Result(hname, T, us, hit * per_expert, note))
             except Exception as e:  # noqa: BLE001
-                print(f"  humming failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
+                print(f"  {hname} failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
         ref = {r.name: r.us for r in res}
         for r in res:
             vs_h = ref.get("humming mxfp4", float("nan")) / r.us

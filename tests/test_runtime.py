@@ -231,3 +231,54 @@ def test_refuses_bad_input(layers) -> None:
         fused_moe(x, t, w, ids + 16)
     with pytest.raises(InputError, match="tokens"):
         fused_moe(x[:, :8], t, w, ids)
+
+
+# ---- DeepSeek-V4 caches: the compact e8m0 form as the build stores it ------------------------------
+
+class V4Source(Source):
+    """V4 routed experts (layers.L.ffn.experts.E.{w1,w3,w2}), MXFP4 (.weight int8, .scale e8m0 per 32,
+    no global scale) or ModelOpt NVFP4 (.weight uint8, .weight_scale e4m3 per 16, .weight_scale_2)."""
+
+    NAMES = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
+
+    def codes(self, layer: int, e: int, proj: str) -> tuple[np.ndarray, np.ndarray, float]:
+        p = f"layers.{layer}.ffn.experts.{e}.{self.NAMES[proj]}"
+        codes = unpack_codes(self._get(f"{p}.weight").view(torch.uint8).numpy())
+        if f"{p}.scale" in self.index:
+            return codes, self._get(f"{p}.scale").float().double().numpy(), 1.0
+        scale = self._get(f"{p}.weight_scale").float().double().numpy()
+        return codes, scale, float(self._get(f"{p}.weight_scale_2"))
+
+
+@pytest.fixture(scope="module", params=["mxfp4", "hybrid"])
+def v4_cache(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    from moet_cache import BuildOptions, build_cache
+    from moet_cache.synthetic import make_v4_checkpoint, small_v4_spec
+
+    work = tmp_path_factory.mktemp(f"v4{request.param}")
+    spec = small_v4_spec(request.param, num_hidden_layers=2, mtp_blocks=0, num_nextn_predict_layers=0,
+                         num_experts_per_tok=6)
+    src = make_v4_checkpoint(work / "src", spec)
+    build_cache(src, work / "cache", BuildOptions(lossless=True, delta_budget="25%"))
+    cache = open_cache(work / "cache")
+    layers = {d: {x.index: x.tensors for x in cache.load(device="cpu", delta=d, workers=1)}
+              for d in ("all", "none", "tier")}
+    return V4Source(src), layers
+
+
+@pytest.mark.parametrize("delta", ["all", "none", "tier"])
+def test_v4_cache_compact_scales(v4_cache, delta: str) -> None:
+    src, layers = v4_cache
+    L = max(layers[delta])
+    t = layers[delta][L]
+    assert t["w13_weight_scale"].dtype == torch.float8_e8m0fnu  # the compact form, group 32
+    E, H = t["w13_base"].shape[0], t["w13_base"].shape[2] * 4
+    g = torch.Generator().manual_seed(L)
+    x = torch.randn((6, H), generator=g)
+    w, ids = _routing(6, E, 6, L)
+    fp4 = {"all": set(range(E)), "none": set(), "tier": set(t.get("delta_experts", torch.empty(0)).tolist())}[delta]
+    if delta == "tier":
+        assert 0 < len(fp4) < E
+    got = fused_moe(x, t, w, ids, swiglu_limit=10.0)
+    ref = moe_reference(src, L, t, x.double().numpy(), w.double().numpy(), ids.numpy(), fp4, 10.0)
+    assert _rel(got.double().numpy(), ref) < 1e-5

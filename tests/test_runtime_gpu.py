@@ -59,11 +59,13 @@ def test_kernels_equal_reference(layer: dict, T: int) -> None:
     _check(got, _reference(x, layer, w, ids, limit))
 
 
-@pytest.mark.parametrize("T,mode", [(7, "grouped"), (64, "pairs"), (3, "grouped-bm16")])
+@pytest.mark.parametrize("T,mode", [(7, "grouped"), (64, "pairs"), (3, "grouped-bm16"), (64, "grouped-v2"),
+                                    (4096, "grouped-v2")])
 def test_both_regimes(layer: dict, T: int, mode: str) -> None:
     """Each regime at sizes the default choice would give to the other one."""
     cfg = {"grouped": Config(pairs_max=0), "pairs": Config(pairs_max=10_000),
-           "grouped-bm16": Config(pairs_max=0, bm=16)}[mode]
+           "grouped-bm16": Config(pairs_max=0, bm=16),
+           "grouped-v2": Config(pairs_max=0, bm=64, bn=128, bkw=16, warps=8, v2=True)}[mode]
     g = torch.Generator(device="cuda").manual_seed(100 + T)
     x = torch.randn((T, H), generator=g, device="cuda").to(torch.bfloat16)
     w, ids = _routing(T, 100 + T)

@@ -28,7 +28,8 @@ CHILD = textwrap.dedent("""
     for e8m0 in (False, True):
         planes = LayerPlanes.from_tensors(random_layer(E, H, I, n_tier=3, e8m0=e8m0, device="cpu", seed=4))
         for T, cfg in ((3, Config(pairs_max=1000, pair_bn=16, pair_bkw=2)),
-                       (9, Config(pairs_max=0, bm=16, bn=16, bkw=2))):
+                       (9, Config(pairs_max=0, bm=16, bn=16, bkw=2)),
+                       (9, Config(pairs_max=0, bm=16, bn=16, bkw=2, v2=True))):
             g = torch.Generator().manual_seed(T)
             x = torch.randn((T, H), generator=g)
             ids = torch.randint(0, E, (T, 4), generator=g)

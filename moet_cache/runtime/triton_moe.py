@@ -70,21 +70,27 @@ def _fp4_values(w, d, sh):
 def _gemv_rows(xrow_ptr, base_ptr, delta_ptr, scale_ptr, tab_ptr, rows, is_tier, K: tl.constexpr,
                stride_bn, stride_sn, GROUP: tl.constexpr, E8M0: tl.constexpr, BN: tl.constexpr,
                BKW: tl.constexpr):
-    """sum_k W[rows, k] * x[k] in float32 for one expert's BN rows, without scale_2."""
-    j = tl.arange(0, 16)
-    sh = (2 * j)[None, None, :]
+    """sum_k W[rows, k] * x[k] in float32 for one expert's BN rows, without scale_2.
+
+    2-D tiles only ([BN, BKW] words; the 16 codes of a word in an unrolled loop with constant
+    shifts), the table as scalars, the block scale once per word (16 codes), no reduction inside
+    the K loop: Triton keeps every tile in registers, with no layout conversion.
+    """
     acc = tl.zeros([BN, BKW], dtype=tl.float32)
     k0, k1, k2, k3 = _cubic(tab_ptr)
     for kw in range(0, K // 16, BKW):
         wi = kw + tl.arange(0, BKW)
-        w = tl.load(base_ptr + rows[:, None] * stride_bn + wi[None, :])[:, :, None]
-        xk = tl.load(xrow_ptr + wi[:, None] * 16 + j[None, :]).to(tl.float32)[None, :, :]
+        w = tl.load(base_ptr + rows[:, None] * stride_bn + wi[None, :])
+        part = tl.zeros([BN, BKW], dtype=tl.float32)
         if is_tier:
-            d = tl.load(delta_ptr + rows[:, None] * stride_bn + wi[None, :])[:, :, None]
-            v = _fp4_values(w, d, sh)
+            d = tl.load(delta_ptr + rows[:, None] * stride_bn + wi[None, :])
+            for j in tl.static_range(16):
+                xj = tl.load(xrow_ptr + wi * 16 + j).to(tl.float32)
+                part += _fp4_values(w, d, 2 * j) * xj[None, :]
         else:
-            v = _base_values(w, sh, k0, k1, k2, k3)
-        part = tl.sum(v * xk, axis=2)
+            for j in tl.static_range(16):
+                xj = tl.load(xrow_ptr + wi * 16 + j).to(tl.float32)
+                part += _base_values(w, 2 * j, k0, k1, k2, k3) * xj[None, :]
         s = _scale_value(tl.load(scale_ptr + rows[:, None] * stride_sn + ((wi * 16) // GROUP)[None, :]), E8M0)
         acc += part * s
     return tl.sum(acc, axis=1)
@@ -142,16 +148,20 @@ def w2_pairs_kernel(act_ptr, ids_ptr, wts_ptr, tier_ptr, b_ptr, d_ptr, s_ptr, s2
 @triton.jit
 def _tile(base_ptr, delta_ptr, scale_ptr, rows, wi, is_tier, k0, k1, k2, k3, stride_bn, stride_sn,
           GROUP: tl.constexpr, E8M0: tl.constexpr, BN: tl.constexpr, BKW: tl.constexpr):
-    """float32 [BN, 16 * BKW] tile of scaled weights (without scale_2), elements in natural K order."""
+    """float32 [BN, 16 * BKW] tile of scaled weights (without scale_2), elements in natural K order.
+
+    Base-only: the block scale is folded into the cubic's coefficients once per word (16 codes).
+    """
     sh = (2 * tl.arange(0, 16))[None, None, :]
     w = tl.load(base_ptr + rows[:, None] * stride_bn + wi[None, :])[:, :, None]
+    s = _scale_value(tl.load(scale_ptr + rows[:, None] * stride_sn + ((wi * 16) // GROUP)[None, :]), E8M0)
+    s = s[:, :, None]
     if is_tier:
         d = tl.load(delta_ptr + rows[:, None] * stride_bn + wi[None, :])[:, :, None]
-        v = _fp4_values(w, d, sh)
+        v = _fp4_values(w, d, sh) * s
     else:
-        v = _base_values(w, sh, k0, k1, k2, k3)
-    s = _scale_value(tl.load(scale_ptr + rows[:, None] * stride_sn + ((wi * 16) // GROUP)[None, :]), E8M0)
-    return tl.reshape(v * s[:, :, None], (BN, 16 * BKW))
+        v = _base_values(w, sh, k0 * s, k1 * s, k2 * s, k3 * s)
+    return tl.reshape(v, (BN, 16 * BKW))
 
 
 @triton.jit
@@ -223,6 +233,102 @@ def w2_grouped_kernel(act_ptr, sorted_ptr, bexp_ptr, wts_ptr, tier_ptr, b_ptr, d
             w = _tile(b_ptr + e * stride_be, d_ptr + rowc * stride_be, s_ptr + e * stride_se, n, wi, row >= 0,
                       k0, k1, k2, k3, stride_bn, stride_sn, GROUP, E8M0, BN, BKW)
             acc = tl.dot(_dot_in(ak, DOT_F32), tl.trans(_dot_in(w, DOT_F32)), acc)
+        wt = tl.load(wts_ptr + pc, mask=valid, other=0.0).to(tl.float32)
+        y = acc * tl.load(s2_ptr + e) * wt[:, None]
+        tl.store(out_ptr + pc[:, None] * H + n[None, :], y, mask=valid[:, None])
+
+
+# ---- grouped, version 2: 2-D tiles only, K permuted within each step ------------------------------
+# A step covers BKW words (16 * BKW codes). Code j of word w is element (kw + w) * 16 + j; the kernel
+# takes the 16 codes of the step's words as 16 tiles [BN, BKW] (constant shifts) and runs one dot per
+# j against the activations at those K positions, which the launcher lays out contiguously
+# ("K-permuted": position j * BKW + w of each step holds element w * 16 + j). The w13 kernel writes
+# act in the w2 kernel's permuted order.
+
+
+@triton.jit
+def _perm_col(n, BKW: tl.constexpr):
+    """Where natural column n sits in the K-permuted order of steps of BKW words."""
+    return (n // (16 * BKW)) * (16 * BKW) + (n % 16) * BKW + (n // 16) % BKW
+
+
+@triton.jit
+def _dot_steps(acc, a_ptr, rows_a, valid, lda, base_ptr, delta_ptr, scale_ptr, rows, is_tier, k0, k1, k2, k3,
+               stride_bn, stride_sn, K: tl.constexpr, GROUP: tl.constexpr, E8M0: tl.constexpr,
+               BKW: tl.constexpr, DOT_F32: tl.constexpr):
+    """acc[BM, BN] += A[rows_a, :K] (K-permuted) @ W[rows, :K]^T (scaled, without scale_2)."""
+    wk = tl.arange(0, BKW)
+    for kw in range(0, K // 16, BKW):
+        wi = kw + wk
+        w = tl.load(base_ptr + rows[:, None] * stride_bn + wi[None, :])
+        s = _scale_value(tl.load(scale_ptr + rows[:, None] * stride_sn + ((wi * 16) // GROUP)[None, :]), E8M0)
+        a_row = a_ptr + rows_a[:, None] * lda + kw * 16 + wk[None, :]
+        if is_tier:
+            d = tl.load(delta_ptr + rows[:, None] * stride_bn + wi[None, :])
+            for j in tl.static_range(16):
+                a = tl.load(a_row + j * BKW, mask=valid[:, None], other=0.0)
+                v = _fp4_values(w, d, 2 * j) * s
+                acc = tl.dot(_dot_in(a, DOT_F32), tl.trans(_dot_in(v, DOT_F32)), acc)
+        else:
+            for j in tl.static_range(16):
+                a = tl.load(a_row + j * BKW, mask=valid[:, None], other=0.0)
+                v = _base_values(w, 2 * j, k0, k1, k2, k3) * s
+                acc = tl.dot(_dot_in(a, DOT_F32), tl.trans(_dot_in(v, DOT_F32)), acc)
+    return acc
+
+
+@triton.jit
+def w13_grouped2_kernel(x_ptr, sorted_ptr, bexp_ptr, tier_ptr, b_ptr, d_ptr, s_ptr, s2_ptr, tab_ptr, act_ptr,
+                        top_k, H: tl.constexpr, I: tl.constexpr, limit, stride_be, stride_bn, stride_se,
+                        stride_sn, GROUP: tl.constexpr, E8M0: tl.constexpr, HAS_LIMIT: tl.constexpr,
+                        BM: tl.constexpr, BN: tl.constexpr, BKW: tl.constexpr, BKW2: tl.constexpr,
+                        DOT_F32: tl.constexpr):
+    """act (K-permuted for steps of BKW2 words) of the BM pairs of one expert; x K-permuted for BKW."""
+    b = tl.program_id(0)
+    e = tl.load(bexp_ptr + b).to(tl.int64)
+    if e >= 0:
+        n = tl.program_id(1) * BN + tl.arange(0, BN)
+        pairs = tl.load(sorted_ptr + b * BM + tl.arange(0, BM))
+        valid = pairs >= 0
+        tok = tl.where(valid, pairs // top_k, 0).to(tl.int64)
+        row = tl.load(tier_ptr + e)
+        rowc = tl.maximum(row, 0).to(tl.int64)
+        bp = b_ptr + e * stride_be
+        dp = d_ptr + rowc * stride_be
+        sp = s_ptr + e * stride_se
+        g0, g1, g2, g3 = _cubic(tab_ptr + e * 8)
+        u0, u1, u2, u3 = _cubic(tab_ptr + e * 8 + 4)
+        acc_g = tl.zeros([BM, BN], dtype=tl.float32)
+        acc_u = tl.zeros([BM, BN], dtype=tl.float32)
+        acc_g = _dot_steps(acc_g, x_ptr, tok, valid, H, bp, dp, sp, n, row >= 0, g0, g1, g2, g3,
+                           stride_bn, stride_sn, H, GROUP, E8M0, BKW, DOT_F32)
+        acc_u = _dot_steps(acc_u, x_ptr, tok, valid, H, bp, dp, sp, n + I, row >= 0, u0, u1, u2, u3,
+                           stride_bn, stride_sn, H, GROUP, E8M0, BKW, DOT_F32)
+        a = _swiglu(acc_g * tl.load(s2_ptr + e * 2), acc_u * tl.load(s2_ptr + e * 2 + 1), limit, HAS_LIMIT)
+        dst = act_ptr + tl.where(valid, pairs, 0).to(tl.int64)[:, None] * I + _perm_col(n, BKW2)[None, :]
+        tl.store(dst, a.to(act_ptr.dtype.element_ty), mask=valid[:, None])
+
+
+@triton.jit
+def w2_grouped2_kernel(act_ptr, sorted_ptr, bexp_ptr, wts_ptr, tier_ptr, b_ptr, d_ptr, s_ptr, s2_ptr, tab_ptr,
+                       out_ptr, H: tl.constexpr, I: tl.constexpr, stride_be, stride_bn, stride_se, stride_sn,
+                       GROUP: tl.constexpr, E8M0: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                       BKW: tl.constexpr, DOT_F32: tl.constexpr):
+    """out[pair, n] = topk_weight[pair] * (down_e act[pair])[n]; act K-permuted for BKW."""
+    b = tl.program_id(0)
+    e = tl.load(bexp_ptr + b).to(tl.int64)
+    if e >= 0:
+        n = tl.program_id(1) * BN + tl.arange(0, BN)
+        pairs = tl.load(sorted_ptr + b * BM + tl.arange(0, BM))
+        valid = pairs >= 0
+        pc = tl.where(valid, pairs, 0).to(tl.int64)
+        row = tl.load(tier_ptr + e)
+        rowc = tl.maximum(row, 0).to(tl.int64)
+        k0, k1, k2, k3 = _cubic(tab_ptr + e * 4)
+        acc = tl.zeros([BM, BN], dtype=tl.float32)
+        acc = _dot_steps(acc, act_ptr, pc, valid, I, b_ptr + e * stride_be, d_ptr + rowc * stride_be,
+                         s_ptr + e * stride_se, n, row >= 0, k0, k1, k2, k3, stride_bn, stride_sn, I, GROUP,
+                         E8M0, BKW, DOT_F32)
         wt = tl.load(wts_ptr + pc, mask=valid, other=0.0).to(tl.float32)
         y = acc * tl.load(s2_ptr + e) * wt[:, None]
         tl.store(out_ptr + pc[:, None] * H + n[None, :], y, mask=valid[:, None])
