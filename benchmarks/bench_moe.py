@@ -16,7 +16,7 @@ import argparse
 import json
 import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -104,7 +104,8 @@ def bench_planes(name: str, t: dict[str, torch.Tensor], x: torch.Tensor, w: torc
     tier = set(t["delta_experts"].tolist()) if "delta_experts" in t else set()
     delta = t["w13_delta"][0].numel() + t["w2_delta"][0].numel() if tier else 0
     nbytes = len(hit) * plane_bytes_per_expert(t) + len(hit & tier) * delta
-    return Result(name, x.shape[0], us, nbytes, note)
+    picked = cfg.pick(ids.numel())
+    return Result(name, x.shape[0], us, nbytes, f"{note}; {type(picked).__name__.lower()} {picked}")
 
 
 def bf16_moe(w13: torch.Tensor, w2: torch.Tensor) -> Callable:
@@ -190,19 +191,17 @@ class Humming:
 
 
 def sweep_configs(T: int) -> list:
-    """Candidates timed by --sweep: the pairs regime up to T = 16, the grouped ones from T = 4."""
-    from moet_cache.runtime.launch import DEFAULT
+    """Candidates timed by --sweep: the pairs kernels up to T = 16, the grouped ones from T = 4."""
+    from moet_cache.runtime.launch import Config, Grouped, Pairs
     out = []
     if T <= 16:
-        out += [replace(DEFAULT, pairs_max=10_000, pair_bn=bn, pair_bkw=bkw, pair_warps=wp)
-                for bn, bkw, wp in ((32, 16, 2), (64, 16, 4), (64, 8, 2), (128, 16, 4), (128, 16, 8))]
+        out += [Config.only(Pairs(bn, bkw, wp)) for bn, bkw, wp in
+                ((32, 16, 2), (64, 16, 4), (64, 8, 2), (128, 16, 4), (128, 16, 8))]
     if T >= 4:
         v1 = ((16, 64, 4, 4, 2), (32, 128, 4, 8, 3)) if T <= 256 else ((64, 128, 4, 8, 3), (128, 128, 4, 8, 3))
         v2 = ((16, 64, 16, 4, 2), (64, 128, 16, 8, 2)) if T <= 256 else \
             ((64, 128, 16, 8, 2), (128, 64, 16, 8, 2), (128, 128, 16, 8, 2))
-        out += [replace(DEFAULT, pairs_max=0, bm=bm, bn=bn, bkw=bkw, warps=wp, stages=st) for bm, bn, bkw, wp, st in v1]
-        out += [replace(DEFAULT, pairs_max=0, bm=bm, bn=bn, bkw=bkw, warps=wp, stages=st, v2=True)
-                for bm, bn, bkw, wp, st in v2]
+        out += [Config.only(Grouped(*g, False)) for g in v1] + [Config.only(Grouped(*g, True)) for g in v2]
     return out
 
 

@@ -8,7 +8,7 @@ import torch
 
 from moet_cache.runtime import fused_moe
 from moet_cache.runtime.dequant import LayerPlanes
-from moet_cache.runtime.launch import Config, fused_moe_cuda
+from moet_cache.runtime.launch import DEFAULT, Config, fused_moe_cuda
 from moet_cache.runtime.reference import fused_moe_reference
 from moet_cache.runtime.synthetic_layer import random_layer
 
@@ -59,13 +59,11 @@ def test_kernels_equal_reference(layer: dict, T: int) -> None:
     _check(got, _reference(x, layer, w, ids, limit))
 
 
-@pytest.mark.parametrize("T,mode", [(7, "grouped"), (64, "pairs"), (3, "grouped-bm16"), (64, "grouped-v2"),
-                                    (4096, "grouped-v2")])
+@pytest.mark.parametrize("T,mode", [(7, "large"), (64, "pairs"), (3, "mid"), (64, "large"), (4096, "mid"),
+                                    (5, "tiny")])
 def test_both_regimes(layer: dict, T: int, mode: str) -> None:
     """Each regime at sizes the default choice would give to the other one."""
-    cfg = {"grouped": Config(pairs_max=0), "pairs": Config(pairs_max=10_000),
-           "grouped-bm16": Config(pairs_max=0, bm=16),
-           "grouped-v2": Config(pairs_max=0, bm=64, bn=128, bkw=16, warps=8, v2=True)}[mode]
+    cfg = Config.only(getattr(DEFAULT, mode))
     g = torch.Generator(device="cuda").manual_seed(100 + T)
     x = torch.randn((T, H), generator=g, device="cuda").to(torch.bfloat16)
     w, ids = _routing(T, 100 + T)

@@ -20,16 +20,16 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reas
 CHILD = textwrap.dedent("""
     import torch
     from moet_cache.runtime.dequant import LayerPlanes
-    from moet_cache.runtime.launch import Config, fused_moe_cuda
+    from moet_cache.runtime.launch import Config, Grouped, Pairs, fused_moe_cuda
     from moet_cache.runtime.reference import fused_moe_reference
     from moet_cache.runtime.synthetic_layer import random_layer
 
     E, H, I = 8, 64, 32
     for e8m0 in (False, True):
         planes = LayerPlanes.from_tensors(random_layer(E, H, I, n_tier=3, e8m0=e8m0, device="cpu", seed=4))
-        for T, cfg in ((3, Config(pairs_max=1000, pair_bn=16, pair_bkw=2)),
-                       (9, Config(pairs_max=0, bm=16, bn=16, bkw=2)),
-                       (9, Config(pairs_max=0, bm=16, bn=16, bkw=2, v2=True))):
+        for T, cfg in ((3, Config.only(Pairs(16, 2, 4))),
+                       (9, Config.only(Grouped(16, 16, 2, 4, 2, False))),
+                       (9, Config.only(Grouped(16, 16, 2, 4, 2, True)))):
             g = torch.Generator().manual_seed(T)
             x = torch.randn((T, H), generator=g)
             ids = torch.randint(0, E, (T, 4), generator=g)

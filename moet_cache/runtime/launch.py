@@ -11,19 +11,52 @@ from .dequant import LayerPlanes
 
 
 @dataclass(frozen=True)
-class Config:
-    """Block sizes of one regime. Pairs: BN output rows x BKW words (16 codes each) per step."""
+class Pairs:
+    """The pairs (GEMV) kernels: BN output rows x BKW words (16 codes each) a step."""
 
-    pairs_max: int = 128       # T * top_k up to this: the pairs (GEMV) regime, else grouped
-    pair_bn: int = 32
-    pair_bkw: int = 8
-    pair_warps: int = 4
-    bm: int = 64               # grouped: pairs per block
-    bn: int = 64
-    bkw: int = 4
-    warps: int = 4
-    stages: int = 2
-    v2: bool = False           # grouped: the 2-D, K-permuted kernels (triton_moe.py, version 2)
+    bn: int
+    bkw: int
+    warps: int
+
+
+@dataclass(frozen=True)
+class Grouped:
+    """The grouped (tensor-core) kernels: BM pairs of one expert x BN output rows, BKW words a step."""
+
+    bm: int
+    bn: int
+    bkw: int
+    warps: int
+    stages: int
+    v2: bool  # the 2-D, K-permuted kernels (triton_moe.py, version 2)
+
+
+@dataclass(frozen=True)
+class Config:
+    """Which kernels and blocks for P = T * top_k pairs; the defaults are the H200 sweep's best
+    (benchmarks/bench_moe.py --sweep, docs/RUNTIME.md)."""
+
+    tiny_max: int = 12        # P up to this: `tiny`
+    pairs_max: int = 96       # then up to this: `pairs`
+    large_from: int = 2048    # from this: `large`; between: `mid`
+    tiny: Pairs = Pairs(32, 16, 2)
+    pairs: Pairs = Pairs(64, 8, 2)
+    mid: Grouped = Grouped(16, 64, 16, 4, 2, True)
+    large: Grouped = Grouped(128, 128, 4, 8, 3, False)
+
+    def pick(self, P: int) -> Pairs | Grouped:
+        if P <= self.tiny_max:
+            return self.tiny
+        if P <= self.pairs_max:
+            return self.pairs
+        return self.large if P >= self.large_from else self.mid
+
+    @classmethod
+    def only(cls, block: Pairs | Grouped) -> "Config":
+        """Always these kernels and blocks (tests, sweeps)."""
+        if isinstance(block, Pairs):
+            return cls(tiny_max=0, pairs_max=1 << 62, pairs=block)
+        return cls(tiny_max=0, pairs_max=0, large_from=1 << 62, mid=block)
 
 
 DEFAULT = Config()
@@ -74,19 +107,19 @@ def fused_moe_cuda(x: torch.Tensor, planes: LayerPlanes, topk_weights: torch.Ten
     P = T * top_k
     act = torch.empty((P, I), dtype=x.dtype, device=dev)
     out = torch.empty((P, H), dtype=torch.float32, device=dev)
-    c = config
-    if P <= c.pairs_max:
-        bn13, bkw13 = _fit(I, c.pair_bn), _fit(H // 16, c.pair_bkw)
+    c = config.pick(P)
+    if isinstance(c, Pairs):
+        bn13, bkw13 = _fit(I, c.bn), _fit(H // 16, c.bkw)
         k.w13_pairs_kernel[(P, I // bn13)](
             x, ids, tier, b13, d13, s13, s2_13, t13, act, top_k, H, I, limit,
             b13.stride(0), b13.stride(1), s13.stride(0), s13.stride(1),
             GROUP=g13, E8M0=e8_13, HAS_LIMIT=swiglu_limit is not None, BN=bn13, BKW=bkw13,
-            num_warps=c.pair_warps)
-        bn2, bkw2 = _fit(H, c.pair_bn), _fit(I // 16, c.pair_bkw)
+            num_warps=c.warps)
+        bn2, bkw2 = _fit(H, c.bn), _fit(I // 16, c.bkw)
         k.w2_pairs_kernel[(P, H // bn2)](
             act, ids, wts, tier, b2, d2, s2, s2_2, t2, out, H, I,
             b2.stride(0), b2.stride(1), s2.stride(0), s2.stride(1),
-            GROUP=g2, E8M0=e8_2, BN=bn2, BKW=bkw2, num_warps=c.pair_warps)
+            GROUP=g2, E8M0=e8_2, BN=bn2, BKW=bkw2, num_warps=c.warps)
     elif c.v2:
         blocks = align_pairs(topk_ids, E, c.bm)
         bn13, bkw13 = _fit(I, c.bn), _fit(H // 16, c.bkw)
@@ -108,11 +141,12 @@ def fused_moe_cuda(x: torch.Tensor, planes: LayerPlanes, topk_weights: torch.Ten
         k.w13_grouped_kernel[(blocks.max_blocks, I // bn13)](
             x, blocks.sorted_pairs, blocks.block_expert, tier, b13, d13, s13, s2_13, t13, act, top_k, H, I,
             limit, b13.stride(0), b13.stride(1), s13.stride(0), s13.stride(1),
-            GROUP=g13, E8M0=e8_13, HAS_LIMIT=swiglu_limit is not None, BM=c.bm, BN=bn13, BKW=bkw13, DOT_F32=not x.is_cuda,
-            num_warps=c.warps, num_stages=c.stages)
+            GROUP=g13, E8M0=e8_13, HAS_LIMIT=swiglu_limit is not None, BM=c.bm, BN=bn13, BKW=bkw13,
+            DOT_F32=not x.is_cuda, num_warps=c.warps, num_stages=c.stages)
         bn2, bkw2 = _fit(H, c.bn), _fit(I // 16, c.bkw)
         k.w2_grouped_kernel[(blocks.max_blocks, H // bn2)](
             act, blocks.sorted_pairs, blocks.block_expert, wts, tier, b2, d2, s2, s2_2, t2, out, H, I,
             b2.stride(0), b2.stride(1), s2.stride(0), s2.stride(1),
-            GROUP=g2, E8M0=e8_2, BM=c.bm, BN=bn2, BKW=bkw2, DOT_F32=not x.is_cuda, num_warps=c.warps, num_stages=c.stages)
+            GROUP=g2, E8M0=e8_2, BM=c.bm, BN=bn2, BKW=bkw2, DOT_F32=not x.is_cuda, num_warps=c.warps,
+            num_stages=c.stages)
     return out.view(T, top_k, H).sum(1).to(x.dtype)
