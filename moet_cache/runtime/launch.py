@@ -120,33 +120,20 @@ def fused_moe_cuda(x: torch.Tensor, planes: LayerPlanes, topk_weights: torch.Ten
             act, ids, wts, tier, b2, d2, s2, s2_2, t2, out, H, I,
             b2.stride(0), b2.stride(1), s2.stride(0), s2.stride(1),
             GROUP=g2, E8M0=e8_2, BN=bn2, BKW=bkw2, num_warps=c.warps)
-    elif c.v2:
-        blocks = align_pairs(topk_ids, E, c.bm)
-        bn13, bkw13 = _fit(I, c.bn), _fit(H // 16, c.bkw)
-        bn2, bkw2 = _fit(H, c.bn), _fit(I // 16, c.bkw)
-        xp = x.view(T, H // (16 * bkw13), bkw13, 16).transpose(2, 3).contiguous()
-        k.w13_grouped2_kernel[(blocks.max_blocks, I // bn13)](
-            xp, blocks.sorted_pairs, blocks.block_expert, tier, b13, d13, s13, s2_13, t13, act, top_k, H, I,
-            limit, b13.stride(0), b13.stride(1), s13.stride(0), s13.stride(1),
-            GROUP=g13, E8M0=e8_13, HAS_LIMIT=swiglu_limit is not None, BM=c.bm, BN=bn13, BKW=bkw13,
-            BKW2=bkw2, DOT_F32=not x.is_cuda, num_warps=c.warps, num_stages=c.stages)
-        k.w2_grouped2_kernel[(blocks.max_blocks, H // bn2)](
-            act, blocks.sorted_pairs, blocks.block_expert, wts, tier, b2, d2, s2, s2_2, t2, out, H, I,
-            b2.stride(0), b2.stride(1), s2.stride(0), s2.stride(1),
-            GROUP=g2, E8M0=e8_2, BM=c.bm, BN=bn2, BKW=bkw2, DOT_F32=not x.is_cuda, num_warps=c.warps,
-            num_stages=c.stages)
     else:
         blocks = align_pairs(topk_ids, E, c.bm)
         bn13, bkw13 = _fit(I, c.bn), _fit(H // 16, c.bkw)
+        bn2, bkw2 = _fit(H, c.bn), _fit(I // 16, c.bkw)
+        # v2 reads x K-permuted: position j * BKW + w of each step holds element w * 16 + j
+        xk = x.view(T, H // (16 * bkw13), bkw13, 16).transpose(2, 3).contiguous() if c.v2 else x
         k.w13_grouped_kernel[(blocks.max_blocks, I // bn13)](
-            x, blocks.sorted_pairs, blocks.block_expert, tier, b13, d13, s13, s2_13, t13, act, top_k, H, I,
+            xk, blocks.sorted_pairs, blocks.block_expert, tier, b13, d13, s13, s2_13, t13, act, top_k, H, I,
             limit, b13.stride(0), b13.stride(1), s13.stride(0), s13.stride(1),
             GROUP=g13, E8M0=e8_13, HAS_LIMIT=swiglu_limit is not None, BM=c.bm, BN=bn13, BKW=bkw13,
-            DOT_F32=not x.is_cuda, num_warps=c.warps, num_stages=c.stages)
-        bn2, bkw2 = _fit(H, c.bn), _fit(I // 16, c.bkw)
+            BKW2=bkw2, DOT_F32=not x.is_cuda, V2=c.v2, num_warps=c.warps, num_stages=c.stages)
         k.w2_grouped_kernel[(blocks.max_blocks, H // bn2)](
             act, blocks.sorted_pairs, blocks.block_expert, wts, tier, b2, d2, s2, s2_2, t2, out, H, I,
             b2.stride(0), b2.stride(1), s2.stride(0), s2.stride(1),
-            GROUP=g2, E8M0=e8_2, BM=c.bm, BN=bn2, BKW=bkw2, DOT_F32=not x.is_cuda, num_warps=c.warps,
-            num_stages=c.stages)
+            GROUP=g2, E8M0=e8_2, BM=c.bm, BN=bn2, BKW=bkw2, DOT_F32=not x.is_cuda, V2=c.v2,
+            num_warps=c.warps, num_stages=c.stages)
     return out.view(T, top_k, H).sum(1).to(x.dtype)

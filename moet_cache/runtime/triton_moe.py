@@ -173,69 +173,39 @@ def _dot_in(v, DOT_F32: tl.constexpr):
 
 
 @triton.jit
-def w13_grouped_kernel(x_ptr, sorted_ptr, bexp_ptr, tier_ptr, b_ptr, d_ptr, s_ptr, s2_ptr, tab_ptr, act_ptr,
-                       top_k, H: tl.constexpr, I: tl.constexpr, limit, stride_be, stride_bn, stride_se, stride_sn,
-                       GROUP: tl.constexpr, E8M0: tl.constexpr, HAS_LIMIT: tl.constexpr,
-                       BM: tl.constexpr, BN: tl.constexpr, BKW: tl.constexpr, DOT_F32: tl.constexpr):
-    """act[pairs of block b, n] for the BM pairs of one expert, on tensor cores."""
-    b = tl.program_id(0)
-    e = tl.load(bexp_ptr + b).to(tl.int64)
-    if e >= 0:
-        n = tl.program_id(1) * BN + tl.arange(0, BN)
-        pairs = tl.load(sorted_ptr + b * BM + tl.arange(0, BM))
-        valid = pairs >= 0
-        tok = tl.where(valid, pairs // top_k, 0).to(tl.int64)
-        row = tl.load(tier_ptr + e)
-        is_tier = row >= 0
-        rowc = tl.maximum(row, 0).to(tl.int64)
-        bp = b_ptr + e * stride_be
-        dp = d_ptr + rowc * stride_be
-        sp = s_ptr + e * stride_se
-        g0, g1, g2, g3 = _cubic(tab_ptr + e * 8)
-        u0, u1, u2, u3 = _cubic(tab_ptr + e * 8 + 4)
-        acc_g = tl.zeros([BM, BN], dtype=tl.float32)
-        acc_u = tl.zeros([BM, BN], dtype=tl.float32)
-        kk = tl.arange(0, 16 * BKW)
-        for kw in range(0, H // 16, BKW):
-            wi = kw + tl.arange(0, BKW)
-            xk = tl.load(x_ptr + tok[:, None] * H + kw * 16 + kk[None, :], mask=valid[:, None], other=0.0)
-            xk = _dot_in(xk, DOT_F32)
-            wg = _tile(bp, dp, sp, n, wi, is_tier, g0, g1, g2, g3, stride_bn, stride_sn, GROUP, E8M0, BN, BKW)
-            acc_g = tl.dot(xk, tl.trans(_dot_in(wg, DOT_F32)), acc_g)
-            wu = _tile(bp, dp, sp, n + I, wi, is_tier, u0, u1, u2, u3, stride_bn, stride_sn, GROUP, E8M0, BN, BKW)
-            acc_u = tl.dot(xk, tl.trans(_dot_in(wu, DOT_F32)), acc_u)
-        a = _swiglu(acc_g * tl.load(s2_ptr + e * 2), acc_u * tl.load(s2_ptr + e * 2 + 1), limit, HAS_LIMIT)
-        dst = act_ptr + tl.where(valid, pairs, 0).to(tl.int64)[:, None] * I + n[None, :]
-        tl.store(dst, a.to(act_ptr.dtype.element_ty), mask=valid[:, None])
+def _block(sorted_ptr, tier_ptr, b_ptr, d_ptr, s_ptr, e, stride_be, stride_se, BM: tl.constexpr,
+           BN: tl.constexpr):
+    """This program's rows n, its block's pairs (pc, padding masked by valid), whether the expert is
+    in the tier, and the expert's base, delta and scale pointers."""
+    n = tl.program_id(1) * BN + tl.arange(0, BN)
+    pairs = tl.load(sorted_ptr + tl.program_id(0) * BM + tl.arange(0, BM))
+    valid = pairs >= 0
+    pc = tl.where(valid, pairs, 0).to(tl.int64)
+    row = tl.load(tier_ptr + e)
+    dp = d_ptr + tl.maximum(row, 0).to(tl.int64) * stride_be
+    return n, valid, pc, row >= 0, b_ptr + e * stride_be, dp, s_ptr + e * stride_se
 
 
 @triton.jit
-def w2_grouped_kernel(act_ptr, sorted_ptr, bexp_ptr, wts_ptr, tier_ptr, b_ptr, d_ptr, s_ptr, s2_ptr, tab_ptr,
-                      out_ptr, H: tl.constexpr, I: tl.constexpr, stride_be, stride_bn, stride_se, stride_sn,
-                      GROUP: tl.constexpr, E8M0: tl.constexpr,
-                      BM: tl.constexpr, BN: tl.constexpr, BKW: tl.constexpr, DOT_F32: tl.constexpr):
-    """out[pair, n] = topk_weight[pair] * (down_e act[pair])[n] for the BM pairs of one expert."""
-    b = tl.program_id(0)
-    e = tl.load(bexp_ptr + b).to(tl.int64)
-    if e >= 0:
-        n = tl.program_id(1) * BN + tl.arange(0, BN)
-        pairs = tl.load(sorted_ptr + b * BM + tl.arange(0, BM))
-        valid = pairs >= 0
-        pc = tl.where(valid, pairs, 0).to(tl.int64)
-        row = tl.load(tier_ptr + e)
-        rowc = tl.maximum(row, 0).to(tl.int64)
-        k0, k1, k2, k3 = _cubic(tab_ptr + e * 4)
-        acc = tl.zeros([BM, BN], dtype=tl.float32)
-        kk = tl.arange(0, 16 * BKW)
-        for kw in range(0, I // 16, BKW):
-            wi = kw + tl.arange(0, BKW)
-            ak = tl.load(act_ptr + pc[:, None] * I + kw * 16 + kk[None, :], mask=valid[:, None], other=0.0)
-            w = _tile(b_ptr + e * stride_be, d_ptr + rowc * stride_be, s_ptr + e * stride_se, n, wi, row >= 0,
-                      k0, k1, k2, k3, stride_bn, stride_sn, GROUP, E8M0, BN, BKW)
-            acc = tl.dot(_dot_in(ak, DOT_F32), tl.trans(_dot_in(w, DOT_F32)), acc)
-        wt = tl.load(wts_ptr + pc, mask=valid, other=0.0).to(tl.float32)
-        y = acc * tl.load(s2_ptr + e) * wt[:, None]
-        tl.store(out_ptr + pc[:, None] * H + n[None, :], y, mask=valid[:, None])
+def _store_down(out_ptr, acc, s2, wts_ptr, pc, valid, n, H: tl.constexpr):
+    """out[pair, n] = acc * scale_2 * topk_weight[pair] for the block's valid pairs."""
+    wt = tl.load(wts_ptr + pc, mask=valid, other=0.0).to(tl.float32)
+    tl.store(out_ptr + pc[:, None] * H + n[None, :], acc * s2 * wt[:, None], mask=valid[:, None])
+
+
+@triton.jit
+def _tile_steps(acc, a_ptr, rows_a, valid, lda, base_ptr, delta_ptr, scale_ptr, rows, is_tier, k0, k1, k2, k3,
+                stride_bn, stride_sn, K: tl.constexpr, GROUP: tl.constexpr, E8M0: tl.constexpr,
+                BN: tl.constexpr, BKW: tl.constexpr, DOT_F32: tl.constexpr):
+    """acc[BM, BN] += A[rows_a, :K] @ W[rows, :K]^T (scaled, without scale_2), whole [BN, 16 * BKW] tiles."""
+    kk = tl.arange(0, 16 * BKW)
+    for kw in range(0, K // 16, BKW):
+        wi = kw + tl.arange(0, BKW)
+        a = tl.load(a_ptr + rows_a[:, None] * lda + kw * 16 + kk[None, :], mask=valid[:, None], other=0.0)
+        w = _tile(base_ptr, delta_ptr, scale_ptr, rows, wi, is_tier, k0, k1, k2, k3, stride_bn, stride_sn,
+                  GROUP, E8M0, BN, BKW)
+        acc = tl.dot(_dot_in(a, DOT_F32), tl.trans(_dot_in(w, DOT_F32)), acc)
+    return acc
 
 
 # ---- grouped, version 2: 2-D tiles only, K permuted within each step ------------------------------
@@ -278,57 +248,56 @@ def _dot_steps(acc, a_ptr, rows_a, valid, lda, base_ptr, delta_ptr, scale_ptr, r
 
 
 @triton.jit
-def w13_grouped2_kernel(x_ptr, sorted_ptr, bexp_ptr, tier_ptr, b_ptr, d_ptr, s_ptr, s2_ptr, tab_ptr, act_ptr,
-                        top_k, H: tl.constexpr, I: tl.constexpr, limit, stride_be, stride_bn, stride_se,
-                        stride_sn, GROUP: tl.constexpr, E8M0: tl.constexpr, HAS_LIMIT: tl.constexpr,
-                        BM: tl.constexpr, BN: tl.constexpr, BKW: tl.constexpr, BKW2: tl.constexpr,
-                        DOT_F32: tl.constexpr):
-    """act (K-permuted for steps of BKW2 words) of the BM pairs of one expert; x K-permuted for BKW."""
-    b = tl.program_id(0)
-    e = tl.load(bexp_ptr + b).to(tl.int64)
-    if e >= 0:
-        n = tl.program_id(1) * BN + tl.arange(0, BN)
-        pairs = tl.load(sorted_ptr + b * BM + tl.arange(0, BM))
-        valid = pairs >= 0
-        tok = tl.where(valid, pairs // top_k, 0).to(tl.int64)
-        row = tl.load(tier_ptr + e)
-        rowc = tl.maximum(row, 0).to(tl.int64)
-        bp = b_ptr + e * stride_be
-        dp = d_ptr + rowc * stride_be
-        sp = s_ptr + e * stride_se
-        g0, g1, g2, g3 = _cubic(tab_ptr + e * 8)
-        u0, u1, u2, u3 = _cubic(tab_ptr + e * 8 + 4)
-        acc_g = tl.zeros([BM, BN], dtype=tl.float32)
-        acc_u = tl.zeros([BM, BN], dtype=tl.float32)
-        acc_g = _dot_steps(acc_g, x_ptr, tok, valid, H, bp, dp, sp, n, row >= 0, g0, g1, g2, g3,
-                           stride_bn, stride_sn, H, GROUP, E8M0, BKW, DOT_F32)
-        acc_u = _dot_steps(acc_u, x_ptr, tok, valid, H, bp, dp, sp, n + I, row >= 0, u0, u1, u2, u3,
-                           stride_bn, stride_sn, H, GROUP, E8M0, BKW, DOT_F32)
-        a = _swiglu(acc_g * tl.load(s2_ptr + e * 2), acc_u * tl.load(s2_ptr + e * 2 + 1), limit, HAS_LIMIT)
-        dst = act_ptr + tl.where(valid, pairs, 0).to(tl.int64)[:, None] * I + _perm_col(n, BKW2)[None, :]
-        tl.store(dst, a.to(act_ptr.dtype.element_ty), mask=valid[:, None])
+def _steps(acc, a_ptr, rows_a, valid, lda, bp, dp, sp, rows, is_tier, k0, k1, k2, k3, stride_bn, stride_sn,
+           K: tl.constexpr, GROUP: tl.constexpr, E8M0: tl.constexpr, BN: tl.constexpr, BKW: tl.constexpr,
+           DOT_F32: tl.constexpr, V2: tl.constexpr):
+    """The K loop of the grouped kernels: version 2 (2-D, K-permuted) or version 1 (whole tiles)."""
+    if V2:
+        acc = _dot_steps(acc, a_ptr, rows_a, valid, lda, bp, dp, sp, rows, is_tier, k0, k1, k2, k3, stride_bn,
+                         stride_sn, K, GROUP, E8M0, BKW, DOT_F32)
+    else:
+        acc = _tile_steps(acc, a_ptr, rows_a, valid, lda, bp, dp, sp, rows, is_tier, k0, k1, k2, k3, stride_bn,
+                          stride_sn, K, GROUP, E8M0, BN, BKW, DOT_F32)
+    return acc
 
 
 @triton.jit
-def w2_grouped2_kernel(act_ptr, sorted_ptr, bexp_ptr, wts_ptr, tier_ptr, b_ptr, d_ptr, s_ptr, s2_ptr, tab_ptr,
-                       out_ptr, H: tl.constexpr, I: tl.constexpr, stride_be, stride_bn, stride_se, stride_sn,
-                       GROUP: tl.constexpr, E8M0: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                       BKW: tl.constexpr, DOT_F32: tl.constexpr):
-    """out[pair, n] = topk_weight[pair] * (down_e act[pair])[n]; act K-permuted for BKW."""
-    b = tl.program_id(0)
-    e = tl.load(bexp_ptr + b).to(tl.int64)
+def w13_grouped_kernel(x_ptr, sorted_ptr, bexp_ptr, tier_ptr, b_ptr, d_ptr, s_ptr, s2_ptr, tab_ptr, act_ptr,
+                       top_k, H: tl.constexpr, I: tl.constexpr, limit, stride_be, stride_bn, stride_se, stride_sn,
+                       GROUP: tl.constexpr, E8M0: tl.constexpr, HAS_LIMIT: tl.constexpr,
+                       BM: tl.constexpr, BN: tl.constexpr, BKW: tl.constexpr, BKW2: tl.constexpr,
+                       DOT_F32: tl.constexpr, V2: tl.constexpr):
+    """act[pairs, n] for the BM pairs of one expert, on tensor cores. V2: x is K-permuted for BKW and act
+    is written K-permuted for the w2 kernel's BKW2."""
+    e = tl.load(bexp_ptr + tl.program_id(0)).to(tl.int64)
     if e >= 0:
-        n = tl.program_id(1) * BN + tl.arange(0, BN)
-        pairs = tl.load(sorted_ptr + b * BM + tl.arange(0, BM))
-        valid = pairs >= 0
-        pc = tl.where(valid, pairs, 0).to(tl.int64)
-        row = tl.load(tier_ptr + e)
-        rowc = tl.maximum(row, 0).to(tl.int64)
+        n, valid, pc, is_tier, bp, dp, sp = _block(sorted_ptr, tier_ptr, b_ptr, d_ptr, s_ptr, e, stride_be,
+                                                   stride_se, BM, BN)
+        tok = pc // top_k
+        g0, g1, g2, g3 = _cubic(tab_ptr + e * 8)
+        u0, u1, u2, u3 = _cubic(tab_ptr + e * 8 + 4)
+        acc_g = _steps(tl.zeros([BM, BN], dtype=tl.float32), x_ptr, tok, valid, H, bp, dp, sp, n, is_tier,
+                       g0, g1, g2, g3, stride_bn, stride_sn, H, GROUP, E8M0, BN, BKW, DOT_F32, V2)
+        acc_u = _steps(tl.zeros([BM, BN], dtype=tl.float32), x_ptr, tok, valid, H, bp, dp, sp, n + I, is_tier,
+                       u0, u1, u2, u3, stride_bn, stride_sn, H, GROUP, E8M0, BN, BKW, DOT_F32, V2)
+        a = _swiglu(acc_g * tl.load(s2_ptr + e * 2), acc_u * tl.load(s2_ptr + e * 2 + 1), limit, HAS_LIMIT)
+        col = n
+        if V2:
+            col = _perm_col(n, BKW2)
+        tl.store(act_ptr + pc[:, None] * I + col[None, :], a.to(act_ptr.dtype.element_ty), mask=valid[:, None])
+
+
+@triton.jit
+def w2_grouped_kernel(act_ptr, sorted_ptr, bexp_ptr, wts_ptr, tier_ptr, b_ptr, d_ptr, s_ptr, s2_ptr, tab_ptr,
+                      out_ptr, H: tl.constexpr, I: tl.constexpr, stride_be, stride_bn, stride_se, stride_sn,
+                      GROUP: tl.constexpr, E8M0: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                      BKW: tl.constexpr, DOT_F32: tl.constexpr, V2: tl.constexpr):
+    """out[pair, n] = topk_weight[pair] * (down_e act[pair])[n] for the BM pairs of one expert."""
+    e = tl.load(bexp_ptr + tl.program_id(0)).to(tl.int64)
+    if e >= 0:
+        n, valid, pc, is_tier, bp, dp, sp = _block(sorted_ptr, tier_ptr, b_ptr, d_ptr, s_ptr, e, stride_be,
+                                                   stride_se, BM, BN)
         k0, k1, k2, k3 = _cubic(tab_ptr + e * 4)
-        acc = tl.zeros([BM, BN], dtype=tl.float32)
-        acc = _dot_steps(acc, act_ptr, pc, valid, I, b_ptr + e * stride_be, d_ptr + rowc * stride_be,
-                         s_ptr + e * stride_se, n, row >= 0, k0, k1, k2, k3, stride_bn, stride_sn, I, GROUP,
-                         E8M0, BKW, DOT_F32)
-        wt = tl.load(wts_ptr + pc, mask=valid, other=0.0).to(tl.float32)
-        y = acc * tl.load(s2_ptr + e) * wt[:, None]
-        tl.store(out_ptr + pc[:, None] * H + n[None, :], y, mask=valid[:, None])
+        acc = _steps(tl.zeros([BM, BN], dtype=tl.float32), act_ptr, pc, valid, I, bp, dp, sp, n, is_tier,
+                     k0, k1, k2, k3, stride_bn, stride_sn, I, GROUP, E8M0, BN, BKW, DOT_F32, V2)
+        _store_down(out_ptr, acc, tl.load(s2_ptr + e), wts_ptr, pc, valid, n, H)
