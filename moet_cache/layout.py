@@ -41,14 +41,6 @@ def delta_file(layer: int) -> str:
     return f"{LAYERS_DIR}/layer-{layer:03d}.delta.safetensors"
 
 
-def staged_delta_file(layer: int) -> str:
-    return f"{STAGING_DIR}/layer-{layer:03d}.delta.safetensors"
-
-
-def staged_delta_record(layer: int) -> str:
-    return f"{STAGING_DIR}/layer-{layer:03d}.delta.json"
-
-
 def dense_file(shard: str) -> str:
     return f"{DENSE_DIR}/{shard}"
 

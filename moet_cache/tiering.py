@@ -11,7 +11,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from .errors import InputError
 from .fsutil import read_json_file
@@ -100,9 +99,3 @@ def choose_tier(candidates: list[Candidate], budget: int) -> dict[int, tuple[int
             chosen[c.layer].append(c.expert)
             left -= c.nbytes
     return {layer: tuple(sorted(ex)) for layer, ex in sorted(chosen.items())}
-
-
-def profile_template(experts_per_layer: dict[int, int]) -> dict[str, Any]:
-    """A uniform profile document, for users to fill from a router trace."""
-    return {"format": "moet-cache-routing-profile", "format_version": 1,
-            "layers": [{"layer": layer, "counts": [1] * n} for layer, n in sorted(experts_per_layer.items())]}

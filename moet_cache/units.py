@@ -72,11 +72,6 @@ def parse_budget(text: str, total: int, *, what: str = "budget") -> int:
     return parse_size(s, what=what)
 
 
-def gib(n: float) -> float:
-    """Bytes to GiB."""
-    return n / GIB
-
-
 def fmt_gib(n: float, digits: int = 2) -> str:
     """Bytes as a GiB string, always in GiB so figures never mix units."""
     return f"{n / GIB:.{digits}f} GiB"
