@@ -7,6 +7,7 @@ files, so only a real wheel can show a schema, a subpackage or an entry point le
 from __future__ import annotations
 
 import configparser
+import re
 import shutil
 import subprocess
 import sys
@@ -74,3 +75,13 @@ def test_wheel_names_the_console_script_and_the_vllm_plugin(wheel: zipfile.ZipFi
     cp.read_string(wheel.read(ep).decode())
     assert cp["console_scripts"]["moet-cache"] == "moet_cache.cli.app:run"
     assert cp["vllm.general_plugins"]["moet_cache"] == "moet_cache.vllm_plugin:register"
+
+
+def test_every_runtime_dependency_is_imported() -> None:
+    """A dependency the library never imports is a spare one (tqdm and zstandard were, once)."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    deps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    names = [re.split(r"[<>=!~\[; ]", d, maxsplit=1)[0].lower().replace("-", "_") for d in deps]
+    source = "\n".join(p.read_text() for folder in PACKAGE_DIRS for p in (REPO / folder).rglob("*.py"))
+    spare = [n for n in names if not re.search(rf"^\s*(import|from) {n}\b", source, re.M)]
+    assert not spare, f"runtime dependencies nothing in moet_cache imports: {spare} (drop them from pyproject.toml)"
