@@ -110,4 +110,5 @@ class Committer:
 
 
 def utc_now() -> str:
+    """The one timestamp format of the cache's records (created, committed_at, verified_at): UTC, seconds, Z."""
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())

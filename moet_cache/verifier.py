@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from . import layout as L
+from .commit import utc_now
 from .errors import InputError, UnsafePathError, VerificationError
 from .fsutil import (atomic_write_json, lock_is_held, open_regular, pread_into, read_all, read_json_file,
                      refuse_links, resolve_inside)
@@ -183,7 +184,7 @@ def record_verified_state(root: Path, manifest: CacheManifest, manifest_xxh3: st
         bytes_per_second = _recorded_speed(_verified_state(root, None))
     atomic_write_json(root / VERIFIED_STATE, {
         "format": "moet-cache-verified", "format_version": 1, "manifest_xxh3": manifest_xxh3,
-        "by": by, "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "files": stats,
+        "by": by, "at": utc_now(), "files": stats,
         "hash_bytes_per_second": bytes_per_second})
 
 
@@ -429,7 +430,7 @@ def full_verify(root: str | os.PathLike[str], workers: int | None = None,
     ok = verdict == VERIFIED
     return VerifyReport("full", verdict, tuple(problems), len(cf.files), bytes_hashed=hashed,
                         seconds=time.perf_counter() - t0, verified_by="full" if ok else None,
-                        verified_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()) if ok else None,
+                        verified_at=utc_now() if ok else None,
                         source_present=boot.source_present)
 
 
