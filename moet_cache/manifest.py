@@ -208,11 +208,11 @@ class LayerManifest:
             raise _fail(where, "sq_error and energy need one entry per expert")
         from .formats import FORMATS, SCALE_FORMS
         fmt = d.get("source_format", "")
-        if fmt != "" and fmt not in FORMATS:
+        if not isinstance(fmt, str) or (fmt != "" and fmt not in FORMATS):  # a list or object: no crash
             raise _fail(where, f"source_format must be one of {sorted(FORMATS)}, found {fmt!r}")
         forms = d.get("scale_forms", {})
         if not isinstance(forms, dict) or len(forms) > 8 or not all(
-                isinstance(k, str) and v in SCALE_FORMS for k, v in forms.items()):
+                isinstance(k, str) and isinstance(v, str) and v in SCALE_FORMS for k, v in forms.items()):
             raise _fail(where, f"scale_forms must map block-scale tensors to one of {list(SCALE_FORMS)}")
         return cls(_int(d, "layer", where, 0, 1 << 16), kind, n,
                    _int(d, "hidden_size", where, 1), _int(d, "intermediate_size", where, 1),
