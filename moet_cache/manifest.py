@@ -88,7 +88,7 @@ def _path(d: dict[str, Any], key: str, where: str) -> str:
 def _version(d: dict[str, Any], fmt: str, where: str) -> None:
     if d.get("format") != fmt:
         raise _fail(where, f"format must be {fmt!r}, found {d.get('format')!r}")
-    if d.get("format_version") != FORMAT_VERSION:
+    if isinstance(d.get("format_version"), bool) or d.get("format_version") != FORMAT_VERSION:  # True == 1
         raise ManifestError(
             f"{where}: format_version {d.get('format_version')!r} is not supported (this moet-cache reads {FORMAT_VERSION})",
             "rebuild the cache with this version of moet-cache")

@@ -42,8 +42,6 @@ KNOWN = {
         ("cache-manifest", "build"), ("cache-manifest", "files.*"), ("cache-manifest", "layers.*"),
         ("delta-index", "layers.*"), ("layer-manifest", "files.*"), ("layer-manifest", "tensors.*"),
         ("part-manifest", "files.*"))},
-    # format_version true: Python's True == 1, so the parsers take it.
-    *{(r, "format_version", "set true", "schema") for r in RECORDS},
     # File roles: an enum in the schemas, any string to the parsers.
     *{(r, "files.*.role", 'set "x"', "schema") for r in ("cache-manifest", "layer-manifest", "part-manifest")},
     # The cache manifest's source fingerprint and model are dicts the parser does not check (the verifier does).
@@ -66,9 +64,6 @@ KNOWN = {
     ("layer-manifest", "files.*.path", 'set "x"', "parser"),
     ("layer-manifest", "tensors.*.end", "set 0", "parser"),
     ("layer-manifest", "tensors.*.file", 'set "x"', "parser"),
-    # Sizes: the schema's minimum is 0, the parser's 1.
-    ("layer-manifest", "hidden_size", "set 0", "parser"),
-    ("layer-manifest", "intermediate_size", "set 0", "parser"),
 }
 
 
