@@ -770,7 +770,7 @@ def sweep(root: Path, manifest: CacheManifest) -> None:
     staging = root / L.STAGING_DIR
     if staging.is_dir():
         shutil.rmtree(staging)
-    for name in (CACHE_MANIFEST, COMMIT_RECORD):
+    for name in (CACHE_MANIFEST, COMMIT_RECORD, L.SOURCE_MAP):
         for p in root.glob(f".{name}.tmp-*"):
             p.unlink(missing_ok=True)
     state = root / VERIFIED_STATE

