@@ -8,6 +8,7 @@ import sys
 from typing import Any
 
 from rich.console import Console
+from rich.measure import Measurement
 from rich.table import Table
 
 
@@ -78,7 +79,13 @@ class Output:
             t.add_column(c, justify="left" if i == 0 else "right", overflow="fold")
         for r in rows:
             t.add_row(*[str(x) for x in r])
-        self.out.print(t)
+        out = self.out
+        if not out.is_terminal:
+            # A pipe or a log has no width to fit: print the table at its natural width rather than fold
+            # every cell into rich's default 80 columns (print(width=) cannot widen a console).
+            natural = Measurement.get(out, out.options.update(width=4096), t).maximum
+            out = Console(file=out.file, width=max(natural, out.width), soft_wrap=True, highlight=False)
+        out.print(t)
 
     def info(self, msg: str) -> None:
         if not self.quiet and not self.json_mode:
