@@ -55,18 +55,8 @@ class LayerGeometry:
         return sum(s.nbytes for s in self.delta_specs(1))
 
     @property
-    def source_code_bytes(self) -> int:
-        """Packed FP4 codes of the layer's routed experts (half a byte a weight)."""
-        return self.n_experts * 3 * self.hidden_size * self.intermediate_size // 2
-
-    @property
     def weights(self) -> int:
         return self.n_experts * 3 * self.hidden_size * self.intermediate_size
-
-    def proj_shape(self, proj: str) -> tuple[int, int]:
-        """(out, in) of one projection of one expert."""
-        H, I = self.hidden_size, self.intermediate_size
-        return (H, I) if proj == "down_proj" else (I, H)
 
     def rows(self, proj: str) -> slice:
         """The rows of a projection inside its fused tensor (w13: gate rows, then up rows)."""

@@ -186,13 +186,6 @@ def _layer_of(name: str, family: Family | None = None) -> int | None:
     return None
 
 
-def base_layer_bytes(m: ModelConfig, input_scales: bool, scale_form: str = "e4m3-16") -> int:
-    """One layer's base-plane file tensors, as the builder lays them out (geometry.LayerGeometry)."""
-    from .geometry import LayerGeometry
-    return LayerGeometry(m.n_routed_experts, m.hidden_size, m.moe_intermediate_size, scale_form, scale_form,
-                         input_scales).base_bytes
-
-
 def expert_delta_bytes(m: ModelConfig) -> int:
     from .geometry import LayerGeometry
     return LayerGeometry(m.n_routed_experts, m.hidden_size, m.moe_intermediate_size).expert_delta_bytes
