@@ -114,12 +114,15 @@ def quant_classes() -> tuple[type, type]:
             if H % 32 or I % 32:
                 raise InputError(f"hidden {H} and expert width {I} must be multiples of 32 for the planes")
             attrs = {k: v for k, v in extra_weight_attrs.items() if k == "weight_loader"}
-            for name, (dtype, shape) in plane_shapes(self.form, E, H, I).items():
+            planes, tier = plane_shapes(self.form, E, H, I), tier_shapes(H, I)
+            for name, (dtype, shape) in planes.items():
                 p = torch.nn.Parameter(torch.zeros(shape, dtype=dtype), requires_grad=False)
                 layer.register_parameter(name, p)
                 set_weight_attrs(p, attrs)
-            for name, (dtype, shape) in tier_shapes(H, I).items():
+            for name, (dtype, shape) in tier.items():
                 layer.register_buffer(name, torch.zeros(shape, dtype=dtype), persistent=False)
+            # What apply hands fused_moe, named once here rather than re-derived on every forward.
+            layer.moet_tensor_names = (*planes, *tier)
 
         def get_fused_moe_quant_config(self, layer: torch.nn.Module) -> Any:
             return FUSED_MOE_UNQUANTIZED_CONFIG  # activations stay as they come; the planes are ours
@@ -131,7 +134,7 @@ def quant_classes() -> tuple[type, type]:
                   topk_ids: torch.Tensor, shared_experts: Any = None,
                   shared_experts_input: torch.Tensor | None = None) -> torch.Tensor:
             from .runtime import fused_moe
-            tensors = {n: getattr(layer, n) for n in (*plane_shapes(self.form, 1, 32, 32), *tier_shapes(32, 32))}
+            tensors = {n: getattr(layer, n) for n in layer.moet_tensor_names}
             limit = getattr(layer, "swiglu_limit", None)
             if limit is None:
                 limit = getattr(self.moe, "swiglu_limit", None)
