@@ -29,7 +29,6 @@ from . import layout as L
 from .commit import Committer, utc_now
 from .checkpoint import (
     INDEX_NAME,
-    LAYOUT_FORMAT,
     PROJECTIONS,
     Checkpoint,
     RawExpert,
@@ -37,7 +36,7 @@ from .checkpoint import (
     open_checkpoint,
 )
 from .errors import InputError, VerificationError
-from .formats import E4M3_16, ExpertFormat, e4m3_shift, e8m0_to_e4m3, stored_scales
+from .formats import E4M3_16, LAYOUT_FORMAT, ExpertFormat, e4m3_shift, e8m0_to_e4m3, stored_scales
 from .fsutil import (
     CacheLock,
     atomic_write_bytes,
@@ -59,6 +58,7 @@ from .manifest import (
     VERIFIED_STATE,
     DeltaIndex,
     FileEntry,
+    LayerKind,
     LayerManifest,
     LayerRef,
     ManifestError,
@@ -278,7 +278,7 @@ def _plane_workers() -> int:
 @dataclass
 class _Plan:
     served: list[int]
-    kinds: dict[int, str]
+    kinds: dict[int, LayerKind]
     omitted: set[str]               # source tensors not carried into the cache at all
     planed: set[str]                # source tensors that become planes
     formats: dict[int, ExpertFormat]  # each served layer's expert format (one a layer)
@@ -331,7 +331,7 @@ class _Builder:
         if not served:
             raise InputError("the model has no MoE layer to build planes for")
         ck.validate_experts(served)
-        kinds = {i: ("mtp" if fam.is_mtp(i) else "moe") for i in served}
+        kinds = {i: (LayerKind.MTP if fam.is_mtp(i) else LayerKind.MOE) for i in served}
         planed = ck.expert_tensor_names(served)
         omitted: set[str] = set()
         if not (self.opts.include_mtp or self.opts.lossless):
@@ -416,7 +416,7 @@ class _Builder:
 
     def _result(self, manifest: CacheManifest, already: bool, budget: int, t0: float) -> BuildResult:
         index = load_record(self.root / L.DELTA_INDEX, DeltaIndex.parse)
-        pack = manifest.file(L.ROLE_PACK)
+        pack = manifest.file(L.Role.PACK)
         return BuildResult(
             cache=str(self.root), already_complete=already, layers=tuple(self.plan.served),
             layers_built=tuple(self.built), layers_reused=tuple(self.reused), source_bytes=self.read_bytes,
@@ -460,8 +460,8 @@ class _Builder:
             dest = self.root / rel
             if not (dest.is_file() and not dest.is_symlink() and dest.read_bytes() == data):
                 atomic_write_bytes(dest, data)
-            out.append(FileEntry(rel, len(data), xxh3_hex(data), L.ROLE_SOURCE_CONFIG if source_config else L.ROLE_AUX))
-        if not any(f.role == L.ROLE_SOURCE_CONFIG for f in out):
+            out.append(FileEntry(rel, len(data), xxh3_hex(data), L.Role.SOURCE_CONFIG if source_config else L.Role.AUX))
+        if not any(f.role == L.Role.SOURCE_CONFIG for f in out):
             raise InputError(f"cannot copy {self.ckpt.root / 'config.json'} into the cache's model folder",
                              "config.json must be a readable file (or a link to one) of at most 64 MiB")
         return out
@@ -469,7 +469,7 @@ class _Builder:
     def _served_config(self, files: list[FileEntry], layers: dict[int, LayerManifest]) -> list[FileEntry]:
         """model/config.json: what vLLM reads, the source's config.json with `quant_method: moet` and the
         source's block inside (vllm_config.py); the source's own bytes stay in model/config.source.json."""
-        entry = next((f for f in files if f.role == L.ROLE_SOURCE_CONFIG), None)
+        entry = next((f for f in files if f.role == L.Role.SOURCE_CONFIG), None)
         if entry is None:
             return files
         forms = {layer: LayerForm(lm.scale_form(L.W13_SCALE), lm.scale_form(L.W2_SCALE),
@@ -479,7 +479,7 @@ class _Builder:
         dest = self.root / L.AUX_DIR / SERVED_CONFIG
         if not (dest.is_file() and dest.read_bytes() == served):
             atomic_write_bytes(dest, served)
-        return [*files, FileEntry(f"{L.AUX_DIR}/{SERVED_CONFIG}", len(served), xxh3_hex(served), L.ROLE_AUX)]
+        return [*files, FileEntry(f"{L.AUX_DIR}/{SERVED_CONFIG}", len(served), xxh3_hex(served), L.Role.AUX)]
 
     def _reusable_part(self, rel: str, key: str) -> PartManifest | None:
         path = self.root / rel
@@ -508,16 +508,16 @@ class _Builder:
         if part is not None:
             self._advance(sum(self._nbytes(n) for n in names), read=False)
             data = (self.root / rec).read_bytes()
-            return [part.files[0], FileEntry(rec, len(data), xxh3_hex(data), L.ROLE_PART)]
+            return [part.files[0], FileEntry(rec, len(data), xxh3_hex(data), L.Role.PART)]
         specs = [TensorSpec(n, self.ckpt.tensors[n].dtype, self.ckpt.tensors[n].shape) for n in names]
         with SafetensorsWriter(self.root / rel, specs, self.ckpt.shard_metadata.get(shard)) as w:
             for n, chunk in self._chunks(names):
                 w.write(n, chunk)
                 self._advance(chunk.nbytes)
             written = w.commit()
-        fe, tensors = _entries(rel, written, L.ROLE_DENSE)
+        fe, tensors = _entries(rel, written, L.Role.DENSE)
         part = PartManifest(key, (fe,), tuple(tensors), self.ckpt.shard_metadata.get(shard))
-        return [fe, _write_json_entry(self.root, rec, part, L.ROLE_PART)]  # the record after its file
+        return [fe, _write_json_entry(self.root, rec, part, L.Role.PART)]  # the record after its file
 
     def _advance(self, nbytes: int, read: bool = True) -> None:
         """Count source bytes read and report progress; called from the main and the dense thread."""
@@ -577,7 +577,7 @@ class _Builder:
     def _manifest_entry(self, lm: LayerManifest) -> tuple[LayerManifest, FileEntry]:
         rel = L.layer_manifest(lm.layer)
         data = (self.root / rel).read_bytes()
-        return lm, FileEntry(rel, len(data), xxh3_hex(data), "layer-manifest")
+        return lm, FileEntry(rel, len(data), xxh3_hex(data), L.Role.LAYER_MANIFEST)
 
     def _layer_specs(self, layer: int, geo: LayerGeometry) -> tuple[list[TensorSpec], list[TensorSpec]]:
         E = geo.n_experts
@@ -677,7 +677,7 @@ class _Builder:
                 dw.check_full()
 
         def commit() -> LayerManifest:
-            writers = [(bw, L.base_file(layer), L.ROLE_BASE)] + ([(dw, delta_rel, L.ROLE_DELTA_ALL)] if dw else [])
+            writers = [(bw, L.base_file(layer), L.Role.BASE)] + ([(dw, delta_rel, L.Role.DELTA_ALL)] if dw else [])
             files, tensors = [], []
             try:
                 for w, rel, role in writers:
@@ -712,10 +712,10 @@ class _Builder:
             pack_fe, index_fe = write_delta_pack(self.root, layer_mans, chosen, deltas, budget,
                                                  self.profile is not None)
             part = PartManifest(key, (pack_fe, index_fe), ())
-            part_fe = _write_json_entry(self.root, part_rel, part, L.ROLE_PART)
+            part_fe = _write_json_entry(self.root, part_rel, part, L.Role.PART)
         else:
             data = (self.root / part_rel).read_bytes()
-            part_fe = FileEntry(part_rel, len(data), xxh3_hex(data), L.ROLE_PART)
+            part_fe = FileEntry(part_rel, len(data), xxh3_hex(data), L.Role.PART)
         return [*part.files, part_fe]
 
     def _source_deltas(self, layer: int, which: str, experts: tuple[int, ...]) -> Iterator[np.ndarray]:
@@ -751,7 +751,7 @@ class _Builder:
                "shards": shards}
         data = (json.dumps(doc, indent=None) + "\n").encode()
         atomic_write_bytes(self.root / L.SOURCE_MAP, data)
-        return FileEntry(L.SOURCE_MAP, len(data), xxh3_hex(data), L.ROLE_SOURCE_MAP)
+        return FileEntry(L.SOURCE_MAP, len(data), xxh3_hex(data), L.Role.SOURCE_MAP)
 
 
 def sweep(root: Path, manifest: CacheManifest) -> None:
@@ -838,10 +838,10 @@ def write_delta_pack(root: Path, layers: dict[int, LayerManifest], chosen: dict[
                 for chunk in deltas(layer, which, experts):
                     w.write(L.pack_tensor(layer, which), chunk)
         written = w.commit()
-    pack_fe = FileEntry(L.PACK, written.size, written.xxh3, L.ROLE_PACK)
+    pack_fe = FileEntry(L.PACK, written.size, written.xxh3, L.Role.PACK)
     used = sum(layers[layer].expert_delta_bytes * len(ex) for layer, ex in chosen.items())
     index = DeltaIndex(L.PACK, budget, used, weighted, tuple(sorted(chosen.items())))
-    index_fe = _write_json_entry(root, L.DELTA_INDEX, index, L.ROLE_DELTA_INDEX)
+    index_fe = _write_json_entry(root, L.DELTA_INDEX, index, L.Role.DELTA_INDEX)
     return pack_fe, index_fe
 
 
@@ -904,7 +904,7 @@ def retier_cache(cache: str | os.PathLike[str], delta_budget: str, profile: str 
             deltas = _file_deltas({layer: root / L.delta_file(layer) for layer, ex in chosen.items() if ex})
             pack_fe, index_fe = write_delta_pack(root, cf.layers, chosen, deltas, budget, prof is not None)
             key = tier_key({r.layer: r.xxh3 for r in m.layers}, budget, prof.digest if prof else None)
-            part_fe = _write_json_entry(root, TIER_PART, PartManifest(key, (pack_fe, index_fe), ()), L.ROLE_PART)
+            part_fe = _write_json_entry(root, TIER_PART, PartManifest(key, (pack_fe, index_fe), ()), L.Role.PART)
             keep = [f for f in m.files if f.role not in TIER_ROLES and f.path != TIER_PART]
             new = replace(m, created=utc_now(), files=(*keep, pack_fe, index_fe, part_fe),
                           build=replace(m.build, delta_budget_bytes=budget, profile_xxh3=prof.digest if prof else None))
@@ -914,7 +914,7 @@ def retier_cache(cache: str | os.PathLike[str], delta_budget: str, profile: str 
                                 prof is not None)
 
 
-TIER_ROLES = (L.ROLE_PACK, L.ROLE_DELTA_INDEX)
+TIER_ROLES = (L.Role.PACK, L.Role.DELTA_INDEX)
 
 
 def _retier_source(root: Path) -> Any:

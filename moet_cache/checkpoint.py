@@ -21,20 +21,17 @@ import numpy as np
 
 from .errors import InputError, UnsupportedCheckpointError
 from .families import PROJECTIONS, Family, detect_family
-from .formats import CT_NVFP4, E4M3_16, E8M0_32, MODELOPT_NVFP4, MXFP4, ExpertFormat, compact_e8m0, format_of
+from .formats import (CT_NVFP4, E4M3_16, E8M0_32, LAYOUT_FORMAT, MODELOPT_NVFP4, ExpertFormat, SourceLayout,
+                      compact_e8m0, format_of)
 from .fsutil import read_json_file
 from .hashing import xxh3_file_hex, xxh3_hex
 from .modelconfig import ModelConfig
 from .stheader import Entry, nbytes, read_header, storage_shape, torch_dtype
 
-# Checkpoint-level layouts: what config.json declares (the format of each expert is read per tensor).
-MODELOPT = "modelopt"
-COMPRESSED_TENSORS = "compressed-tensors"
-MXFP4_LAYOUT = "mxfp4"           # DeepSeek-V4's official release: FP8 dense, MXFP4 experts
-LAYOUTS = (MODELOPT, COMPRESSED_TENSORS, MXFP4_LAYOUT)
+# Checkpoint-level layouts (formats.SourceLayout), by the short names the code and tests use.
+MODELOPT, COMPRESSED_TENSORS, MXFP4_LAYOUT = SourceLayout.MODELOPT, SourceLayout.COMPRESSED_TENSORS, SourceLayout.MXFP4
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
-LAYOUT_FORMAT = {MODELOPT: MODELOPT_NVFP4, COMPRESSED_TENSORS: CT_NVFP4, MXFP4_LAYOUT: MXFP4}
 
 # Per layout, the suffix of each expert tensor kind (the layout's own expert format).
 TENSOR_SUFFIXES = {layout: fmt.suffixes() for layout, fmt in LAYOUT_FORMAT.items()}
@@ -84,7 +81,7 @@ def _fp8_is_mxfp4(qc: dict[str, Any], names: set[str]) -> bool:
     return any(n.endswith(".scale") and ".experts." in n for n in names)
 
 
-def detect_layout(config: dict[str, Any], root: Path, names: set[str]) -> str:
+def detect_layout(config: dict[str, Any], root: Path, names: set[str]) -> SourceLayout:
     """ModelOpt NVFP4, compressed-tensors NVFP4 or MXFP4, from config.json, hf_quant_config.json, then names."""
     qc = config.get("quantization_config")
     if isinstance(qc, dict):
@@ -166,7 +163,7 @@ class RawExpert:
 class Checkpoint:
     """An open FP4 MoE checkpoint: config, family, layout, tensor map; reads bytes with pread."""
 
-    def __init__(self, root: Path, config: dict[str, Any], model: ModelConfig, layout: str,
+    def __init__(self, root: Path, config: dict[str, Any], model: ModelConfig, layout: SourceLayout,
                  tensors: dict[str, TensorInfo], index: dict[str, Any] | None,
                  shard_metadata: dict[str, dict[str, str] | None], family: Family | None = None,
                  offsets: dict[str, Entry] | None = None, head_raw: dict[str, bytes] | None = None) -> None:

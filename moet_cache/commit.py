@@ -22,20 +22,38 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from .enums import StrEnum
 from .errors import EnvironmentProblem, InputError
 from .fsutil import atomic_write_bytes, fsync_dir, read_all
 from .hashing import xxh3_hex
 from .manifest import CACHE_MANIFEST, COMMIT_RECORD, CacheManifest, CommitRecord, write_record
 
 KILL_ENV = "MOET_CACHE_TEST_KILL_AT"
-#: Every window a kill can be aimed at, in the order a build or retier reaches them.
-WINDOWS = ("uncommitted", "parts-written", "manifest-written", "swept", "committed", "recorded")
-#: Export's windows: after a shard's temp file is written and before it is renamed, after a shard.
-EXPORT_WINDOWS = ("export-shard-temp", "export-shard-written", "export-index-written")
+
+
+class Window(StrEnum):
+    """A point between two steps of a command that changes files, where a test can aim a kill."""
+
+    # build and retier, in the order they reach them
+    UNCOMMITTED = "uncommitted"
+    PARTS_WRITTEN = "parts-written"
+    MANIFEST_WRITTEN = "manifest-written"
+    SWEPT = "swept"
+    COMMITTED = "committed"
+    RECORDED = "recorded"
+    # export: after a shard's temp file is written and before it is renamed, after a shard, after the index
+    EXPORT_SHARD_TEMP = "export-shard-temp"
+    EXPORT_SHARD_WRITTEN = "export-shard-written"
+    EXPORT_INDEX_WRITTEN = "export-index-written"
+
+
+#: Every window a kill can be aimed at, in the order a build or retier reaches them; then export's.
+WINDOWS = tuple(w.value for w in Window if not w.value.startswith("export-"))
+EXPORT_WINDOWS = tuple(w.value for w in Window if w.value.startswith("export-"))
 _SIGNALS = {"KILL": signal.SIGKILL, "TERM": signal.SIGTERM, "INT": signal.SIGINT}
 
 
-def kill_point(window: str) -> None:
+def kill_point(window: Window) -> None:
     """Test hook: MOET_CACHE_TEST_KILL_AT=WINDOW[:SIGNAL] sends SIGNAL (KILL, TERM or INT; default KILL)
     to this process each time it reaches WINDOW. Unset (always, outside tests): does nothing."""
     spec = os.environ.get(KILL_ENV)
@@ -63,25 +81,25 @@ class Committer:
         if commit.exists():
             commit.unlink()
             fsync_dir(self.root)
-        kill_point("uncommitted")
+        kill_point(Window.UNCOMMITTED)
 
     def commit(self, manifest: CacheManifest, before_commit: Callable[[CacheManifest], None] | None = None,
                hash_rate: float | None = None) -> str:
         """Write cache.json, run `before_commit`, write COMMIT.json, record the stats (and `hash_rate`, bytes
         a second this machine hashed cache files at, for the boot check's estimate of a --full); returns
         the digest."""
-        from .verifier import record_verified_state
-        kill_point("parts-written")
+        from .verifier import VerifiedBy, record_verified_state
+        kill_point(Window.PARTS_WRITTEN)
         mdata = write_record(self.root / CACHE_MANIFEST, manifest)
         digest = xxh3_hex(mdata)
-        kill_point("manifest-written")
+        kill_point(Window.MANIFEST_WRITTEN)
         if before_commit is not None:
             before_commit(manifest)
-        kill_point("swept")
+        kill_point(Window.SWEPT)
         write_record(self.root / COMMIT_RECORD, CommitRecord(CACHE_MANIFEST, len(mdata), digest, utc_now()))
-        kill_point("committed")
-        record_verified_state(self.root, manifest, digest, by="build", bytes_per_second=hash_rate)
-        kill_point("recorded")
+        kill_point(Window.COMMITTED)
+        record_verified_state(self.root, manifest, digest, by=VerifiedBy.BUILD, bytes_per_second=hash_rate)
+        kill_point(Window.RECORDED)
         return digest
 
     def restore(self) -> None:

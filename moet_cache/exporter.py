@@ -12,10 +12,10 @@ from typing import Any
 import numpy as np
 
 from . import layout as L
-from .checkpoint import INDEX_NAME, LAYOUT_FORMAT
-from .commit import kill_point
+from .checkpoint import INDEX_NAME
+from .commit import Window, kill_point
 from .families import DeepseekV3, Family, family_from_dict
-from .formats import FORMATS, ExpertFormat, source_scales
+from .formats import FORMATS, LAYOUT_FORMAT, ExpertFormat, SourceLayout, source_scales
 from .geometry import names_of
 from .errors import InputError, VerificationError
 from .fsutil import (atomic_write_bytes, atomic_write_json, fsync_dir, open_regular, pread_into, read_all,
@@ -46,7 +46,7 @@ def cache_family(cf: Any) -> Family:
 
 def layer_source_format(lm: Any, layout: str) -> ExpertFormat:
     """The expert format a layer was built from (recorded per layer; older caches: the layout's)."""
-    return FORMATS.get(lm.source_format) or LAYOUT_FORMAT.get(layout) or LAYOUT_FORMAT["modelopt"]
+    return FORMATS.get(lm.source_format) or LAYOUT_FORMAT.get(layout) or LAYOUT_FORMAT[SourceLayout.MODELOPT]
 
 
 def _parse_expert_name(name: str, fam: Family, cf: Any, layout: str) -> tuple[int, int, str, str] | None:
@@ -204,7 +204,7 @@ def export_checkpoint(root: str | os.PathLike[str], out: str | os.PathLike[str],
     bad = next((f.path for f, _ in cf.files if not (root / f.path).is_file() or (root / f.path).stat().st_size != f.size), None)
     if bad is not None:  # a missing file is a damaged cache (exit 1), not an environment problem (exit 3)
         raise VerificationError(f"{bad} is missing or has the wrong size", "run moet-cache verify --full; rebuild the cache")
-    smap_fe = cf.manifest.file(L.ROLE_SOURCE_MAP)
+    smap_fe = cf.manifest.file(L.Role.SOURCE_MAP)
     smap_data = read_all(resolve_inside(root, smap_fe.path), 64 << 20)
     if len(smap_data) != smap_fe.size or xxh3_hex(smap_data) != smap_fe.xxh3:
         raise VerificationError(f"{smap_fe.path} does not match its digest", "run moet-cache verify --full; rebuild the cache")
@@ -217,7 +217,7 @@ def export_checkpoint(root: str | os.PathLike[str], out: str | os.PathLike[str],
     entries: dict[tuple[str, str], TensorEntry] = {}
     dense_at: dict[str, str] = {}
     for f, _ in cf.files:
-        if f.role == L.ROLE_PART and f.path.startswith(L.DENSE_DIR + "/"):
+        if f.role == L.Role.PART and f.path.startswith(L.DENSE_DIR + "/"):
             part = load_record(resolve_inside(root, f.path), PartManifest.parse, f.path)
             dense_at.update({t.name: t.file for t in part.tensors})
             entries.update({(t.file, t.name): t for t in part.tensors})
@@ -229,7 +229,7 @@ def export_checkpoint(root: str | os.PathLike[str], out: str | os.PathLike[str],
     done = _prepare_out(out, cf.manifest_xxh3)
     weight_map: dict[str, str] = {}
     n_tensors = written_bytes = 0
-    progress.start(sum(f.size for f, _ in cf.files if f.role in (L.ROLE_BASE, L.ROLE_DELTA_ALL, L.ROLE_DENSE)), "export")
+    progress.start(sum(f.size for f, _ in cf.files if f.role in (L.Role.BASE, L.Role.DELTA_ALL, L.Role.DENSE)), "export")
     per_layer = [sum(t.end - t.begin for t in lm.tensors) for lm in cf.layers.values()]
     reader = VerifiedTensors(root, entries, max(per_layer, default=0))
     try:
@@ -254,28 +254,28 @@ def export_checkpoint(root: str | os.PathLike[str], out: str | os.PathLike[str],
                                                 f"{spec.nbytes}", "run moet-cache verify --full; rebuild the cache")
                     w.write(spec.name, data)
                     progress.advance(data.nbytes)
-                kill_point("export-shard-temp")
+                kill_point(Window.EXPORT_SHARD_TEMP)
                 written = w.commit()
             done[name] = written.xxh3
             written_bytes += written.size
             atomic_write_json(out / PROGRESS_RECORD, {"format": "moet-cache-export-progress", "format_version": 1,
                                                       "cache_xxh3": cf.manifest_xxh3, "shards": done})
-            kill_point("export-shard-written")
+            kill_point(Window.EXPORT_SHARD_WRITTEN)
     finally:
         reader.close()
     if len(shards) > 1 or shards and shards[0].get("name") != "model.safetensors":
         index = {"metadata": smap.get("index_metadata") or {}, "weight_map": dict(sorted(weight_map.items()))}
         atomic_write_bytes(out / INDEX_NAME, json.dumps(index, indent=1).encode())
-        kill_point("export-index-written")
-    source_config = any(f.role == L.ROLE_SOURCE_CONFIG for f, _ in cf.files)
+        kill_point(Window.EXPORT_INDEX_WRITTEN)
+    source_config = any(f.role == L.Role.SOURCE_CONFIG for f, _ in cf.files)
     for f, _ in cf.files:
-        served = source_config and f.role == L.ROLE_AUX and f.path == f"{L.AUX_DIR}/config.json"
-        if f.role in (L.ROLE_AUX, L.ROLE_SOURCE_CONFIG) and not served:
+        served = source_config and f.role == L.Role.AUX and f.path == f"{L.AUX_DIR}/config.json"
+        if f.role in (L.Role.AUX, L.Role.SOURCE_CONFIG) and not served:
             data = read_all(resolve_inside(root, f.path), AUX_LIMIT)
             if len(data) != f.size or xxh3_hex(data) != f.xxh3:
                 raise VerificationError(f"{f.path} does not match its digest", "run moet-cache verify --full; rebuild the cache")
             # the source's config.json (model/config.source.json), not the one served to vLLM
-            rel = "config.json" if f.role == L.ROLE_SOURCE_CONFIG else Path(f.path).relative_to(L.AUX_DIR)
+            rel = "config.json" if f.role == L.Role.SOURCE_CONFIG else Path(f.path).relative_to(L.AUX_DIR)
             dest = out / rel
             dest.parent.mkdir(parents=True, exist_ok=True)
             atomic_write_bytes(dest, data)
@@ -299,8 +299,8 @@ def _tensor_bytes(name: str, layout: str, cf: Any, dense_at: dict[str, str], rea
         raise InputError(f"the cache does not hold {name}", "rebuild the cache with --lossless")
     layer, e, proj, kind = parsed
     lm = cf.layers[layer]
-    base_rel = next(f.path for f in lm.files if f.role == L.ROLE_BASE)
-    all_rel = next((f.path for f in lm.files if f.role == L.ROLE_DELTA_ALL), None)
+    base_rel = next(f.path for f in lm.files if f.role == L.Role.BASE)
+    all_rel = next((f.path for f in lm.files if f.role == L.Role.DELTA_ALL), None)
     if all_rel is None:
         raise InputError(f"layer {layer} has no lossless delta planes", "rebuild the cache with --lossless")
     rows = lm.geometry().rows(proj)

@@ -22,11 +22,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .enums import ScaleForm, SourceLayout
 from .errors import InputError
 
-E4M3_16 = "e4m3-16"
-E8M0_32 = "e8m0-32"
-SCALE_FORMS = (E4M3_16, E8M0_32)
+# The short names the code and tests use.
+E4M3_16, E8M0_32 = ScaleForm.E4M3_16, ScaleForm.E8M0_32
+SCALE_FORMS = ScaleForm.names()
 FORM_GROUP = {E4M3_16: 16, E8M0_32: 32}
 FORM_DTYPE = {E4M3_16: "F8_E4M3", E8M0_32: "F8_E8M0"}
 
@@ -41,7 +42,7 @@ class ExpertFormat:
     global_scale: str | None           # suffix of the per-tensor scale, None when there is none
     input_scale: str | None
     code_dtypes: tuple[str, ...]
-    scale_form: str                    # the source's block-scale form
+    scale_form: ScaleForm              # the source's block-scale form
     reciprocal_global: bool = False    # compressed-tensors stores 1/scale
 
     def suffixes(self) -> dict[str, str]:
@@ -82,6 +83,8 @@ CT_NVFP4 = ExpertFormat("ct-nvfp4", "weight_packed", "weight_scale", "weight_glo
                         ("U8", "F4", "F4_X2"), E4M3_16, reciprocal_global=True)
 MXFP4 = ExpertFormat("mxfp4", "weight", "scale", None, None, ("I8", "U8"), E8M0_32)
 FORMATS = {f.name: f for f in (MODELOPT_NVFP4, CT_NVFP4, MXFP4)}
+LAYOUT_FORMAT = {SourceLayout.MODELOPT: MODELOPT_NVFP4, SourceLayout.COMPRESSED_TENSORS: CT_NVFP4,
+                 SourceLayout.MXFP4: MXFP4}
 
 
 def format_of(prefix: str, names: set[str] | dict[str, object]) -> ExpertFormat | None:
@@ -200,5 +203,5 @@ def scale_values(stored: np.ndarray, form: str) -> np.ndarray:
 
 
 __all__ = ["CT_NVFP4", "E4M3_16", "E8M0_32", "ExpertFormat", "FORMATS", "FORM_DTYPE", "FORM_GROUP", "MODELOPT_NVFP4",
-           "MXFP4", "SCALE_FORMS", "compact_e8m0", "e4m3_shift", "e8m0_to_e4m3", "format_of", "scale_values",
+           "MXFP4", "LAYOUT_FORMAT", "SCALE_FORMS", "ScaleForm", "SourceLayout", "compact_e8m0", "e4m3_shift", "e8m0_to_e4m3", "format_of", "scale_values",
            "source_scales", "stored_scales"]

@@ -55,7 +55,7 @@ def inspect_cache(root: str | os.PathLike[str]) -> CacheInfo:
     root = Path(root)
     cf = load_cache_files(root)
     m = cf.manifest
-    idx_fe = m.file(L.ROLE_DELTA_INDEX)
+    idx_fe = m.file(L.Role.DELTA_INDEX)
     index = DeltaIndex.parse(loads_record((root / idx_fe.path).read_bytes(), idx_fe.path), idx_fe.path) if idx_fe else None
     infos = []
     for layer, lm in sorted(cf.layers.items()):
@@ -63,19 +63,19 @@ def inspect_cache(root: str | os.PathLike[str]) -> CacheInfo:
         tier = set(index.experts_of(layer) or ()) if index else set()
         worst = max(range(len(rel)), key=rel.__getitem__)
         geo = lm.geometry()
-        base = sum(f.size for f in lm.files if f.role == L.ROLE_BASE)
+        base = sum(f.size for f in lm.files if f.role == L.Role.BASE)
         infos.append(LayerInfo(
             layer, lm.kind, lm.n_experts, base,
             len(tier), len(tier) * lm.expert_delta_bytes, sum(rel) / len(rel), rel[worst], worst,
             sum(r for e, r in enumerate(rel) if e not in tier) / len(rel),
             lm.source_format or m.source_layout, f"{geo.w13_form}/{geo.w2_form}", base / geo.weights))
     sizes = {role: sum(f.size for f, _ in cf.files if f.role == role)
-             for role in (L.ROLE_BASE, L.ROLE_DELTA_ALL, L.ROLE_DENSE)}
+             for role in (L.Role.BASE, L.Role.DELTA_ALL, L.Role.DENSE)}
     from .exporter import cache_family
     fam = cache_family(cf)
     return CacheInfo(
         str(root), m.source_path, m.source_layout, m.tool_version, m.created, m.build, tuple(infos),
-        sizes[L.ROLE_BASE], sum(i.delta_bytes for i in infos), sizes[L.ROLE_DELTA_ALL], sizes[L.ROLE_DENSE],
+        sizes[L.Role.BASE], sum(i.delta_bytes for i in infos), sizes[L.Role.DELTA_ALL], sizes[L.Role.DENSE],
         sum(f.size for f, _ in cf.files), sum(i.delta_experts for i in infos), sum(i.experts for i in infos),
         fam.name, served_blocks(fam, m.build.layers))
 

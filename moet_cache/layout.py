@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from .enums import StrEnum
+
 LAYERS_DIR = "layers"
 DENSE_DIR = "dense"
 STAGING_DIR = "staging"
@@ -12,12 +14,23 @@ SOURCE_MAP = "source-map.json"
 # Every folder the library writes into (must never be a link out of the cache).
 WRITTEN_DIRS = (LAYERS_DIR, DENSE_DIR, STAGING_DIR, AUX_DIR, "delta", ".state")
 
-# Roles of the files that the cache manifest lists.
-ROLE_BASE, ROLE_DELTA_ALL, ROLE_DENSE, ROLE_PACK = "base", "delta-all", "dense", "delta-pack"
-ROLE_DELTA_INDEX, ROLE_SOURCE_MAP, ROLE_AUX, ROLE_PART = "delta-index", "source-map", "aux", "part-manifest"
-# The model folder's config.json is the one vLLM reads (quant_method moet, vllm_config.py); the source's own
-# config.json is kept byte for byte beside it for export.
-ROLE_SOURCE_CONFIG = "source-config"
+
+class Role(StrEnum):
+    """What a file listed in a manifest is for (the `role` of a FileEntry; manifests/*.schema.json)."""
+
+    BASE = "base"                    # a layer's base planes
+    DELTA_ALL = "delta-all"          # a layer's every delta plane (--lossless)
+    DENSE = "dense"                  # a dense shard
+    PACK = "delta-pack"              # the delta tier's planes
+    DELTA_INDEX = "delta-index"      # which experts the tier holds
+    SOURCE_MAP = "source-map"
+    AUX = "aux"                      # the model folder's files
+    # The model folder's config.json is the one vLLM reads (quant_method moet, vllm_config.py); the source's
+    # own config.json is kept byte for byte beside it for export.
+    SOURCE_CONFIG = "source-config"
+    PART = "part-manifest"           # a finished piece of a build (dense shard, tier), for resume
+    LAYER_MANIFEST = "layer-manifest"  # a layer manifest (the cache manifest lists these as layer refs)
+
 
 # Base-plane file of a layer (vLLM's fused-MoE names; w13 = gate and up stacked, w2 = down).
 W13_BASE, W2_BASE = "w13_base", "w2_base"

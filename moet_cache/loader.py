@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from . import layout as L
+from .enums import DeltaMode, VerifyMode
 from .errors import InputError, VerificationError
 from .expand import expand_projection, expand_scales
 from .fsutil import resolve_inside
@@ -44,8 +45,8 @@ from .stheader import read_header, storage_shape, torch_dtype
 from .verifier import (CORRUPT, INCOMPLETE, STALE, VERIFIED, CacheFiles, Problem, VerifyReport,
                        boot_check, load_cache_files)
 
-DELTA_MODES = ("tier", "none", "all")
-VERIFY_MODES = ("boot", "hash", "none")
+DELTA_MODES = DeltaMode.names()
+VERIFY_MODES = VerifyMode.names()
 CHUNK = 8 << 20                 # one read on the CPU path: big enough for disk speed, small for the cache
 GPU_SLOT = 32 << 20             # one pinned staging slot = one host-to-device copy
 GPU_SLOTS_PER_WORKER = 2        # slots a worker may hold at most (staging = workers x this x GPU_SLOT)
@@ -452,11 +453,11 @@ class Cache:
         return self.files.manifest.build.lossless
 
     # planning --------------------------------------------------------------------------------
-    def _layer_job(self, lm: LayerManifest, delta: str, pack: dict[str, tuple[str, tuple[int, ...], int, int]]) -> _Job:
+    def _layer_job(self, lm: LayerManifest, delta: DeltaMode, pack: dict[str, tuple[str, tuple[int, ...], int, int]]) -> _Job:
         where = f"layer {lm.layer}"
         roles = {f.path: f.role for f in lm.files}
         reads = [_Read(t.name, t.file, t.begin, t.end, t.dtype, t.shape, t.xxh3, where)
-                 for t in lm.tensors if roles[t.file] == L.ROLE_BASE]
+                 for t in lm.tensors if roles[t.file] == L.Role.BASE]
         geo = lm.geometry()
         have = {r.name: (r.dtype, r.shape) for r in reads}
         for name, (dtype, shape) in geo.required_shapes().items():
@@ -465,12 +466,12 @@ class Cache:
                 raise VerificationError(f"layer {lm.layer}: tensor {name} is {got[0] + ' ' + str(list(got[1])) if got else 'missing'}, "
                                         f"the layer needs {dtype} {list(shape)}", "run moet-cache build again")
         uses_pack = False
-        if delta == "all":
+        if delta == DeltaMode.ALL:
             reads += [_Read(t.name, t.file, t.begin, t.end, t.dtype, t.shape, t.xxh3, where)
-                      for t in lm.tensors if roles[t.file] == L.ROLE_DELTA_ALL and t.name in (L.W13_DELTA, L.W2_DELTA)]
+                      for t in lm.tensors if roles[t.file] == L.Role.DELTA_ALL and t.name in (L.W13_DELTA, L.W2_DELTA)]
             if sum(r.name in (L.W13_DELTA, L.W2_DELTA) for r in reads) != 2:
                 raise VerificationError(f"layer {lm.layer} lists no delta planes", "run moet-cache build again")
-        elif delta == "tier":
+        elif delta == DeltaMode.TIER:
             experts = (self.delta_index.experts_of(lm.layer) if self.delta_index else None) or ()
             for spec in geo.delta_specs(len(experts)):
                 if not experts:
@@ -486,23 +487,23 @@ class Cache:
         nbytes = sum(r.end - r.begin for r in reads)
         return _Job(lm.layer, tuple(reads), nbytes, uses_pack)
 
-    def _finish_layer(self, delta: str, expand: bool) -> Callable[[_Job, dict[str, torch.Tensor], Any], dict[str, torch.Tensor]]:
+    def _finish_layer(self, delta: DeltaMode, expand: bool) -> Callable[[_Job, dict[str, torch.Tensor], Any], dict[str, torch.Tensor]]:
         def finish(job: _Job, t: dict[str, torch.Tensor], stream: Any) -> dict[str, torch.Tensor]:
             lm = self.files.layers[int(job.key)]
             dev = t[L.W13_BASE].device
-            if delta == "all":
+            if delta == DeltaMode.ALL:
                 experts: tuple[int, ...] = tuple(range(lm.n_experts))
-            elif delta == "tier":
+            elif delta == DeltaMode.TIER:
                 experts = (self.delta_index.experts_of(lm.layer) if self.delta_index else None) or ()
                 if not experts:  # the same names for every layer: empty delta planes
                     for spec in lm.geometry().delta_specs(0):
                         t[spec.name] = torch.empty(spec.shape, dtype=torch.uint8, device=dev)
             else:
                 experts = ()
-            if delta != "none":
+            if delta != DeltaMode.NONE:
                 t[DELTA_EXPERTS] = torch.tensor(experts, dtype=torch.int64, device=dev)
             if expand:
-                t = _expand_layer(lm, t, experts, delta != "none")
+                t = _expand_layer(lm, t, experts, delta != DeltaMode.NONE)
             if stream is not None:  # made on the worker's stream, used on the consumer's
                 for v in t.values():
                     v.record_stream(torch.cuda.default_stream(dev))
@@ -510,9 +511,8 @@ class Cache:
         return finish
 
     # the API ---------------------------------------------------------------------------------
-    def _check_verify(self, verify: str) -> None:
-        if verify not in VERIFY_MODES:
-            raise InputError(f"verify must be one of {', '.join(VERIFY_MODES)}, got {verify!r}")
+    def _check_verify(self, verify: VerifyMode | str) -> VerifyMode:
+        return VerifyMode.of(verify, "verify")
 
     def _boot_gate(self) -> None:
         """verify='boot': the boot check must pass before anything is handed out."""
@@ -525,15 +525,15 @@ class Cache:
                 f"({report.problems[0].describe() if report.problems else 'no verification recorded'})",
                 "run moet-cache verify --full once, or load with verify='hash'", list(report.problems))
 
-    def load(self, device: str | torch.device = "cpu", delta: str = "tier", verify: str = "boot",
-             workers: int | None = None, max_inflight: str | int = "2GiB", progress: Progress | None = None,
+    def load(self, device: str | torch.device = "cpu", delta: DeltaMode | str = DeltaMode.TIER,
+             verify: VerifyMode | str = VerifyMode.BOOT, workers: int | None = None,
+             max_inflight: str | int = "2GiB", progress: Progress | None = None,
              expand: bool = False, layers: Sequence[int] | None = None) -> Iterator[LoadedLayer]:
         """Yield every served layer (or those in `layers`) as it completes; see docs/LOADER.md."""
         dev = _device(device)
         workers = default_workers(dev) if workers is None else workers
-        if delta not in DELTA_MODES:
-            raise InputError(f"delta must be one of {', '.join(DELTA_MODES)}, got {delta!r}")
-        if delta == "all" and not self.lossless:
+        delta = DeltaMode.of(delta, "delta")
+        if delta == DeltaMode.ALL and not self.lossless:
             raise InputError("delta='all' needs a --lossless cache (this one keeps only the tier's planes)",
                              "use delta='tier', or build with --lossless")
         if workers < 1:
@@ -541,14 +541,14 @@ class Cache:
         budget = parse_size(max_inflight, what="max_inflight")
         if budget < 64 << 10:
             raise InputError(f"max_inflight must be at least 64 KiB, got {budget} bytes")
-        self._check_verify(verify)
+        verify = self._check_verify(verify)
         sel = self.layers if layers is None else tuple(layers)
         missing = [x for x in sel if x not in self.files.layers]
         if missing:
             raise InputError(f"the cache has no layer {missing[0]}", f"its layers are {list(self.layers)}")
         pack: dict[str, tuple[str, tuple[int, ...], int, int]] = {}
-        pack_fe = self.files.manifest.file(L.ROLE_PACK)
-        need_pack = delta == "tier" and any(self.delta_index and self.delta_index.experts_of(x) for x in sel)
+        pack_fe = self.files.manifest.file(L.Role.PACK)
+        need_pack = delta == DeltaMode.TIER and any(self.delta_index and self.delta_index.experts_of(x) for x in sel)
         if need_pack:
             assert pack_fe is not None
             size, pack = parse_header(resolve_inside(self.root, pack_fe.path), pack_fe.path)
@@ -558,20 +558,20 @@ class Cache:
         jobs = [self._layer_job(self.files.layers[x], delta, pack) for x in sel]
         return self._run_layers(jobs, dev, delta, verify, workers, budget, progress, expand, pack_fe if need_pack else None)
 
-    def _run_layers(self, jobs: list[_Job], dev: torch.device, delta: str, verify: str, workers: int,
+    def _run_layers(self, jobs: list[_Job], dev: torch.device, delta: DeltaMode, verify: VerifyMode, workers: int,
                     budget: int, progress: Progress | None, expand: bool, pack_fe: FileEntry | None) -> Iterator[LoadedLayer]:
-        pipe = _Pipeline(self.root, dev, verify == "hash", workers, budget, self._finish_layer(delta, expand),
+        pipe = _Pipeline(self.root, dev, verify == VerifyMode.HASH, workers, budget, self._finish_layer(delta, expand),
                          self._pinned)
         pack_check: list[Future[str]] = []
         gate: list[Future[None]] = []
         side = ThreadPoolExecutor(max_workers=2, thread_name_prefix="moet-check") \
-            if verify == "boot" or (verify == "hash" and pack_fe) else None
+            if verify == VerifyMode.BOOT or (verify == VerifyMode.HASH and pack_fe) else None
         try:
-            if side is not None and verify == "boot":
+            if side is not None and verify == VerifyMode.BOOT:
                 # The boot check (stats and manifests) runs beside the first reads; no layer is
                 # handed out before it passed.
                 gate.append(side.submit(self._boot_gate))
-            if side is not None and verify == "hash" and pack_fe is not None:
+            if side is not None and verify == VerifyMode.HASH and pack_fe is not None:
                 # The pack has one digest for the whole file: hash it beside the loads, and let no
                 # layer that uses it out before that digest matched.
                 pack_check.append(side.submit(xxh3_file_hex, resolve_inside(self.root, pack_fe.path)))
@@ -593,9 +593,9 @@ class Cache:
     def dense_entries(self) -> list[TensorEntry]:
         """Every dense tensor the cache holds (from the dense part manifests, digests checked)."""
         out: list[TensorEntry] = []
-        dense_files = {f.path for f in self.files.manifest.files if f.role == L.ROLE_DENSE}
+        dense_files = {f.path for f in self.files.manifest.files if f.role == L.Role.DENSE}
         for fe in self.files.manifest.files:
-            if fe.role != L.ROLE_PART or not fe.path.startswith(L.DENSE_DIR + "/"):
+            if fe.role != L.Role.PART or not fe.path.startswith(L.DENSE_DIR + "/"):
                 continue
             try:
                 part = PartManifest.parse(json.loads(_check_small(self.root, fe)), fe.path)
@@ -607,14 +607,14 @@ class Cache:
                 out.append(t)
         return out
 
-    def load_dense(self, device: str | torch.device = "cpu", verify: str = "boot", workers: int | None = None,
+    def load_dense(self, device: str | torch.device = "cpu", verify: VerifyMode | str = VerifyMode.BOOT, workers: int | None = None,
                    max_inflight: str | int = "2GiB", progress: Progress | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield (source name, tensor) for every dense tensor, with the checks of `load`."""
         dev = _device(device)
         workers = default_workers(dev) if workers is None else workers
         budget = parse_size(max_inflight, what="max_inflight")
-        self._check_verify(verify)
-        if verify == "boot":
+        verify = self._check_verify(verify)
+        if verify == VerifyMode.BOOT:
             self._boot_gate()
         entries = self.dense_entries()
         jobs: list[_Job] = []
@@ -626,7 +626,7 @@ class Cache:
                 group = []
         if group:
             jobs.append(_Job(f"dense-{len(jobs)}", tuple(group), sum(r.end - r.begin for r in group)))
-        pipe = _Pipeline(self.root, dev, verify == "hash", workers, max(budget, 1 << 20), lambda j, t, s: t,
+        pipe = _Pipeline(self.root, dev, verify == VerifyMode.HASH, workers, max(budget, 1 << 20), lambda j, t, s: t,
                          self._pinned)
         for _, tensors in pipe.run(jobs, progress or NullProgress(), "load dense"):
             yield from tensors.items()
@@ -677,7 +677,7 @@ def open_cache(path: str | os.PathLike[str], check_source: bool = True) -> Cache
         raise _refuse(report, root)
     files = load_cache_files(root)
     index = None
-    idx_fe = files.manifest.file(L.ROLE_DELTA_INDEX)
+    idx_fe = files.manifest.file(L.Role.DELTA_INDEX)
     if idx_fe is not None:
         try:
             index = DeltaIndex.parse(json.loads(_check_small(root, idx_fe)), idx_fe.path)

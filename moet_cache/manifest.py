@@ -12,6 +12,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from . import layout as L
+from .enums import ScaleForm, SourceLayout, StrEnum
 from .errors import InputError
 from .fsutil import atomic_write_json, read_json_file, safe_relpath
 from .stheader import DTYPES as _DTYPE_TABLE
@@ -94,19 +96,31 @@ def _version(d: dict[str, Any], fmt: str, where: str) -> None:
             "rebuild the cache with this version of moet-cache")
 
 
+def _enum(d: dict[str, Any], key: str, where: str, kind: type[StrEnum]) -> Any:
+    v = d.get(key)
+    if not isinstance(v, str) or v not in kind.names():
+        raise _fail(where, f"{key} must be one of {', '.join(kind.names())}, found {v!r}")
+    return kind(v)
+
+
 # --- records -----------------------------------------------------------------------------------
+class LayerKind(StrEnum):
+    MOE = "moe"    # a layer of the main model
+    MTP = "mtp"    # a multi-token-prediction (drafter) layer
+
+
 @dataclass(frozen=True)
 class FileEntry:
     path: str
     size: int
     xxh3: str
-    role: str
+    role: L.Role
 
     @classmethod
     def parse(cls, d: Any, where: str) -> FileEntry:
         d = _obj(d, where)
         return cls(_path(d, "path", where), _int(d, "size", where), _hex(d, "xxh3", where),
-                   _str(d, "role", where))
+                   _enum(d, "role", where, L.Role))
 
 
 @dataclass(frozen=True)
@@ -145,7 +159,7 @@ class LayerManifest:
     """One served layer: its plane files, its tensors and each expert's base-only error."""
 
     layer: int
-    kind: str                       # "moe" (main model) or "mtp"
+    kind: LayerKind
     n_experts: int
     hidden_size: int
     intermediate_size: int
@@ -157,14 +171,13 @@ class LayerManifest:
     sq_error: tuple[float, ...]     # per expert: sum of (FP4 - base-only)^2 over w13 and w2
     energy: tuple[float, ...]       # per expert: sum of FP4 weight^2, for relative errors
     source_format: str = ""         # the source's expert format (formats.FORMATS); "" = the cache's layout's
-    scale_forms: tuple[tuple[str, str], ...] = ()  # (block-scale tensor, form); () = e4m3-16 for both
+    scale_forms: tuple[tuple[str, ScaleForm], ...] = ()  # (block-scale tensor, form); () = e4m3-16 for both
 
-    def scale_form(self, tensor: str) -> str:
-        return dict(self.scale_forms).get(tensor, "e4m3-16")
+    def scale_form(self, tensor: str) -> ScaleForm:
+        return dict(self.scale_forms).get(tensor, ScaleForm.E4M3_16)
 
     def geometry(self) -> Any:
         """The layer's shapes and byte counts (geometry.LayerGeometry)."""
-        from . import layout as L
         from .geometry import LayerGeometry
         names = {t.name for t in self.tensors}
         return LayerGeometry(self.n_experts, self.hidden_size, self.intermediate_size,
@@ -192,9 +205,7 @@ class LayerManifest:
     def parse(cls, d: Any, where: str) -> LayerManifest:
         d = _obj(d, where)
         _version(d, "moet-cache-layer", where)
-        kind = _str(d, "kind", where)
-        if kind not in ("moe", "mtp"):
-            raise _fail(where, f"kind must be moe or mtp, found {kind!r}")
+        kind = _enum(d, "kind", where, LayerKind)
         n = _int(d, "n_experts", where, 1, 1 << 16)
         files = tuple(FileEntry.parse(x, where) for x in _list(d, "files", where, 64))
         tensors = tuple(TensorEntry.parse(x, where) for x in _list(d, "tensors", where, 4096))
@@ -206,19 +217,19 @@ class LayerManifest:
         energy = [_float({"v": v}, "v", where) for v in _list(d, "energy", where)]
         if len(err) != n or len(energy) != n:
             raise _fail(where, "sq_error and energy need one entry per expert")
-        from .formats import FORMATS, SCALE_FORMS
+        from .formats import FORMATS  # here: formats imports numpy, which the CLI does not load
         fmt = d.get("source_format", "")
         if not isinstance(fmt, str) or (fmt != "" and fmt not in FORMATS):  # a list or object: no crash
             raise _fail(where, f"source_format must be one of {sorted(FORMATS)}, found {fmt!r}")
         forms = d.get("scale_forms", {})
         if not isinstance(forms, dict) or len(forms) > 8 or not all(
-                isinstance(k, str) and isinstance(v, str) and v in SCALE_FORMS for k, v in forms.items()):
-            raise _fail(where, f"scale_forms must map block-scale tensors to one of {list(SCALE_FORMS)}")
+                isinstance(k, str) and isinstance(v, str) and v in ScaleForm.names() for k, v in forms.items()):
+            raise _fail(where, f"scale_forms must map block-scale tensors to one of {list(ScaleForm.names())}")
         return cls(_int(d, "layer", where, 0, 1 << 16), kind, n,
                    _int(d, "hidden_size", where, 1), _int(d, "intermediate_size", where, 1),
                    _hex(d, "build_key", where), _int(d, "expert_delta_bytes", where),
                    _int(d, "source_bytes", where), files, tensors, tuple(err), tuple(energy),
-                   fmt, tuple(sorted(forms.items())))
+                   fmt, tuple(sorted((k, ScaleForm(v)) for k, v in forms.items())))
 
 
 @dataclass(frozen=True)
@@ -250,7 +261,7 @@ class CacheManifest:
     tool_version: str
     created: str
     source_path: str
-    source_layout: str
+    source_layout: SourceLayout
     source_fingerprint: dict[str, Any]
     model: dict[str, Any]
     build: BuildParams
@@ -268,7 +279,7 @@ class CacheManifest:
             "files": [asdict(f) for f in self.files],
         }
 
-    def file(self, role: str) -> FileEntry | None:
+    def file(self, role: L.Role) -> FileEntry | None:
         return next((f for f in self.files if f.role == role), None)
 
     @classmethod
@@ -302,7 +313,7 @@ class CacheManifest:
         model = _obj(d.get("model"), where + ": model")
         fp = _obj(src.get("fingerprint"), where + ": source.fingerprint")
         return cls(_str(d, "tool_version", where), _str(d, "created", where),
-                   _str(src, "path", where), _str(src, "layout", where), fp, model, params,
+                   _str(src, "path", where), _enum(src, "layout", where, SourceLayout), fp, model, params,
                    tuple(refs), files)
 
 

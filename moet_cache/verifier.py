@@ -14,6 +14,7 @@ from typing import Any, Iterable
 
 from . import layout as L
 from .commit import utc_now
+from .enums import StrEnum
 from .errors import InputError, UnsafePathError, VerificationError
 from .fsutil import (atomic_write_json, lock_is_held, open_regular, pread_into, read_all, read_json_file,
                      refuse_links, resolve_inside)
@@ -23,8 +24,35 @@ from .manifest import (CACHE_MANIFEST, COMMIT_RECORD, VERIFIED_STATE, CacheManif
                        DeltaIndex, FileEntry, LayerManifest, ManifestError, TensorEntry, loads_record)
 from .progress import NullProgress, Progress
 
-# Boot-check states, most serious first.
-CORRUPT, INCOMPLETE, STALE, UNVERIFIED, VERIFIED = "corrupt", "incomplete", "stale", "unverified", "verified"
+
+
+class State(StrEnum):
+    """A check's verdict on a cache, most serious first."""
+
+    CORRUPT = "corrupt"
+    INCOMPLETE = "incomplete"
+    STALE = "stale"
+    UNVERIFIED = "unverified"
+    VERIFIED = "verified"
+
+
+class Check(StrEnum):
+    """Which check made a report."""
+
+    BOOT = "boot"          # stats and small manifests only
+    FULL = "full"          # every listed byte re-hashed
+    AGAINST = "against"    # the cache's planes rebuilt from the source and compared
+
+
+class VerifiedBy(StrEnum):
+    """What recorded a cache's stats as verified (.state/verified.json's `by`)."""
+
+    BUILD = "build"
+    FULL = "full"
+
+
+# The states by the short names the code and tests use.
+CORRUPT, INCOMPLETE, STALE, UNVERIFIED, VERIFIED = State
 STATE_TEXT = {
     VERIFIED: "complete and verified",
     UNVERIFIED: "complete, not re-verified since a change",
@@ -51,13 +79,13 @@ class Problem:
 
 @dataclass(frozen=True)
 class VerifyReport:
-    mode: str                        # boot, full, against
-    state: str
+    mode: Check
+    state: State
     problems: tuple[Problem, ...]
     files_checked: int
     bytes_hashed: int = 0
     seconds: float = 0.0
-    verified_by: str | None = None   # what the last recorded verification was ("build" or "full")
+    verified_by: str | None = None   # what the last recorded verification was (VerifiedBy; read back from disk)
     verified_at: str | None = None
     source_present: bool | None = None
     details: dict[str, Any] = field(default_factory=dict)
@@ -156,7 +184,7 @@ def cache_files_of(root: Path, manifest: CacheManifest, mdigest: str) -> CacheFi
         if lm.layer != ref.layer:
             raise ManifestError(f"{ref.manifest} describes layer {lm.layer}, cache.json says {ref.layer}")
         layers[ref.layer] = lm
-        files.append((FileEntry(ref.manifest, ref.size, ref.xxh3, "layer-manifest"), ref.layer))
+        files.append((FileEntry(ref.manifest, ref.size, ref.xxh3, L.Role.LAYER_MANIFEST), ref.layer))
         files.extend((f, ref.layer) for f in lm.files)
     # Never read through a linked folder (a linked file itself is reported as a "link" problem).
     for folder in sorted({f.path.rsplit("/", 1)[0] for f, _ in files if "/" in f.path}):
@@ -171,7 +199,7 @@ def _stat_key(st: os.stat_result) -> list[int]:
     return [st.st_size, st.st_mtime_ns, st.st_ino]
 
 
-def record_verified_state(root: Path, manifest: CacheManifest, manifest_xxh3: str, by: str,
+def record_verified_state(root: Path, manifest: CacheManifest, manifest_xxh3: str, by: VerifiedBy,
                           bytes_per_second: float | None = None) -> None:
     """Remember each file's (size, mtime_ns, inode) after a build or a full verify, for the boot check,
     and the speed this machine hashed the cache at (kept from the previous record when none is given)."""
@@ -220,13 +248,13 @@ def _structure(root: Path, cf: CacheFiles) -> list[Problem]:
         lm = cf.layers.get(layer)
         if lm is None:
             problems.append(Problem("coverage", CACHE_MANIFEST, "served layer has no layer manifest", layer))
-        elif not any(f.role == L.ROLE_BASE for f in lm.files):
+        elif not any(f.role == L.Role.BASE for f in lm.files):
             problems.append(Problem("coverage", L.layer_manifest(layer), "no base-plane file", layer))
-    if not any(f.role == L.ROLE_AUX and f.path == f"{L.AUX_DIR}/config.json" for f in cf.manifest.files):
+    if not any(f.role == L.Role.AUX and f.path == f"{L.AUX_DIR}/config.json" for f in cf.manifest.files):
         problems.append(Problem("coverage", CACHE_MANIFEST, f"the cache's model folder lists no config.json "
                                 f"({L.AUX_DIR}/config.json): a server could not start from it"))
-    idx = cf.manifest.file(L.ROLE_DELTA_INDEX)
-    if idx is None or cf.manifest.file(L.ROLE_PACK) is None:
+    idx = cf.manifest.file(L.Role.DELTA_INDEX)
+    if idx is None or cf.manifest.file(L.Role.PACK) is None:
         return problems + [Problem("coverage", L.DELTA_INDEX, "the cache lists no delta tier")]
     data = _read_checked(root, idx.path, idx.size, idx.xxh3)
     if data is None:
@@ -279,12 +307,12 @@ def boot_check(root: str | os.PathLike[str], check_source: bool = True) -> Verif
         raise InputError(f"{root} is not a cache folder")
     if not (root / COMMIT_RECORD).is_file():
         detail = "a build is running" if lock_is_held(root) else "no commit record: the build did not finish"
-        return VerifyReport("boot", INCOMPLETE, (Problem("commit", COMMIT_RECORD, detail),), 0,
+        return VerifyReport(Check.BOOT, INCOMPLETE, (Problem("commit", COMMIT_RECORD, detail),), 0,
                             seconds=time.perf_counter() - t0)
     try:
         cf = load_cache_files(root)
     except ManifestError as e:
-        return VerifyReport("boot", CORRUPT, (Problem("manifest", CACHE_MANIFEST, e.message),), 0,
+        return VerifyReport(Check.BOOT, CORRUPT, (Problem("manifest", CACHE_MANIFEST, e.message),), 0,
                             seconds=time.perf_counter() - t0)
     state = _verified_state(root, cf.manifest_xxh3)
     recorded = state["files"] if state else {}
@@ -318,7 +346,7 @@ def boot_check(root: str | os.PathLike[str], check_source: bool = True) -> Verif
     details: dict[str, Any] = {}
     if verdict == UNVERIFIED:
         details = _full_cost(cf, changed, _recorded_speed(state or _verified_state(root, None)))
-    return VerifyReport("boot", verdict, tuple(problems + stale + changed), len(cf.files),
+    return VerifyReport(Check.BOOT, verdict, tuple(problems + stale + changed), len(cf.files),
                         seconds=time.perf_counter() - t0, verified_by=state.get("by") if state else None,
                         verified_at=state.get("at") if state else None, source_present=present, details=details)
 
@@ -391,7 +419,7 @@ def full_verify(root: str | os.PathLike[str], workers: int | None = None,
     boot = boot_check(root)
     if boot.state in (INCOMPLETE,) and not (root / COMMIT_RECORD).is_file() or boot.state == CORRUPT and \
             any(p.kind == "manifest" for p in boot.problems):
-        return VerifyReport("full", boot.state, boot.problems, 0, seconds=time.perf_counter() - t0)
+        return VerifyReport(Check.FULL, boot.state, boot.problems, 0, seconds=time.perf_counter() - t0)
     cf = load_cache_files(root)
     total = sum(f.size for f, _ in cf.files)
     progress.start(total, "verify")
@@ -425,11 +453,11 @@ def full_verify(root: str | os.PathLike[str], workers: int | None = None,
     else:
         verdict = VERIFIED
         secs = time.perf_counter() - t0
-        record_verified_state(root, cf.manifest, cf.manifest_xxh3, by="full",
+        record_verified_state(root, cf.manifest, cf.manifest_xxh3, by=VerifiedBy.FULL,
                               bytes_per_second=speed_sample(hashed, secs))
     ok = verdict == VERIFIED
-    return VerifyReport("full", verdict, tuple(problems), len(cf.files), bytes_hashed=hashed,
-                        seconds=time.perf_counter() - t0, verified_by="full" if ok else None,
+    return VerifyReport(Check.FULL, verdict, tuple(problems), len(cf.files), bytes_hashed=hashed,
+                        seconds=time.perf_counter() - t0, verified_by=VerifiedBy.FULL if ok else None,
                         verified_at=utc_now() if ok else None,
                         source_present=boot.source_present)
 
@@ -471,16 +499,16 @@ def verify_against(root: str | os.PathLike[str], src: str | os.PathLike[str],
     progress = progress or NullProgress()
     boot = boot_check(root, check_source=False)
     if not boot.complete:
-        return VerifyReport("against", boot.state, boot.problems, boot.files_checked, seconds=time.perf_counter() - t0)
+        return VerifyReport(Check.AGAINST, boot.state, boot.problems, boot.files_checked, seconds=time.perf_counter() - t0)
     cf = load_cache_files(root)
     problems: list[Problem] = []
-    smap_fe = cf.manifest.file(L.ROLE_SOURCE_MAP)
+    smap_fe = cf.manifest.file(L.Role.SOURCE_MAP)
     if smap_fe is None:
         problems.append(Problem("coverage", CACHE_MANIFEST, "the cache lists no source map (source-map.json)"))
-    if not any(f.role == L.ROLE_AUX and f.path.rsplit("/", 1)[-1] == "config.json" for f, _ in cf.files):
+    if not any(f.role == L.Role.AUX and f.path.rsplit("/", 1)[-1] == "config.json" for f, _ in cf.files):
         problems.append(Problem("coverage", CACHE_MANIFEST, f"the cache lists no model config ({L.AUX_DIR}/config.json)"))
     if problems:
-        return VerifyReport("against", CORRUPT, tuple(problems), len(cf.files), seconds=time.perf_counter() - t0)
+        return VerifyReport(Check.AGAINST, CORRUPT, tuple(problems), len(cf.files), seconds=time.perf_counter() - t0)
     checked = {"experts": 0, "delta_planes": 0, "scales": 0, "tables": 0, "dense_tensors": 0}
 
     def differs(got: Any, want: Any) -> bool:
@@ -489,16 +517,16 @@ def verify_against(root: str | os.PathLike[str], src: str | os.PathLike[str],
 
     with open_checkpoint(src) as ck:
         if ck.layout != cf.manifest.source_layout:
-            return VerifyReport("against", CORRUPT, (Problem("mismatch", CACHE_MANIFEST,
+            return VerifyReport(Check.AGAINST, CORRUPT, (Problem("mismatch", CACHE_MANIFEST,
                                 f"the source is {ck.layout}, the cache was built from {cf.manifest.source_layout}"),),
                                 len(cf.files), seconds=time.perf_counter() - t0)
-        index_fe = cf.manifest.file(L.ROLE_DELTA_INDEX)
+        index_fe = cf.manifest.file(L.Role.DELTA_INDEX)
         index = DeltaIndex.parse(loads_record(read_all(root / index_fe.path, 64 << 20), index_fe.path), index_fe.path) if index_fe else None
         pack = safe_open(str(resolve_inside(root, L.PACK)), framework="pt") if index else None
         progress.start(sum(lm.source_bytes for lm in cf.layers.values()), "verify --against")
         for layer, lm in sorted(cf.layers.items()):
-            base_fe = next(f for f in lm.files if f.role == L.ROLE_BASE)
-            all_fe = next((f for f in lm.files if f.role == L.ROLE_DELTA_ALL), None)
+            base_fe = next(f for f in lm.files if f.role == L.Role.BASE)
+            all_fe = next((f for f in lm.files if f.role == L.Role.DELTA_ALL), None)
             tier = list(index.experts_of(layer) or ()) if index else []
             with safe_open(str(resolve_inside(root, base_fe.path)), framework="pt") as bf:
                 allf = safe_open(str(resolve_inside(root, all_fe.path)), framework="pt") if all_fe else None
@@ -571,7 +599,7 @@ def verify_against(root: str | os.PathLike[str], src: str | os.PathLike[str],
         if not problems:
             problems += _dense_against(root, cf, ck, checked, read_json_file(resolve_inside(root, smap_fe.path)))
     progress.finish()
-    return VerifyReport("against", CORRUPT if problems else VERIFIED, tuple(problems[:1]), len(cf.files),
+    return VerifyReport(Check.AGAINST, CORRUPT if problems else VERIFIED, tuple(problems[:1]), len(cf.files),
                         seconds=time.perf_counter() - t0, details=checked)
 
 
@@ -588,7 +616,7 @@ def _dense_against(root: Path, cf: CacheFiles, ck: Any, checked: dict[str, int],
               if isinstance(t, list) and t and isinstance(t[0], str)}
     seen: set[str] = set()
     for f, _ in cf.files:
-        if f.role != L.ROLE_DENSE:
+        if f.role != L.Role.DENSE:
             continue
         with safe_open(str(resolve_inside(root, f.path)), framework="pt") as df:
             for name in df.keys():

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from .enums import DeltaMode, VerifyMode
 from .errors import InputError
 from .loader import DELTA_EXPERTS, DELTA_MODES, VERIFY_MODES, open_cache
 
@@ -36,8 +37,8 @@ class PluginOptions:
     """`--model-loader-extra-config` keys. expand: None = decide from the model's parameter names."""
 
     cache: str
-    delta: str = "tier"
-    verify: str = "boot"
+    delta: str = DeltaMode.TIER
+    verify: str = VerifyMode.BOOT
     workers: int = 4
     max_inflight: str = "2GiB"
     expand: bool | None = None
@@ -148,7 +149,7 @@ def load_into_model(model: torch.nn.Module, opts: PluginOptions) -> LoadSummary:
         for item in it:
             dense += 1
             yield item
-    weights = counted(cache.load_dense(device="cpu", verify="none" if opts.verify == "boot" else opts.verify,
+    weights = counted(cache.load_dense(device="cpu", verify=VerifyMode.NONE if opts.verify == VerifyMode.BOOT else opts.verify,
                                        workers=opts.workers, max_inflight=opts.max_inflight))
     if callable(loader):
         loader(weights)

@@ -17,7 +17,7 @@ from typing import Any
 from . import layout as L
 from .errors import InputError
 from .families import Family, family_from_dict
-from .manifest import CACHE_MANIFEST, COMMIT_RECORD, DeltaIndex, PartManifest
+from .manifest import CACHE_MANIFEST, COMMIT_RECORD, DeltaIndex, LayerKind, PartManifest
 from .modelconfig import ModelConfig
 from .kv_v4 import BLOCK_SIZE_V4, KV_DTYPES_V4, V4Attention, V4Kv, compress_ratios_of, longest_context, v4_kv
 from .units import GIB, parse_budget, parse_size
@@ -263,9 +263,9 @@ def footprint_from_cache(root: str | os.PathLike[str], delta_budget: str | None 
     base = mtp_base = 0
     main_layers: list[int] = []
     for layer, lm in cf.layers.items():
-        base_files = {f.path for f in lm.files if f.role == L.ROLE_BASE}
+        base_files = {f.path for f in lm.files if f.role == L.Role.BASE}
         n = sum(t.end - t.begin for t in lm.tensors if t.file in base_files)
-        if lm.kind == "mtp":
+        if lm.kind == LayerKind.MTP:
             mtp_base += n
         else:
             base += n
@@ -273,13 +273,13 @@ def footprint_from_cache(root: str | os.PathLike[str], delta_budget: str | None 
     edb = next((lm.expert_delta_bytes for lm in cf.layers.values()), expert_delta_bytes(m))
     total_experts = sum(cf.layers[i].n_experts for i in main_layers)
     tier_experts = 0
-    idx_fe = cf.manifest.file(L.ROLE_DELTA_INDEX)
+    idx_fe = cf.manifest.file(L.Role.DELTA_INDEX)
     if idx_fe is not None:
         index = DeltaIndex.parse(_verified_json(root, idx_fe.path, idx_fe.size, idx_fe.xxh3), idx_fe.path)
         tier_experts = sum(len(ex) for layer, ex in index.layers if layer in main_layers)
     dense = mtp_dense = 0
     for fe, _ in cf.files:
-        if fe.role == L.ROLE_PART and fe.path.startswith(L.DENSE_DIR + "/"):
+        if fe.role == L.Role.PART and fe.path.startswith(L.DENSE_DIR + "/"):
             part = PartManifest.parse(_verified_json(root, fe.path, fe.size, fe.xxh3), fe.path)
             for t in part.tensors:
                 layer = _layer_of(t.name, fam)
@@ -288,7 +288,7 @@ def footprint_from_cache(root: str | os.PathLike[str], delta_budget: str | None 
                 else:
                     dense += t.end - t.begin
     cfg = dict(cf.manifest.model)
-    aux = next((f for f in cf.manifest.files if f.role == L.ROLE_AUX and f.path == f"{L.AUX_DIR}/config.json"), None)
+    aux = next((f for f in cf.manifest.files if f.role == L.Role.AUX and f.path == f"{L.AUX_DIR}/config.json"), None)
     if aux is not None:
         cfg = _verified_json(root, aux.path, aux.size, aux.xxh3)
     # MTP tensors are in the cache with --include-mtp (planes + the rest) or --lossless (all at FP4).

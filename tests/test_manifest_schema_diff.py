@@ -42,16 +42,12 @@ KNOWN = {
         ("cache-manifest", "build"), ("cache-manifest", "files.*"), ("cache-manifest", "layers.*"),
         ("delta-index", "layers.*"), ("layer-manifest", "files.*"), ("layer-manifest", "tensors.*"),
         ("part-manifest", "files.*"))},
-    # File roles: an enum in the schemas, any string to the parsers.
-    *{(r, "files.*.role", 'set "x"', "schema") for r in ("cache-manifest", "layer-manifest", "part-manifest")},
     # The cache manifest's source fingerprint and model are dicts the parser does not check (the verifier does).
     ("cache-manifest", "model", "set {}", "schema"),
     ("cache-manifest", "model.**", "del", "schema"),
     ("cache-manifest", "source.fingerprint", "set {}", "schema"),
     ("cache-manifest", "source.fingerprint.**", "del", "schema"),
     *{("cache-manifest", "source.fingerprint.**", m, "schema") for m in _SCHEMA_ONLY_TYPES},
-    # The source layout: an enum in the schema, any string to the parser.
-    ("cache-manifest", "source.layout", 'set "x"', "schema"),
     # Fields the schemas require and the parsers default.
     ("cache-manifest", "build.profile_xxh3", "del", "schema"),
     ("part-manifest", "metadata", "del", "schema"),

@@ -1,0 +1,71 @@
+"""Closed sets of names as str-valued enums: the format's (scale forms, source layouts) and the choices a
+caller names when loading a cache. layout.Role, manifest.LayerKind, verifier.State and commit.Window are
+the others, beside what they name.
+
+A member IS its string (`Role.BASE == "base"`, same hash): the JSON we write, the CLI's text and every
+comparison with a plain string stay as they were, while a wrong name is caught where it is read. This
+module imports nothing heavy (the CLI loads without numpy or torch).
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import Any, TypeVar
+
+from .errors import InputError
+
+_E = TypeVar("_E", bound="StrEnum")
+
+
+class StrEnum(str, Enum):
+    """enum.StrEnum for Python 3.10 too: str() and f-strings give the value, not `Class.MEMBER`."""
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self.value), spec)
+
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        return tuple(m.value for m in cls)
+
+    @classmethod
+    def of(cls: type[_E], value: Any, what: str) -> _E:
+        """The member named `value`; anything else is an InputError naming `what` and the choices."""
+        try:
+            return cls(value)
+        except ValueError:
+            raise InputError(f"{what} must be one of {', '.join(cls.names())}, got {value!r}") from None
+
+
+class DeltaMode(StrEnum):
+    """Which delta planes a load applies: the tier's experts, none (base only) or all (--lossless caches)."""
+
+    TIER = "tier"
+    NONE = "none"
+    ALL = "all"
+
+
+class VerifyMode(StrEnum):
+    """What a load checks first: the boot check, a re-hash of what it reads, or nothing."""
+
+    BOOT = "boot"
+    HASH = "hash"
+    NONE = "none"
+
+
+class ScaleForm(StrEnum):
+    """How a base-plane file stores a block-scale tensor (formats.py; a layer manifest's scale_forms)."""
+
+    E4M3_16 = "e4m3-16"
+    E8M0_32 = "e8m0-32"
+
+
+class SourceLayout(StrEnum):
+    """What a checkpoint's config.json declares (checkpoint.detect_layout; the cache manifest's source
+    layout). Each projection's expert format is still read from its tensors (formats.format_of)."""
+
+    MODELOPT = "modelopt"
+    COMPRESSED_TENSORS = "compressed-tensors"
+    MXFP4 = "mxfp4"                   # DeepSeek-V4's official release: FP8 dense, MXFP4 experts
