@@ -33,7 +33,7 @@ from safetensors import safe_open
 from moet_cache import layout as L
 from moet_cache.builder import BuildOptions, build_cache
 from moet_cache.checkpoint import PROJECTIONS, open_checkpoint
-from moet_cache.loader import open_cache
+from moet_cache.loader import Tuning, open_cache
 from moet_cache.planes import split_planes
 from moet_cache.synthetic import make_checkpoint, spec_for_size
 from moet_cache.units import parse_size
@@ -154,7 +154,7 @@ def source_split(src: Path, layers: list[int]) -> int:
 def diagnose(cache: Any, device: str, workers: int) -> dict[str, float]:
     """Where a load's worker time goes: seconds summed over workers in read syscalls, waiting for a
     staging slot, waiting on copy events, and the load's wall time (a diagnostic, patched in)."""
-    import moet_cache.loader as ld
+    from moet_cache.load.staging import Slots
     sums = {"read": 0.0, "slot_wait": 0.0, "event_wait": 0.0}
     lock = __import__("threading").Lock()
 
@@ -167,16 +167,16 @@ def diagnose(cache: Any, device: str, workers: int) -> dict[str, float]:
                 with lock:
                     sums[key] += time.perf_counter() - t0
         return wrapper
-    orig = (os.preadv, ld._Slots.take, torch.cuda.Event.synchronize)
+    orig = (os.preadv, Slots.take, torch.cuda.Event.synchronize)
     os.preadv = timed("read", os.preadv)
-    ld._Slots.take = timed("slot_wait", ld._Slots.take)
+    Slots.take = timed("slot_wait", Slots.take)
     torch.cuda.Event.synchronize = timed("event_wait", torch.cuda.Event.synchronize)
     try:
         t0 = time.perf_counter()
         nb = _loader(cache, device, workers, "none")[0]
         wall = time.perf_counter() - t0
     finally:
-        os.preadv, ld._Slots.take, torch.cuda.Event.synchronize = orig
+        os.preadv, Slots.take, torch.cuda.Event.synchronize = orig
     return {"wall_s": wall, "GBps": nb / wall / 1e9, **{f"{k}_s_all_workers": v for k, v in sums.items()}}
 
 
@@ -251,22 +251,17 @@ def run(size_bytes: int, device: str = "cpu", workers: tuple[int, ...] = (4,), r
                     nb = [0]
                     t = _best(lambda: nb.__setitem__(0, _loader(cache, dev, w, verify)[0]), reps)
                     res[f"gpu_w{w}_{verify}_GBps"] = nb[0] / t / 1e9
-            import moet_cache.loader as ld
             wbest = max(workers, key=lambda w: res[f"gpu_w{w}_boot_GBps"])
             res["load_gpu_GBps"] = res[f"gpu_w{wbest}_boot_GBps"]
-            default_slots = (ld.GPU_SLOT, ld.GPU_SLOTS_PER_WORKER)
             for size, per_worker in gpu_slots:  # staging shapes to compare (slot bytes, slots a worker)
-                ld.GPU_SLOT, ld.GPU_SLOTS_PER_WORKER = size, per_worker
-                try:
-                    for w in workers:
-                        sweep = open_cache(root)
-                        _loader(sweep, dev, w, "none")  # pins this shape's staging once
-                        nb = [0]
-                        t = _best(lambda: nb.__setitem__(0, _loader(sweep, dev, w, "none")[0]), reps)
-                        res[f"gpu_slot{size >> 20}MiBx{per_worker}_w{w}_none_GBps"] = nb[0] / t / 1e9
-                        sweep.release()
-                finally:
-                    ld.GPU_SLOT, ld.GPU_SLOTS_PER_WORKER = default_slots
+                shape = Tuning(gpu_slot=size, gpu_slots_per_worker=per_worker)
+                for w in workers:
+                    sweep = open_cache(root)
+                    _loader(sweep, dev, w, "none", tuning=shape)  # pins this shape's staging once
+                    nb = [0]
+                    t = _best(lambda: nb.__setitem__(0, _loader(sweep, dev, w, "none", tuning=shape)[0]), reps)
+                    res[f"gpu_slot{size >> 20}MiBx{per_worker}_w{w}_none_GBps"] = nb[0] / t / 1e9
+                    sweep.release()
             try:  # a diagnostic only: never lose the figures above to it
                 res["gpu_diagnosis"] = diagnose(cache, dev, wbest)
             except Exception as e:  # noqa: BLE001

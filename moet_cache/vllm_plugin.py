@@ -26,7 +26,8 @@ import torch
 
 from .enums import DeltaMode, VerifyMode
 from .errors import InputError
-from .loader import DELTA_EXPERTS, DELTA_MODES, VERIFY_MODES, open_cache
+from .load import DELTA_EXPERTS, open_cache
+from .load.options import check_delta, check_inflight, check_verify, check_workers
 
 LOAD_FORMAT = "moet"
 _TIER_SHAPED = ("w13_delta", "w2_delta", DELTA_EXPERTS)
@@ -53,10 +54,11 @@ class PluginOptions:
         if unknown:
             raise InputError(f"unknown moet loader option {unknown[0]!r}", f"known options: {', '.join(sorted(known))}")
         opts = cls(**extra)
-        if opts.delta not in DELTA_MODES or opts.verify not in VERIFY_MODES:
-            raise InputError(f"delta must be one of {DELTA_MODES} and verify one of {VERIFY_MODES}")
-        if not isinstance(opts.workers, int) or isinstance(opts.workers, bool) or opts.workers < 1:
-            raise InputError(f"workers must be a positive integer, got {opts.workers!r}")
+        # the loader's own checks (load/options.py), so a key means what the same argument of load means
+        check_delta(opts.delta)
+        check_verify(opts.verify)
+        check_workers(opts.workers)
+        check_inflight(opts.max_inflight)
         if opts.expand not in (None, True, False):
             raise InputError(f"expand must be true, false or absent, got {opts.expand!r}")
         return opts

@@ -29,7 +29,7 @@ import torch
 
 from .errors import InputError
 from .geometry import LayerGeometry
-from .loader import DELTA_EXPERTS
+from .load.assemble import DELTA_EXPERTS
 from .stheader import torch_dtype
 from .vllm_config import QUANT_METHOD, LayerForm, MoetBlock, parse_block
 

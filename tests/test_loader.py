@@ -23,7 +23,9 @@ from moet_cache.checkpoint import open_checkpoint
 from moet_cache.errors import InputError, VerificationError
 from moet_cache.expand import expand_projection, join_planes_torch, nearest_delta_lut
 from moet_cache.fp4 import unpack_codes
-from moet_cache.loader import DELTA_EXPERTS, _Pipeline, open_cache, parse_header
+from moet_cache.load.plan import Read, dense_jobs, layer_job
+from moet_cache.load.reads import mismatch
+from moet_cache.loader import DELTA_EXPERTS, LoadOptions, Tuning, _Pipeline, open_cache, parse_header
 from moet_cache.planes import join_planes, nearest_code_for_table, split_planes
 
 
@@ -222,8 +224,7 @@ def test_hash_names_the_flipped_tensor_and_stops_workers(lossless, tmp_path) -> 
 
 def test_hash_catches_a_flipped_pack_byte(tiered, tmp_path) -> None:
     root = _copy(tiered[1], tmp_path)
-    size, entries = parse_header(root / L.PACK, L.PACK)
-    _, _, begin, _ = next(iter(entries.values()))
+    begin = next(iter(parse_header(root / L.PACK, L.PACK).tensors.values())).begin
     _flip(root, L.PACK, begin + 1)
     with pytest.raises(VerificationError, match="tier.safetensors does not match"):
         list(open_cache(root).load(verify="hash"))
@@ -263,7 +264,7 @@ def test_inflight_bytes_stay_bounded(lossless, monkeypatch) -> None:
         time.sleep(0.02)
         return orig(self, job)
     monkeypatch.setattr(_Pipeline, "run_job", spy)
-    one = max(sum(r.end - r.begin for r in j.reads) for j in [cache._layer_job(cache.files.layers[x], "none", {})
+    one = max(sum(r.end - r.begin for r in j.reads) for j in [layer_job(cache.files.layers[x], "none", None, None)
                                                               for x in cache.layers])
     budget = int(one * 1.5)  # room for one layer and a half: never two at once
     for x in cache.load(delta="none", workers=4, max_inflight=budget):
@@ -301,6 +302,49 @@ def test_arguments_checked(tiered) -> None:
         cache.load(max_inflight="10KiB")
     with pytest.raises(InputError, match="device"):
         cache.load(device="mps")
+
+
+def test_load_and_load_dense_check_their_arguments_alike(tiered) -> None:
+    """One options record (load/options.py): the same bad argument is refused the same way by both,
+    at the call, before anything is read."""
+    cache = open_cache(tiered[1])
+    for kw, msg in (({"verify": "maybe"}, "verify must be"), ({"workers": 0}, "workers"),
+                    ({"workers": True}, "workers"), ({"workers": 2.0}, "workers"),
+                    ({"max_inflight": "10KiB"}, "max_inflight"), ({"max_inflight": "lots"}, "max_inflight"),
+                    ({"device": "mps"}, "device"), ({"device": "nonsense"}, "device")):
+        for call in (cache.load, cache.load_dense):
+            with pytest.raises(InputError, match=msg):
+                call(**kw)  # type: ignore[operator]
+    with pytest.raises(InputError, match="delta must be"):
+        LoadOptions.parse(delta="some")
+
+
+def test_tuning_is_an_argument_not_a_module_knob(tiered) -> None:
+    """The engine's sizes travel in the options (a benchmark sweeps them so); tiny reads and dense
+    jobs give the same tensors as the defaults."""
+    cache = open_cache(tiered[1])
+    tiny = Tuning(cpu_chunk=4096, dense_job=1 << 12)
+    want = {x.index: x.tensors for x in cache.load(verify="hash")}
+    for x in cache.load(verify="hash", tuning=tiny):
+        assert set(x.tensors) == set(want[x.index])
+        for name, t in x.tensors.items():
+            assert torch.equal(t.view(torch.uint8), want[x.index][name].view(torch.uint8)), (x.index, name)
+    dense = dict(cache.load_dense())
+    assert {n: t.view(torch.uint8) for n, t in cache.load_dense(tuning=tiny, verify="hash")}.keys() == dense.keys()
+    assert len(dense_jobs(cache.dense_entries(), tiny.dense_job)) > len(dense_jobs(cache.dense_entries(), Tuning().dense_job))
+    for bad in ({"cpu_chunk": 0}, {"gpu_slot": -1}, {"gpu_jobs_in_flight": 1.5}):
+        with pytest.raises(InputError, match="tuning"):
+            Tuning(**bad)  # type: ignore[arg-type]
+
+
+def test_a_digest_problem_carries_the_layer_number(lossless) -> None:
+    """The layer of a failed read is a field of the read, never parsed back from its message."""
+    lm = open_cache(lossless[1]).files.layers[2]
+    t = next(t for t in lm.tensors if t.name == L.W2_BASE)
+    err = mismatch(Read.of(t, 2))
+    assert err.problems[0].layer == 2 and "(layer 2)" in err.message
+    dense = mismatch(Read.of(t, None))
+    assert dense.problems[0].layer is None and "(dense)" in dense.message
 
 
 def test_ctrl_c_stops_a_real_load(lossless) -> None:

@@ -127,7 +127,8 @@ def test_options_from_extra_config() -> None:
     for bad, msg in (({}, "needs the cache"), ({"cache": ""}, "needs the cache"), ("x", "needs the cache"),
                      ({"cache": "/c", "cahce": 1}, "unknown moet loader option 'cahce'"),
                      ({"cache": "/c", "delta": "half"}, "delta must be"),
-                     ({"cache": "/c", "workers": 0}, "workers"), ({"cache": "/c", "expand": "yes"}, "expand")):
+                     ({"cache": "/c", "workers": 0}, "workers"), ({"cache": "/c", "expand": "yes"}, "expand"),
+                     ({"cache": "/c", "verify": "maybe"}, "verify must be"), ({"cache": "/c", "max_inflight": "1KiB"}, "max_inflight")):
         with pytest.raises(InputError, match=msg):
             PluginOptions.from_extra(bad)
 

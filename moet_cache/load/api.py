@@ -1,0 +1,237 @@
+"""The loader's public API: a verified cache into CPU or GPU memory at disk speed (docs/LOADER.md).
+
+    cache = open_cache(path)                       # refuses an incomplete, stale or corrupt cache
+    for layer in cache.load(device="cuda:0"):      # LoadedLayer(index, tensors, nbytes)
+        ...
+    for name, tensor in cache.load_dense(device="cuda:0"):
+        ...
+
+This module decides what a load means (options.py checks the arguments, plan.py turns the manifests
+into jobs, the verify mode's gates run here) and hands the jobs to the I/O engine (engine.py, with
+staging.py into a GPU). Argument errors are raised by the call; read and verification errors while
+iterating.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator, Sequence
+
+import torch
+
+from .. import layout as L
+from ..enums import DeltaMode, VerifyMode
+from ..errors import InputError, VerificationError
+from ..fsutil import resolve_inside
+from ..hashing import xxh3_file_hex, xxh3_hex
+from ..manifest import DeltaIndex, FileEntry, PartManifest, TensorEntry
+from ..progress import NullProgress, Progress
+from ..verifier import (CORRUPT, INCOMPLETE, STALE, VERIFIED, CacheFiles, Problem, VerifyReport, boot_check,
+                        load_cache_files)
+from .assemble import assemble_layer
+from .engine import Finish, Pipeline
+from .options import LoadOptions, Tuning
+from .plan import Job, dense_jobs, layer_job, read_pack_header, tier_experts
+from .staging import PinnedPool
+
+DENSE_MIN_INFLIGHT = 1 << 20     # load_dense's floor for the in-flight bytes (its jobs are ~64 MiB groups)
+
+
+@dataclass(frozen=True)
+class LoadedLayer:
+    """One served MoE layer in memory: `index` is the model's layer number (docs/LOADER.md names)."""
+
+    index: int
+    tensors: dict[str, torch.Tensor]
+    nbytes: int                      # bytes read from the cache for this layer
+
+
+def _refuse(report: VerifyReport, root: Path) -> VerificationError:
+    first = "; ".join(p.describe() for p in report.problems[:3])
+    more = f" (and {len(report.problems) - 3} more)" if len(report.problems) > 3 else ""
+    return VerificationError(f"the cache at {root} is {report.state_text}: {first}{more}",
+                             "run moet-cache verify for the details, then moet-cache build to repair it",
+                             list(report.problems))
+
+
+def _check_small(root: Path, fe: FileEntry) -> bytes:
+    """A small file listed in cache.json, read and checked against its size and digest."""
+    data = resolve_inside(root, fe.path).read_bytes()
+    if len(data) != fe.size or xxh3_hex(data) != fe.xxh3:
+        raise VerificationError(f"{fe.path} does not match cache.json", "run moet-cache build again")
+    return data
+
+
+def _boot_gate(root: Path) -> None:
+    """verify='boot': the boot check must pass before anything is handed out."""
+    report = boot_check(root)
+    if report.state != VERIFIED:
+        if report.state in (CORRUPT, INCOMPLETE, STALE):
+            raise _refuse(report, root)
+        raise VerificationError(
+            f"the cache at {root} changed since its last verification "
+            f"({report.problems[0].describe() if report.problems else 'no verification recorded'})",
+            "run moet-cache verify --full once, or load with verify='hash'", list(report.problems))
+
+
+class _Gates:
+    """The verify mode's checks that run beside the reads (two side threads), and the test each job
+    passes before it is handed out: the boot check (verify='boot'), and the tier pack's whole-file
+    digest (verify='hash': the pack has one digest, so no layer using it goes out before it matched)."""
+
+    def __init__(self, root: Path, verify: VerifyMode, pack: FileEntry | None) -> None:
+        self.pack = pack if verify == VerifyMode.HASH else None
+        self._boot: Future[None] | None = None
+        self._pack: Future[str] | None = None
+        self._side = ThreadPoolExecutor(max_workers=2, thread_name_prefix="moet-check") \
+            if verify == VerifyMode.BOOT or self.pack is not None else None
+        if self._side is not None:
+            if verify == VerifyMode.BOOT:
+                self._boot = self._side.submit(_boot_gate, root)
+            if self.pack is not None:
+                self._pack = self._side.submit(xxh3_file_hex, resolve_inside(root, self.pack.path))
+
+    def before_yield(self, job: Job) -> None:
+        if self._boot is not None:
+            self._boot.result()
+        if job.uses_pack and self._pack is not None and self.pack is not None:
+            if self._pack.result() != self.pack.xxh3:
+                raise VerificationError(f"{self.pack.path} does not match its xxh3-128 digest",
+                                        "the delta pack is corrupt: run moet-cache build again",
+                                        [Problem("digest", self.pack.path, "contents differ from cache.json")])
+
+    def close(self) -> None:
+        if self._side is not None:
+            self._side.shutdown(wait=True, cancel_futures=True)
+
+
+class Cache:
+    """An opened cache: its checked manifests; `load` and `load_dense` read it into memory."""
+
+    def __init__(self, root: Path, files: CacheFiles, report: VerifyReport, index: DeltaIndex | None) -> None:
+        self.root = root
+        self.files = files
+        self.report = report
+        self.delta_index = index
+        self._pinned = PinnedPool()  # staging reused by this cache's GPU loads (pinning is slow)
+
+    def release(self) -> None:
+        """Free the pinned staging memory kept for the next GPU load."""
+        self._pinned.clear()
+
+    @property
+    def layers(self) -> tuple[int, ...]:
+        return tuple(sorted(self.files.layers))
+
+    @property
+    def lossless(self) -> bool:
+        return self.files.manifest.build.lossless
+
+    # the MoE layers ---------------------------------------------------------------------------
+    def load(self, device: str | torch.device = "cpu", delta: DeltaMode | str = DeltaMode.TIER,
+             verify: VerifyMode | str = VerifyMode.BOOT,
+             workers: int | None = None, max_inflight: str | int = "2GiB", progress: Progress | None = None,
+             expand: bool = False, layers: Sequence[int] | None = None,
+             tuning: Tuning | None = None) -> Iterator[LoadedLayer]:
+        """Yield every served layer (or those in `layers`) as it completes; see docs/LOADER.md."""
+        return self.load_with(LoadOptions.parse(device, delta, verify, workers, max_inflight, expand, layers, tuning),
+                              progress)
+
+    def load_with(self, opts: LoadOptions, progress: Progress | None = None) -> Iterator[LoadedLayer]:
+        """`load` with its arguments already checked into a LoadOptions."""
+        if opts.delta == DeltaMode.ALL and not self.lossless:
+            raise InputError("delta='all' needs a --lossless cache (this one keeps only the tier's planes)",
+                             "use delta='tier', or build with --lossless")
+        sel = self.layers if opts.layers is None else opts.layers
+        missing = [x for x in sel if x not in self.files.layers]
+        if missing:
+            raise InputError(f"the cache has no layer {missing[0]}", f"its layers are {list(self.layers)}")
+        pack_fe = None
+        if opts.delta == DeltaMode.TIER and any(tier_experts(self.delta_index, x) for x in sel):
+            pack_fe = self.files.manifest.file(L.Role.PACK)
+            if pack_fe is None:
+                raise VerificationError("the delta index names tier experts, cache.json lists no delta pack",
+                                        "run moet-cache build again")
+        pack = read_pack_header(self.root, pack_fe) if pack_fe is not None else None
+        jobs = [layer_job(self.files.layers[x], opts.delta, self.delta_index, pack) for x in sel]
+        return self._run_layers(jobs, opts, progress or NullProgress(), pack_fe)
+
+    def _finish(self, opts: LoadOptions) -> Finish:
+        def finish(job: Job, t: dict[str, torch.Tensor], stream: object) -> dict[str, torch.Tensor]:
+            assert job.layer is not None
+            return assemble_layer(self.files.layers[job.layer], t, opts.delta,
+                                  tier_experts(self.delta_index, job.layer), opts.expand, stream)
+        return finish
+
+    def _run_layers(self, jobs: list[Job], opts: LoadOptions, progress: Progress,
+                    pack_fe: FileEntry | None) -> Iterator[LoadedLayer]:
+        pipe = Pipeline(self.root, opts, self._finish(opts), self._pinned)
+        gates = _Gates(self.root, opts.verify, pack_fe)
+        try:
+            for job, tensors in pipe.run(jobs, progress, "load", gates.before_yield):
+                assert job.layer is not None
+                yield LoadedLayer(job.layer, tensors, job.nbytes)
+        finally:
+            gates.close()
+
+    # the dense tensors ------------------------------------------------------------------------
+    def dense_entries(self) -> list[TensorEntry]:
+        """Every dense tensor the cache holds (from the dense part manifests, digests checked)."""
+        out: list[TensorEntry] = []
+        dense_files = {f.path for f in self.files.manifest.files if f.role == L.Role.DENSE}
+        for fe in self.files.manifest.files:
+            if fe.role != L.Role.PART or not fe.path.startswith(L.DENSE_DIR + "/"):
+                continue
+            try:
+                part = PartManifest.parse(json.loads(_check_small(self.root, fe)), fe.path)
+            except ValueError:
+                raise VerificationError(f"{fe.path} is not valid JSON", "run moet-cache build again") from None
+            for t in part.tensors:
+                if t.file not in dense_files:
+                    raise VerificationError(f"{fe.path}: tensor {t.name} is in {t.file}, which cache.json does not list")
+                out.append(t)
+        return out
+
+    def load_dense(self, device: str | torch.device = "cpu", verify: VerifyMode | str = VerifyMode.BOOT,
+                   workers: int | None = None,
+                   max_inflight: str | int = "2GiB", progress: Progress | None = None,
+                   tuning: Tuning | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield (source name, tensor) for every dense tensor, with the checks of `load`."""
+        opts = LoadOptions.parse(device, verify=verify, workers=workers, max_inflight=max_inflight, tuning=tuning)
+        return self.load_dense_with(opts, progress)
+
+    def load_dense_with(self, opts: LoadOptions, progress: Progress | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """`load_dense` with its arguments already checked (delta, expand and layers are not used)."""
+        if opts.verify == VerifyMode.BOOT:
+            _boot_gate(self.root)
+        jobs = dense_jobs(self.dense_entries(), opts.tuning.dense_job)
+        keep: Callable[[Job, dict[str, torch.Tensor], object], dict[str, torch.Tensor]] = lambda j, t, s: t
+        pipe = Pipeline(self.root, dataclasses.replace(opts, max_inflight=max(opts.max_inflight, DENSE_MIN_INFLIGHT)),
+                        keep, self._pinned)
+        for _, tensors in pipe.run(jobs, progress or NullProgress(), "load dense"):
+            yield from tensors.items()
+
+
+def open_cache(path: str | os.PathLike[str], check_source: bool = True) -> Cache:
+    """Open a cache for loading: manifests read and checked; incomplete, stale or corrupt is refused."""
+    root = Path(path)
+    report = boot_check(root, check_source=check_source)
+    if report.state in (CORRUPT, INCOMPLETE, STALE):
+        raise _refuse(report, root)
+    files = load_cache_files(root)
+    index = None
+    idx_fe = files.manifest.file(L.Role.DELTA_INDEX)
+    if idx_fe is not None:
+        try:
+            index = DeltaIndex.parse(json.loads(_check_small(root, idx_fe)), idx_fe.path)
+        except ValueError:
+            raise VerificationError(f"{idx_fe.path} is not valid JSON", "run moet-cache build again") from None
+    return Cache(root, files, report, index)
+
+
+__all__ = ["Cache", "LoadedLayer", "open_cache"]

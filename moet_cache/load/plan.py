@@ -1,0 +1,130 @@
+"""What a load reads: the checked manifests turned into jobs of byte ranges, before any tensor byte
+is read. Pure: no thread, no device; the engine (engine.py) runs the jobs.
+
+A job is one served layer (its base-plane tensors, and the delta planes the delta mode asks for) or a
+group of dense tensors. Every range comes from a manifest and is checked against the layer's
+geometry here, and against the file's size and dtype x shape when the engine opens the file.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from .. import layout as L
+from ..enums import DeltaMode
+from ..errors import VerificationError
+from ..fsutil import resolve_inside
+from ..manifest import DeltaIndex, FileEntry, LayerManifest, TensorEntry
+from ..stheader import Header, read_header
+
+
+@dataclass(frozen=True)
+class Read:
+    """One tensor's byte range in one cache file, and what it must be."""
+
+    name: str
+    path: str
+    begin: int
+    end: int
+    dtype: str
+    shape: tuple[int, ...]
+    xxh3: str | None                 # None: the file has no per-tensor digest (the tier pack)
+    layer: int | None                # the served layer it belongs to; None: a dense tensor
+
+    @classmethod
+    def of(cls, t: TensorEntry, layer: int | None) -> Read:
+        return cls(t.name, t.file, t.begin, t.end, t.dtype, t.shape, t.xxh3, layer)
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.begin
+
+    @property
+    def where(self) -> str:
+        """For messages: "layer 7" or "dense"."""
+        return "dense" if self.layer is None else f"layer {self.layer}"
+
+
+@dataclass(frozen=True)
+class Job:
+    """What one worker turns into one dict of tensors: a served layer, or a group of dense tensors."""
+
+    reads: tuple[Read, ...]
+    layer: int | None = None         # the served layer; None: dense tensors
+    uses_pack: bool = False          # some reads come from the tier pack (one digest for the whole file)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(r.nbytes for r in self.reads)
+
+
+def tier_experts(index: DeltaIndex | None, layer: int) -> tuple[int, ...]:
+    """The experts whose delta planes the tier pack holds for this layer (none without an index)."""
+    return tuple((index.experts_of(layer) if index else None) or ())
+
+
+def read_cache_header(path: Path, rel: str) -> Header:
+    """A cache safetensors file's header: every tensor's dtype, shape and absolute byte range, strictly
+    checked (stheader.read_header; a bad file is a VerificationError)."""
+    return read_header(path, rel, VerificationError, VerificationError)
+
+
+def read_pack_header(root: Path, fe: FileEntry) -> Header:
+    """The tier pack's header (read_cache_header), and its file size against cache.json's entry."""
+    head = read_cache_header(resolve_inside(root, fe.path), fe.path)
+    if head.size != fe.size:
+        raise VerificationError(f"{fe.path} is {head.size} bytes, cache.json says {fe.size}",
+                                "run moet-cache build again")
+    return head
+
+
+def layer_job(lm: LayerManifest, delta: DeltaMode, index: DeltaIndex | None, pack: Header | None) -> Job:
+    """Layer lm's reads for delta mode `delta`; `pack` is the tier pack's header (needed only when the
+    index gives this layer tier experts and delta is "tier")."""
+    roles = {f.path: f.role for f in lm.files}
+    reads = [Read.of(t, lm.layer) for t in lm.tensors if roles[t.file] == L.Role.BASE]
+    geo = lm.geometry()
+    have = {r.name: (r.dtype, r.shape) for r in reads}
+    for name, (dtype, shape) in geo.required_shapes().items():
+        if have.get(name) != (dtype, shape):
+            got = have.get(name)
+            raise VerificationError(f"layer {lm.layer}: tensor {name} is {got[0] + ' ' + str(list(got[1])) if got else 'missing'}, "
+                                    f"the layer needs {dtype} {list(shape)}", "run moet-cache build again")
+    uses_pack = False
+    if delta == DeltaMode.ALL:
+        reads += [Read.of(t, lm.layer) for t in lm.tensors
+                  if roles[t.file] == L.Role.DELTA_ALL and t.name in (L.W13_DELTA, L.W2_DELTA)]
+        if sum(r.name in (L.W13_DELTA, L.W2_DELTA) for r in reads) != 2:
+            raise VerificationError(f"layer {lm.layer} lists no delta planes", "run moet-cache build again")
+    elif delta == DeltaMode.TIER:
+        experts = tier_experts(index, lm.layer)
+        if experts:
+            for spec in geo.delta_specs(len(experts)):
+                name = L.pack_tensor(lm.layer, spec.name)
+                got = pack.tensors.get(name) if pack is not None else None
+                if got is None or got.dtype != "U8" or got.shape != spec.shape:
+                    raise VerificationError(f"{L.PACK}: tensor {name} is missing or has the wrong shape "
+                                            f"(the index names {len(experts)} experts)", "run moet-cache build again")
+                reads.append(Read(spec.name, L.PACK, got.begin, got.end, "U8", spec.shape, None, lm.layer))
+                uses_pack = True
+    return Job(tuple(reads), lm.layer, uses_pack)
+
+
+def dense_jobs(entries: list[TensorEntry], job_bytes: int) -> list[Job]:
+    """The dense tensors in order, small ones grouped: one job is ~job_bytes or one big tensor."""
+    jobs: list[Job] = []
+    group: list[Read] = []
+    size = 0
+    for t in entries:
+        group.append(Read.of(t, None))
+        size += t.end - t.begin
+        if size >= job_bytes:
+            jobs.append(Job(tuple(group)))
+            group, size = [], 0
+    if group:
+        jobs.append(Job(tuple(group)))
+    return jobs
+
+
+__all__ = ["Read", "Job", "tier_experts", "read_cache_header", "read_pack_header", "layer_job", "dense_jobs"]

@@ -1,0 +1,130 @@
+"""The engine's reads: a job's byte ranges, checked against the file and dtype x shape, read with
+`os.preadv` (the GIL is released; pread is safe from many threads on one descriptor) and hashed as
+they arrive when verifying. Every read checks the load's stop flag.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..errors import InputError, VerificationError
+from ..fsutil import resolve_inside
+from ..hashing import new_hasher
+from ..stheader import DTYPES as STDTYPES
+from ..stheader import nbytes as st_nbytes
+from ..stheader import storage_shape, torch_dtype
+from ..verifier import Problem
+from .plan import Job, Read
+
+
+class Stopped(Exception):
+    """A worker saw the stop flag (another worker failed, or the consumer went away)."""
+
+
+def storage(dtype: str, shape: tuple[int, ...]) -> tuple[torch.dtype, tuple[int, ...], int]:
+    """(torch dtype, storage shape, bytes) of a safetensors dtype and header shape (F4: the packed bytes)."""
+    if dtype not in STDTYPES:
+        raise InputError(f"the loader cannot read dtype {dtype}")
+    try:
+        return torch_dtype(dtype), storage_shape(dtype, tuple(shape)), st_nbytes(dtype, tuple(shape))
+    except ValueError as e:
+        raise InputError(str(e)) from None
+
+
+def check_read(r: Read, file_size: int) -> None:
+    """The range spans exactly dtype x shape and lies inside the file (the manifest may be damaged)."""
+    _, _, n = storage(r.dtype, r.shape)
+    if r.nbytes != n:
+        raise VerificationError(f"{r.path}: tensor {r.name} ({r.where}) spans {r.nbytes} bytes, "
+                                f"its dtype {r.dtype} and shape {list(r.shape)} need {n}",
+                                "the manifest is damaged; run moet-cache build again")
+    if r.end > file_size:
+        raise VerificationError(f"{r.path}: tensor {r.name} ({r.where}) ends at byte {r.end}, "
+                                f"the file has {file_size}", "the file is truncated; run moet-cache build again")
+
+
+def mismatch(r: Read) -> VerificationError:
+    return VerificationError(
+        f"{r.path}: tensor {r.name} ({r.where}) does not match its xxh3-128 digest",
+        "the cache is corrupt: run moet-cache verify --full, then moet-cache build to repair it",
+        [Problem("digest", r.path, "contents differ from the manifest (xxh3-128 mismatch)", r.layer, r.name)])
+
+
+def check_digest(r: Read, hasher: Any) -> None:
+    """hasher (None: not verifying this tensor) has taken all of r's bytes: they must match its digest."""
+    if hasher is not None and hasher.hexdigest() != r.xxh3:
+        raise mismatch(r)
+
+
+class Files:
+    """Open file descriptors of one load (pread is safe from many threads on one descriptor), and the
+    load's stop flag: every read checks it, so a stop ends every worker at its next read."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.stop = threading.Event()
+        self._fds: dict[str, tuple[int, int]] = {}
+        self._lock = threading.Lock()
+
+    def _open(self, rel: str) -> tuple[int, int]:
+        with self._lock:
+            got = self._fds.get(rel)
+            if got is None:
+                fd = os.open(resolve_inside(self.root, rel), os.O_RDONLY)
+                got = (fd, os.fstat(fd).st_size)
+                self._fds[rel] = got
+            return got
+
+    def check(self, r: Read) -> None:
+        check_read(r, self._open(r.path)[1])
+
+    def read(self, r: Read, pos: int, dst: np.ndarray) -> None:
+        """Bytes [pos, pos + len(dst)) of tensor r into dst (a part of a pinned slot, or of a host tensor)."""
+        if self.stop.is_set():
+            raise Stopped
+        begin = r.begin + pos
+        fd = self._open(r.path)[0]
+        mv, done = memoryview(dst), 0
+        while done < len(dst):
+            got = os.preadv(fd, [mv[done:]], begin + done)
+            if got <= 0:
+                raise VerificationError(f"{r.path}: file ended inside tensor {r.name} ({r.where})",
+                                        "the file was truncated while loading; run moet-cache build again")
+            done += got
+            if self.stop.is_set():
+                raise Stopped
+
+    def close(self) -> None:
+        with self._lock:
+            for fd, _ in self._fds.values():
+                os.close(fd)
+            self._fds.clear()
+
+
+def read_host(files: Files, job: Job, chunk: int, verify_hash: bool) -> dict[str, torch.Tensor]:
+    """A job's tensors into host memory, each into its own preallocated tensor, a chunk at a time,
+    hashed as it arrives when verifying (xxhash releases the GIL on large buffers)."""
+    out: dict[str, torch.Tensor] = {}
+    for r in job.reads:
+        files.check(r)
+        tdt, shape, n = storage(r.dtype, r.shape)
+        flat = torch.empty(n, dtype=torch.uint8)
+        dst = flat.numpy()
+        h = new_hasher() if verify_hash and r.xxh3 else None
+        for pos in range(0, n, chunk):
+            piece = dst[pos:pos + chunk]
+            files.read(r, pos, piece)
+            if h is not None:
+                h.update(piece)
+        check_digest(r, h)
+        out[r.name] = flat.view(tdt).reshape(shape)
+    return out
+
+
+__all__ = ["Files", "Stopped", "check_digest", "check_read", "mismatch", "read_host", "storage"]
