@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -139,7 +140,7 @@ def _split_positionals(path: Path, extra: list[str] | None, sizes: str | None) -
 def resolve_plan_gpu(gpu: str) -> vram.GpuPreset:
     """`auto`: the GPU nvidia-smi sees (as serve does), else the default preset."""
     if gpu.strip().lower() == "auto":
-        seen = vram.detect_gpu()
+        seen = vram.detect_gpu(os.environ.get("CUDA_VISIBLE_DEVICES", ""))
         if seen is not None:
             return seen
         d = vram.GPU_PRESETS[vram.DEFAULT_GPU]

@@ -55,6 +55,7 @@ from .manifest import (
     FORMAT_VERSION,
     BuildParams,
     CacheManifest,
+    CacheModel,
     VERIFIED_STATE,
     DeltaIndex,
     FileEntry,
@@ -292,7 +293,7 @@ class _Builder:
         self.ckpt, self.root, self.opts, self.progress = ckpt, root, opts, progress
         self.commits = commits or Committer(root)
         self.model = ckpt.model
-        self.fingerprint = ckpt.fingerprint().to_dict()
+        self.fingerprint = ckpt.fingerprint()
         self.plan = self._make_plan()
         self.profile: RoutingProfile | None = load_profile(opts.profile) if opts.profile else None
         if self.profile:
@@ -407,7 +408,7 @@ class _Builder:
         files = self._served_config(files, {layer: lm for layer, (lm, _) in manifests.items()})
         refs = tuple(LayerRef(layer, fe.path, fe.size, fe.xxh3) for layer, (_, fe) in sorted(manifests.items()))
         manifest = CacheManifest(__version__, utc_now(), str(self.ckpt.root.resolve()), self.ckpt.layout,
-                                 self.fingerprint, {**self.model.to_dict(), "family": self.ckpt.family.to_dict()},
+                                 self.fingerprint, CacheModel(self.model, self.ckpt.family),
                                  params, refs, tuple(files))
         size, secs = self.hashed
         self.commits.commit(manifest, partial(sweep, self.root), speed_sample(size, secs))
@@ -503,7 +504,7 @@ class _Builder:
     def _dense(self, shard: str, names: list[str]) -> list[FileEntry]:
         """Copy one shard's dense tensors (on the dense thread); returns the file's and its part record's entries."""
         rel, rec = L.dense_file(shard), L.dense_record(shard)
-        key = _key({"v": FORMAT_VERSION, "src": self.fingerprint, "shard": shard, "names": names})
+        key = _key({"v": FORMAT_VERSION, "src": self.fingerprint.to_dict(), "shard": shard, "names": names})
         part = self._reusable_part(rec, key)
         if part is not None:
             self._advance(sum(self._nbytes(n) for n in names), read=False)
@@ -549,7 +550,7 @@ class _Builder:
                 yield name, out
 
     def _layer_key(self, layer: int) -> str:
-        return _key({"v": FORMAT_VERSION, "src": self.fingerprint, "layout": self.ckpt.layout,
+        return _key({"v": FORMAT_VERSION, "src": self.fingerprint.to_dict(), "layout": self.ckpt.layout,
                      "layer": layer, "lossless": self.opts.lossless, "input_scale": self.plan.input_scales[layer],
                      "format": self.plan.formats[layer].name, "scale_forms": 2})
 

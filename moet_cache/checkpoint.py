@@ -25,6 +25,7 @@ from .formats import (CT_NVFP4, E4M3_16, E8M0_32, LAYOUT_FORMAT, MODELOPT_NVFP4,
                       compact_e8m0, format_of)
 from .fsutil import read_json_file
 from .hashing import xxh3_file_hex, xxh3_hex
+from .manifest import ShardFingerprint, SourceFingerprint
 from .modelconfig import ModelConfig
 from .stheader import Entry, nbytes, read_header, storage_shape, torch_dtype
 
@@ -48,30 +49,6 @@ class TensorInfo:
     @property
     def nbytes(self) -> int:
         return nbytes(self.dtype, self.shape)
-
-
-@dataclass(frozen=True)
-class ShardFingerprint:
-    name: str
-    size: int
-    mtime_ns: int
-    header_xxh3: str
-
-
-@dataclass(frozen=True)
-class SourceFingerprint:
-    """What identifies a source checkpoint: its shards' sizes, times and header digests, its config."""
-
-    shards: tuple[ShardFingerprint, ...]
-    config_xxh3: str
-    index_xxh3: str | None
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "config_xxh3": self.config_xxh3,
-            "index_xxh3": self.index_xxh3,
-            "shards": [s.__dict__ for s in self.shards],
-        }
 
 
 def _fp8_is_mxfp4(qc: dict[str, Any], names: set[str]) -> bool:

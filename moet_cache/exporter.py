@@ -14,7 +14,7 @@ import numpy as np
 from . import layout as L
 from .checkpoint import INDEX_NAME
 from .commit import Window, kill_point
-from .families import DeepseekV3, Family, family_from_dict
+from .families import DeepseekV3, Family
 from .formats import FORMATS, LAYOUT_FORMAT, ExpertFormat, SourceLayout, source_scales
 from .geometry import names_of
 from .errors import InputError, VerificationError
@@ -39,9 +39,7 @@ class ExportResult:
 def cache_family(cf: Any) -> Family:
     """The naming family a cache was built from (caches from before the record: the V3 family)."""
     model = cf.manifest.model
-    n = model.get("num_hidden_layers", 0) if isinstance(model, dict) else 0
-    fam = family_from_dict(model.get("family") if isinstance(model, dict) else None, n if isinstance(n, int) else 0)
-    return fam or DeepseekV3("deepseek_v3", n if isinstance(n, int) else 0, (), ())
+    return model.family or DeepseekV3("deepseek_v3", model.config.num_hidden_layers, (), ())
 
 
 def layer_source_format(lm: Any, layout: str) -> ExpertFormat:

@@ -182,16 +182,8 @@ def detect_family(config: dict[str, Any], model: ModelConfig, names: Iterable[st
     return kind.cls(name, n, moe, mtp)
 
 
-def family_from_dict(d: Any, num_hidden_layers: int) -> Family | None:
-    """The family recorded in a cache manifest (None for caches that predate the record)."""
-    if not isinstance(d, dict):
-        return None
-    cls = {"deepseek_v3": DeepseekV3, "deepseek_v4": DeepseekV4}.get(d.get("name"))  # type: ignore[arg-type]
-    if cls is None:
-        return None
-    moe, mtp = d.get("moe_layers"), d.get("mtp_layers")
-    ok = all(isinstance(x, list) and all(type(i) is int for i in x) for x in (moe, mtp))
-    return cls(d["name"], num_hidden_layers, tuple(moe), tuple(mtp)) if ok else None
+# The families a cache manifest may name (its model.family.name), by name.
+FAMILY_CLASSES: dict[str, type[Family]] = {"deepseek_v3": DeepseekV3, "deepseek_v4": DeepseekV4}
 
 
-__all__ = ["DeepseekV3", "DeepseekV4", "FAMILIES", "Family", "PROJECTIONS", "detect_family", "family_from_dict"]
+__all__ = ["DeepseekV3", "DeepseekV4", "FAMILIES", "Family", "PROJECTIONS", "FAMILY_CLASSES", "detect_family"]

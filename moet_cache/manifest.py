@@ -8,14 +8,16 @@ manifests/ describe the same documents; tests check that what we write validates
 from __future__ import annotations
 
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
 from . import layout as L
 from .enums import ScaleForm, SourceLayout, StrEnum
 from .errors import InputError
+from .families import FAMILY_CLASSES, Family
 from .fsutil import atomic_write_json, read_json_file, safe_relpath
+from .modelconfig import ModelConfig
 from .stheader import DTYPES as _DTYPE_TABLE
 
 FORMAT_VERSION = 1
@@ -35,9 +37,15 @@ def _fail(where: str, msg: str) -> ManifestError:
     return ManifestError(f"{where}: {msg}", "the cache manifest is damaged; run moet-cache build again")
 
 
-def _obj(v: Any, where: str) -> dict[str, Any]:
+def _obj(v: Any, where: str, keys: tuple[str, ...] | None = None) -> dict[str, Any]:
+    """A JSON object; with `keys`, one that holds no other key (the schemas close every object we write:
+    a key this version does not know is a cache it cannot read right, not one to guess at)."""
     if not isinstance(v, dict):
         raise _fail(where, "expected a JSON object")
+    if keys is not None:
+        unknown = sorted(k for k in v if k not in keys)
+        if unknown:
+            raise _fail(where, f"unknown key {unknown[0]!r}")
     return v
 
 
@@ -118,7 +126,7 @@ class FileEntry:
 
     @classmethod
     def parse(cls, d: Any, where: str) -> FileEntry:
-        d = _obj(d, where)
+        d = _obj(d, where, ("path", "size", "xxh3", "role"))
         return cls(_path(d, "path", where), _int(d, "size", where), _hex(d, "xxh3", where),
                    _enum(d, "role", where, L.Role))
 
@@ -135,7 +143,7 @@ class TensorEntry:
 
     @classmethod
     def parse(cls, d: Any, where: str) -> TensorEntry:
-        d = _obj(d, where)
+        d = _obj(d, where, ("name", "file", "dtype", "shape", "begin", "end", "xxh3"))
         shape = _list(d, "shape", where, 8)
         if not all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < MAX_INT for x in shape):
             raise _fail(where, "shape must be a list of non-negative integers")
@@ -203,7 +211,9 @@ class LayerManifest:
 
     @classmethod
     def parse(cls, d: Any, where: str) -> LayerManifest:
-        d = _obj(d, where)
+        d = _obj(d, where, ("format", "format_version", "layer", "kind", "n_experts", "hidden_size",
+                            "intermediate_size", "build_key", "expert_delta_bytes", "source_bytes", "files",
+                            "tensors", "sq_error", "energy", "source_format", "scale_forms"))
         _version(d, "moet-cache-layer", where)
         kind = _enum(d, "kind", where, LayerKind)
         n = _int(d, "n_experts", where, 1, 1 << 16)
@@ -255,6 +265,84 @@ class BuildParams:
 
 
 @dataclass(frozen=True)
+class ShardFingerprint:
+    name: str
+    size: int
+    mtime_ns: int
+    header_xxh3: str
+
+
+@dataclass(frozen=True)
+class SourceFingerprint:
+    """What identifies a source checkpoint: its shards' sizes, times and header digests, its config."""
+
+    shards: tuple[ShardFingerprint, ...]
+    config_xxh3: str
+    index_xxh3: str | None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"config_xxh3": self.config_xxh3, "index_xxh3": self.index_xxh3,
+                "shards": [asdict(s) for s in self.shards]}
+
+    @classmethod
+    def parse(cls, d: Any, where: str) -> SourceFingerprint:
+        d = _obj(d, where, ("config_xxh3", "index_xxh3", "shards"))
+        shards = []
+        for x in _list(d, "shards", where, 1 << 20):
+            x = _obj(x, where, ("name", "size", "mtime_ns", "header_xxh3"))
+            mtime = x.get("mtime_ns")
+            if isinstance(mtime, bool) or not isinstance(mtime, int):  # any integer: a clock may be before 1970
+                raise _fail(where, f"mtime_ns must be an integer, found {mtime!r}")
+            shards.append(ShardFingerprint(_str(x, "name", where), _int(x, "size", where), mtime,
+                                           _hex(x, "header_xxh3", where)))
+        if "index_xxh3" not in d:  # always written (null for a single-file checkpoint)
+            raise _fail(where, "index_xxh3 is missing")
+        index = None if d["index_xxh3"] is None else _hex(d, "index_xxh3", where)
+        return cls(tuple(shards), _hex(d, "config_xxh3", where), index)
+
+
+_MODEL_KEYS = tuple(f.name for f in fields(ModelConfig))
+
+
+@dataclass(frozen=True)
+class CacheModel:
+    """The model a cache serves: its config keys and (since the V4 family) its naming family."""
+
+    config: ModelConfig
+    family: Family | None = None    # None: caches from before the record (then the V3 family, exporter)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**self.config.to_dict(), **({"family": self.family.to_dict()} if self.family else {})}
+
+    @classmethod
+    def parse(cls, d: Any, where: str) -> CacheModel:
+        d = _obj(d, where, (*_MODEL_KEYS, "family"))
+        if not isinstance(d.get("model_type", ""), str):  # config.json may hold anything there; we write a string
+            raise _fail(where, "model_type must be a string")
+        try:
+            config = ModelConfig.from_dict({k: v for k, v in d.items() if k != "family"})
+        except InputError as e:  # its message names config.json: say where it really was
+            msg = e.message.replace("config.json: ", "").replace("config.json", "the model record")
+            raise _fail(where, msg) from None
+        if "family" not in d:
+            return cls(config)
+        fam = _obj(d["family"], where + ": family", ("name", "moe_layers", "mtp_layers"))
+        name = fam.get("name")
+        kind = FAMILY_CLASSES.get(name) if isinstance(name, str) else None
+        if kind is None:
+            raise _fail(where, f"family.name must be one of {', '.join(FAMILY_CLASSES)}, found {fam.get('name')!r}")
+        layers = [tuple(_layer_numbers(fam, key, where + ": family")) for key in ("moe_layers", "mtp_layers")]
+        return cls(config, kind(name, config.num_hidden_layers, *layers))
+
+
+def _layer_numbers(d: dict[str, Any], key: str, where: str) -> list[int]:
+    v = _list(d, key, where, 1 << 16)
+    if not all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 1 << 16 for x in v):
+        raise _fail(where, f"{key} must be a list of layer numbers")
+    return v
+
+
+@dataclass(frozen=True)
 class CacheManifest:
     """The whole cache: where it came from, how it was built, every layer manifest and file."""
 
@@ -262,8 +350,8 @@ class CacheManifest:
     created: str
     source_path: str
     source_layout: SourceLayout
-    source_fingerprint: dict[str, Any]
-    model: dict[str, Any]
+    source_fingerprint: SourceFingerprint
+    model: CacheModel
     build: BuildParams
     layers: tuple[LayerRef, ...]
     files: tuple[FileEntry, ...]
@@ -273,8 +361,8 @@ class CacheManifest:
             "format": "moet-cache", "format_version": FORMAT_VERSION,
             "tool_version": self.tool_version, "created": self.created,
             "source": {"path": self.source_path, "layout": self.source_layout,
-                       "fingerprint": self.source_fingerprint},
-            "model": self.model, "build": self.build.to_dict(),
+                       "fingerprint": self.source_fingerprint.to_dict()},
+            "model": self.model.to_dict(), "build": self.build.to_dict(),
             "layers": [asdict(r) for r in self.layers],
             "files": [asdict(f) for f in self.files],
         }
@@ -284,24 +372,25 @@ class CacheManifest:
 
     @classmethod
     def parse(cls, d: Any, where: str = CACHE_MANIFEST) -> CacheManifest:
-        d = _obj(d, where)
+        d = _obj(d, where, ("format", "format_version", "tool_version", "created", "source", "model", "build",
+                            "layers", "files"))
         _version(d, "moet-cache", where)
-        src = _obj(d.get("source"), where + ": source")
-        build = _obj(d.get("build"), where + ": build")
-        layers_sel = _list(build, "layers", where, 1 << 16)
-        if not all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 1 << 16 for x in layers_sel):
-            raise _fail(where, "build.layers must be a list of layer numbers")
+        src = _obj(d.get("source"), where + ": source", ("path", "layout", "fingerprint"))
+        build = _obj(d.get("build"), where + ": build", tuple(f.name for f in fields(BuildParams)))
+        layers_sel = _layer_numbers(build, "layers", where + ": build")
         for key in ("include_mtp", "lossless"):
             if not isinstance(build.get(key), bool):
                 raise _fail(where, f"build.{key} must be true or false")
-        prof = build.get("profile_xxh3")
+        if "profile_xxh3" not in build:  # always written (null without a routing profile)
+            raise _fail(where, "build.profile_xxh3 is missing")
+        prof = build["profile_xxh3"]
         if prof is not None:
             _hex(build, "profile_xxh3", where)
         params = BuildParams(tuple(layers_sel), build["include_mtp"], build["lossless"],
                              _int(build, "delta_budget_bytes", where), prof)
         refs = []
         for x in _list(d, "layers", where, 1 << 16):
-            x = _obj(x, where)
+            x = _obj(x, where, tuple(f.name for f in fields(LayerRef)))
             refs.append(LayerRef(_int(x, "layer", where, 0, 1 << 16), _path(x, "manifest", where),
                                  _int(x, "size", where), _hex(x, "xxh3", where)))
         if len({r.layer for r in refs}) != len(refs):
@@ -310,11 +399,10 @@ class CacheManifest:
         paths = [f.path for f in files] + [r.manifest for r in refs]
         if len(set(paths)) != len(paths):
             raise _fail(where, "a file is listed twice")
-        model = _obj(d.get("model"), where + ": model")
-        fp = _obj(src.get("fingerprint"), where + ": source.fingerprint")
         return cls(_str(d, "tool_version", where), _str(d, "created", where),
-                   _str(src, "path", where), _enum(src, "layout", where, SourceLayout), fp, model, params,
-                   tuple(refs), files)
+                   _str(src, "path", where), _enum(src, "layout", where, SourceLayout),
+                   SourceFingerprint.parse(src.get("fingerprint"), where + ": source.fingerprint"),
+                   CacheModel.parse(d.get("model"), where + ": model"), params, tuple(refs), files)
 
 
 @dataclass(frozen=True)
@@ -331,7 +419,7 @@ class CommitRecord:
 
     @classmethod
     def parse(cls, d: Any, where: str = COMMIT_RECORD) -> CommitRecord:
-        d = _obj(d, where)
+        d = _obj(d, where, ("format", "format_version", "manifest", "manifest_size", "manifest_xxh3", "committed_at"))
         _version(d, "moet-cache-commit", where)
         return cls(_path(d, "manifest", where), _int(d, "manifest_size", where),
                    _hex(d, "manifest_xxh3", where), _str(d, "committed_at", where))
@@ -360,13 +448,14 @@ class DeltaIndex:
 
     @classmethod
     def parse(cls, d: Any, where: str = "delta index") -> DeltaIndex:
-        d = _obj(d, where)
+        d = _obj(d, where, ("format", "format_version", "pack", "budget_bytes", "used_bytes", "weighted_by_profile",
+                            "layers"))
         _version(d, "moet-cache-delta-index", where)
         if not isinstance(d.get("weighted_by_profile"), bool):
             raise _fail(where, "weighted_by_profile must be true or false")
         layers = []
         for x in _list(d, "layers", where, 1 << 16):
-            x = _obj(x, where)
+            x = _obj(x, where, ("layer", "experts"))
             ex = _list(x, "experts", where, 1 << 16)
             if not all(isinstance(e, int) and not isinstance(e, bool) and 0 <= e < 1 << 16 for e in ex) \
                     or sorted(set(ex)) != ex:
@@ -414,8 +503,10 @@ class PartManifest:
 
     @classmethod
     def parse(cls, d: Any, where: str) -> PartManifest:
-        d = _obj(d, where)
+        d = _obj(d, where, ("format", "format_version", "build_key", "files", "tensors", "metadata"))
         _version(d, "moet-cache-part", where)
+        if "metadata" not in d:  # always written (null when there is none)
+            raise _fail(where, "metadata is missing")
         meta = d.get("metadata")
         if meta is not None and not (isinstance(meta, dict) and all(
                 isinstance(k, str) and isinstance(v, str) for k, v in meta.items())):

@@ -54,7 +54,9 @@ def _as_u16(packed: np.ndarray) -> np.ndarray:
 
 # The fast split works on uint64 words in cache-sized chunks with in-place numpy bit ops (no lookups,
 # no temporaries per chunk); numpy's ufunc loops release the GIL, so threads over tensors scale.
-_CHUNK_WORDS = 1 << 15  # 256 KiB of source per chunk: the scratch words stay in L2
+# The chunk sizes and the small-tensor threshold below are the defaults of keyword arguments (the tests pass
+# small ones to cross chunk boundaries and to take both paths on the same bytes), never patched.
+CHUNK_WORDS = 1 << 15  # 256 KiB of source per chunk: the scratch words stay in L2
 _M33 = np.uint64(0x3333333333333333)
 _M0F = np.uint64(0x0F0F0F0F0F0F0F0F)
 _S2, _S4 = np.uint64(2), np.uint64(4)
@@ -82,17 +84,18 @@ def split_planes(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return split_planes_numpy(packed)
 
 
-def split_planes_numpy(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """split_planes in numpy alone (where moet_cache._kernels is not built), whole uint64 words only."""
+def split_planes_numpy(packed: np.ndarray, *, chunk_words: int = CHUNK_WORDS) -> tuple[np.ndarray, np.ndarray]:
+    """split_planes in numpy alone (where moet_cache._kernels is not built), whole uint64 words only, in
+    chunks of `chunk_words` words."""
     words = _as_u16(packed)
     w64 = words.reshape(-1).view(np.uint64)
     base = np.empty(words.size, dtype=np.uint8)
     delta = np.empty(words.size, dtype=np.uint8)
     n = w64.size
-    a = np.empty(min(n, _CHUNK_WORDS), dtype=np.uint64)
+    a = np.empty(min(n, chunk_words), dtype=np.uint64)
     b = np.empty_like(a)
-    for i in range(0, n, _CHUNK_WORDS):
-        c = w64[i : i + _CHUNK_WORDS]
+    for i in range(0, n, chunk_words):
+        c = w64[i : i + chunk_words]
         k = c.size
         ak, bk = a[:k], b[:k]
         # A 16-bit lane holds 4 codes; the delta bits of code j sit at 4j..4j+1, the base bits at 4j+2..4j+3.
@@ -125,23 +128,24 @@ def split_planes_reference(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return base, delta
 
 
-_HIST_CHUNK = 1 << 16  # uint16 words per bincount call: the intp copy numpy makes stays in L2
-_SMALL = 1 << 15  # bytes: below this, per-call set-up (64 Ki-entry tables) outweighs the data
+HIST_CHUNK = 1 << 16  # uint16 words per bincount call: the intp copy numpy makes stays in L2
+SMALL_BYTES = 1 << 15  # below this, per-call set-up (64 Ki-entry tables) outweighs the data
 
 
-def code_histogram(packed: np.ndarray) -> np.ndarray:
-    """Counts of each of the 16 FP4 codes in a packed tensor (int64[16])."""
+def code_histogram(packed: np.ndarray, *, small: int = SMALL_BYTES, chunk: int = HIST_CHUNK) -> np.ndarray:
+    """Counts of each of the 16 FP4 codes in a packed tensor (int64[16]); a tensor under `small` bytes is
+    counted per byte, a larger one per uint16 word, `chunk` words per bincount call."""
     if packed.dtype != np.uint8:
         raise ValueError("packed FP4 codes must be uint8")
     flat = np.ascontiguousarray(packed).reshape(-1)
-    if flat.size % 2 or flat.size < _SMALL:  # a 64 Ki-bin count costs more than a small tensor's bytes
+    if flat.size % 2 or flat.size < small:  # a 64 Ki-bin count costs more than a small tensor's bytes
         byte_counts = np.bincount(flat, minlength=256).reshape(16, 16)  # [high nibble, low nibble]
         return (byte_counts.sum(axis=0) + byte_counts.sum(axis=1)).astype(np.int64)
     # One count per uint16 word (four codes) halves the counting work of a per-byte bincount.
     words = flat.view("<u2")
     counts = np.zeros(1 << 16, dtype=np.int64)
-    for i in range(0, words.size, _HIST_CHUNK):
-        counts += np.bincount(words[i : i + _HIST_CHUNK], minlength=1 << 16)
+    for i in range(0, words.size, chunk):
+        counts += np.bincount(words[i : i + chunk], minlength=1 << 16)
     grid = counts.reshape(256, 256)  # [high byte, low byte]
     byte_counts = (grid.sum(axis=0) + grid.sum(axis=1)).reshape(16, 16)  # [high nibble, low nibble]
     return byte_counts.sum(axis=0) + byte_counts.sum(axis=1)
@@ -177,13 +181,15 @@ def _word_table(per_code: np.ndarray) -> np.ndarray:
     return (per_byte[:, None] + per_byte[None, :]).reshape(1 << 16)  # index: high byte * 256 + low
 
 
-_ERR_CHUNK = 1 << 16  # uint16 words per chunk (16384 blocks)
+ERR_CHUNK = 1 << 16  # uint16 words per chunk (16384 blocks)
 
 
-def error_and_energy(packed: np.ndarray, block_scales: np.ndarray, table: np.ndarray) -> tuple[float, float]:
+def error_and_energy(packed: np.ndarray, block_scales: np.ndarray, table: np.ndarray, *, small: int = SMALL_BYTES,
+                     chunk: int = ERR_CHUNK) -> tuple[float, float]:
     """(sum of (FP4 - table[base])^2 * s^2, sum of FP4^2 * s^2) over a tensor, before the global scale.
 
-    packed: uint8 [rows, n/2]; block_scales: float32 [rows, n/16].
+    packed: uint8 [rows, n/2]; block_scales: float32 [rows, n/16]. Under `small` bytes per code, else per
+    uint16 word through a 64 Ki-entry table, `chunk` words (a multiple of 4: whole blocks) at a time.
     """
     rows = packed.shape[0]
     if packed.dtype != np.uint8 or packed.ndim != 2 or packed.shape[1] % (BLOCK // 2) \
@@ -192,7 +198,7 @@ def error_and_energy(packed: np.ndarray, block_scales: np.ndarray, table: np.nda
     values = E2M1_VALUES.astype(np.float64)
     per_err = (values - np.repeat(table.astype(np.float64), 4)) ** 2
     s2 = block_scales.reshape(-1).astype(np.float64) ** 2
-    if packed.size < _SMALL:  # per code through a 16-entry table: no 64 Ki-entry table to build
+    if packed.size < small:  # per code through a 16-entry table: no 64 Ki-entry table to build
         codes = np.empty((packed.size, 2), dtype=np.intp)
         flat = np.ascontiguousarray(packed).reshape(-1)
         codes[:, 0], codes[:, 1] = flat & 0xF, flat >> 4
@@ -204,13 +210,13 @@ def error_and_energy(packed: np.ndarray, block_scales: np.ndarray, table: np.nda
     lut = (_word_table(per_err) + 1j * _word_table(values**2)).astype(np.complex64)
     words = np.ascontiguousarray(packed).reshape(-1).view("<u2")
     total = np.zeros(2, dtype=np.float64)
-    got = np.empty(min(words.size, _ERR_CHUNK), dtype=np.complex64)
-    for i in range(0, words.size, _ERR_CHUNK):
-        chunk = words[i : i + _ERR_CHUNK]
-        g = np.take(lut, chunk, out=got[: chunk.size])
+    got = np.empty(min(words.size, chunk), dtype=np.complex64)
+    for i in range(0, words.size, chunk):
+        part = words[i : i + chunk]
+        g = np.take(lut, part, out=got[: part.size])
         per_block = g[0::4] + g[1::4] + g[2::4] + g[3::4]  # four words make one block of 16 codes
         # float64 on both sides: a float64 @ float32 product leaves BLAS and is ~500x slower.
-        total += per_block.view(np.float32).reshape(-1, 2).T.astype(np.float64) @ s2[i // 4 : (i + chunk.size) // 4]
+        total += per_block.view(np.float32).reshape(-1, 2).T.astype(np.float64) @ s2[i // 4 : (i + part.size) // 4]
     return float(total[0]), float(total[1])
 
 

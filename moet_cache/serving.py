@@ -690,7 +690,7 @@ class PreflightPlan:
 def preflight_plan(cmd: ServeCommand) -> PreflightPlan:
     """Plan the command's settings on the GPU nvidia-smi sees (else the default preset: warnings only)."""
     from .vram import DEFAULT_GPU, GPU_PRESETS, detect_gpu, footprint_from_cache, make_plan
-    seen = detect_gpu()
+    seen = detect_gpu(cmd.environment().get("CUDA_VISIBLE_DEVICES", ""))  # the GPU vLLM will see
     gpu = seen or GPU_PRESETS[DEFAULT_GPU]
     p = make_plan(footprint_from_cache(cmd.cache), settings_from_argv(cmd.argv, gpu))
     return PreflightPlan(gpu.name, seen is not None, p.fits, p.margin, p.deciding,

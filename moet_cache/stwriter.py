@@ -75,7 +75,8 @@ class SafetensorsWriter:
     Each tensor's bytes must arrive in order (chunks appended), tensors in any interleaving.
     """
 
-    def __init__(self, path: Path, specs: list[TensorSpec], metadata: dict[str, str] | None = None) -> None:
+    def __init__(self, path: Path, specs: list[TensorSpec], metadata: dict[str, str] | None = None, *,
+                 writeback_bytes: int = WRITEBACK_BYTES) -> None:
         names = [s.name for s in specs]
         if len(set(names)) != len(names):
             raise ValueError("duplicate tensor names")
@@ -88,6 +89,7 @@ class SafetensorsWriter:
         self._filled = {n: 0 for n in names}
         self._hashers = {n: new_hasher() for n in names}
         self._unsynced = 0  # bytes written since the last start_writeback
+        self._writeback_bytes = writeback_bytes
         self.size = self._data_start + sum(s.nbytes for s in specs)
         path.parent.mkdir(parents=True, exist_ok=True)
         self._fd, self._tmp = create_temp_for(path)
@@ -123,7 +125,7 @@ class SafetensorsWriter:
         self._hashers[name].update(buf)
         self._filled[name] = filled + buf.nbytes
         self._unsynced += buf.nbytes
-        if self._unsynced >= WRITEBACK_BYTES:
+        if self._unsynced >= self._writeback_bytes:
             start_writeback(self._fd)
             self._unsynced = 0
 

@@ -278,22 +278,20 @@ def _source_changes(cf: CacheFiles) -> tuple[bool, list[Problem]]:
     problems = []
     fp = cf.manifest.source_fingerprint
     cfg = src / "config.json"
-    if cfg.is_file() and xxh3_file_hex(cfg, follow=True) != fp.get("config_xxh3"):
+    if cfg.is_file() and xxh3_file_hex(cfg, follow=True) != fp.config_xxh3:
         problems.append(Problem("stale", "config.json", "the source's config.json changed"))
-    for shard in fp.get("shards", []):
-        if not isinstance(shard, dict):
-            continue
-        p = src / str(shard.get("name", ""))
+    for shard in fp.shards:
+        p = src / shard.name
         try:
             st = p.stat()
         except OSError:
-            problems.append(Problem("stale", str(shard.get("name")), "the source shard is gone"))
+            problems.append(Problem("stale", shard.name, "the source shard is gone"))
             continue
-        if st.st_size != shard.get("size"):
-            problems.append(Problem("stale", p.name, f"the source shard's size changed ({shard.get('size')} -> {st.st_size})"))
-        elif st.st_mtime_ns != shard.get("mtime_ns"):
+        if st.st_size != shard.size:
+            problems.append(Problem("stale", p.name, f"the source shard's size changed ({shard.size} -> {st.st_size})"))
+        elif st.st_mtime_ns != shard.mtime_ns:
             from .checkpoint import header_digest  # here: checkpoint imports torch (seconds), rarely needed
-            same_header = header_digest(p) == shard.get("header_xxh3")
+            same_header = header_digest(p) == shard.header_xxh3
             problems.append(Problem("stale", p.name, "the source shard was rewritten since the build"
                                     + ("" if same_header else " (its header differs)")))
     return True, problems

@@ -16,7 +16,7 @@ from typing import Any
 
 from . import layout as L
 from .errors import InputError
-from .families import Family, family_from_dict
+from .families import Family
 from .manifest import CACHE_MANIFEST, COMMIT_RECORD, DeltaIndex, LayerKind, PartManifest
 from .modelconfig import ModelConfig
 from .kv_v4 import BLOCK_SIZE_V4, KV_DTYPES_V4, V4Attention, V4Kv, compress_ratios_of, longest_context, v4_kv
@@ -258,8 +258,7 @@ def footprint_from_cache(root: str | os.PathLike[str], delta_budget: str | None 
     from .verifier import load_cache_files
     root = Path(root)
     cf = load_cache_files(root)
-    m = ModelConfig.from_dict(cf.manifest.model)
-    fam = family_from_dict(cf.manifest.model.get("family"), m.num_hidden_layers)
+    m, fam = cf.manifest.model.config, cf.manifest.model.family
     base = mtp_base = 0
     main_layers: list[int] = []
     for layer, lm in cf.layers.items():
@@ -287,7 +286,7 @@ def footprint_from_cache(root: str | os.PathLike[str], delta_budget: str | None 
                     mtp_dense += t.end - t.begin
                 else:
                     dense += t.end - t.begin
-    cfg = dict(cf.manifest.model)
+    cfg = cf.manifest.model.to_dict()
     aux = next((f for f in cf.manifest.files if f.role == L.Role.AUX and f.path == f"{L.AUX_DIR}/config.json"), None)
     if aux is not None:
         cfg = _verified_json(root, aux.path, aux.size, aux.xxh3)
@@ -675,14 +674,15 @@ def parse_sizes_list(text: str) -> tuple[int, ...]:
     return tuple(sorted(set(sizes)))
 
 
-def detect_gpu() -> GpuPreset | None:
-    """The first visible GPU's memory, from nvidia-smi (no CUDA context is created); None without one."""
+def detect_gpu(visible_devices: str) -> GpuPreset | None:
+    """The memory of the first GPU of `visible_devices` (CUDA_VISIBLE_DEVICES as the process that will use it
+    sees it; "" = the first GPU), from nvidia-smi (no CUDA context is created); None without one."""
     import shutil
     import subprocess
     smi = shutil.which("nvidia-smi")
     if smi is None:
         return None
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")[0].strip()
+    visible = visible_devices.split(",")[0].strip()
     args = [smi, "--query-gpu=name,memory.total", "--format=csv,noheader,nounits"]
     if visible.isdigit():
         args += ["-i", visible]

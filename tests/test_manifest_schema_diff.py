@@ -22,8 +22,6 @@ from moet_cache.manifest import CacheManifest, CommitRecord, DeltaIndex, LayerMa
 
 SCHEMAS = Path(__file__).resolve().parents[1] / "manifests"
 VALUES: list[Any] = ["x", -1, 0, None, [], {}, 1.5, True, 2**60]
-# Subtrees the cache manifest carries as plain dicts (issue 14, "records bypassed"): one row each.
-COARSE = (("source", "fingerprint"), ("model",))
 
 RECORDS: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "cache-manifest": ("cache.json", lambda d: CacheManifest.parse(d)),
@@ -33,26 +31,10 @@ RECORDS: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "layer-manifest": ("layers/layer-001.json", lambda d: LayerManifest.parse(d, "layer")),
 }
 
-# (record, field pattern, mutation, who refuses it): "schema" = only the schema, "parser" = only the parser.
-_SCHEMA_ONLY_TYPES = ['set "x"', "set -1", "set 0", "set 1.5", "set 1152921504606846976", "set []", "set null",
-                      "set true", "set {}"]
+# (record, field pattern, mutation, who refuses it): "parser" = only the parser refuses it. What is left are
+# rules across fields, which a JSON Schema cannot state: sorted distinct experts, one sq_error and energy entry
+# per expert, every tensor's file listed by its layer, a tensor's end not before its begin.
 KNOWN = {
-    # The schemas close their objects (additionalProperties: false); the parsers ignore unknown keys.
-    *{(r, f, "addkey", "schema") for r, f in (
-        ("cache-manifest", "build"), ("cache-manifest", "files.*"), ("cache-manifest", "layers.*"),
-        ("delta-index", "layers.*"), ("layer-manifest", "files.*"), ("layer-manifest", "tensors.*"),
-        ("part-manifest", "files.*"))},
-    # The cache manifest's source fingerprint and model are dicts the parser does not check (the verifier does).
-    ("cache-manifest", "model", "set {}", "schema"),
-    ("cache-manifest", "model.**", "del", "schema"),
-    ("cache-manifest", "source.fingerprint", "set {}", "schema"),
-    ("cache-manifest", "source.fingerprint.**", "del", "schema"),
-    *{("cache-manifest", "source.fingerprint.**", m, "schema") for m in _SCHEMA_ONLY_TYPES},
-    # Fields the schemas require and the parsers default.
-    ("cache-manifest", "build.profile_xxh3", "del", "schema"),
-    ("part-manifest", "metadata", "del", "schema"),
-    # Rules across fields, which the schemas cannot state: sorted unique experts, one entry per expert,
-    # a tensor's file listed, its end after its begin, listed paths that exist in the layout.
     ("delta-index", "layers.*.experts.*", "set 0", "parser"),
     ("layer-manifest", "energy", "set []", "parser"),
     ("layer-manifest", "sq_error", "set []", "parser"),
@@ -80,21 +62,21 @@ def _at(d: Any, p: tuple) -> Any:
 
 
 def _pattern(p: tuple) -> str:
-    g = tuple("*" if isinstance(k, int) else k for k in p)
-    for c in COARSE:
-        if g[:len(c)] == c and len(g) > len(c):
-            g = c + ("**",)
-    return ".".join(g)
+    return ".".join("*" if isinstance(k, int) else k for k in p) or "(root)"
 
 
 def _mutants(doc: dict[str, Any]) -> Iterator[tuple[str, str, dict[str, Any]]]:
-    for p in list(_paths(doc))[1:]:
-        muts: list[tuple[str, Any]] = [("del", None)] if isinstance(p[-1], str) else []
-        muts += [("set", v) for v in VALUES]
+    for p in _paths(doc):
+        muts: list[tuple[str, Any]] = [("del", None)] if p and isinstance(p[-1], str) else []
+        muts += [("set", v) for v in VALUES] if p else []
         if isinstance(_at(doc, p), dict):
             muts.append(("addkey", None))
         for kind, v in muts:
             d = copy.deepcopy(doc)
+            if not p:  # the document itself: only an unknown key
+                d["zz_unknown"] = 1
+                yield _pattern(p), kind, d
+                continue
             parent = _at(d, p[:-1])
             if kind == "del":
                 del parent[p[-1]]

@@ -8,7 +8,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from unittest import mock
 
 from moet_cache import planes as P
 from moet_cache.fp4 import BLOCK
@@ -37,11 +36,10 @@ def test_split_of_rows_not_a_whole_word_falls_back_exactly(rows: int, cols: int)
     assert np.array_equal(base, rbase) and np.array_equal(delta, rdelta)
 
 
-def test_split_crosses_chunk_boundaries(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_split_crosses_chunk_boundaries() -> None:
     # several chunks and a short last one: every chunk boundary must land on the right output byte
-    monkeypatch.setattr(P, "_CHUNK_WORDS", 7)
     packed = np.random.default_rng(3).integers(0, 256, (9, 40), dtype=np.uint8)
-    base, delta = P.split_planes_numpy(packed)
+    base, delta = P.split_planes_numpy(packed, chunk_words=7)
     rbase, rdelta = P.split_planes_reference(packed)
     assert np.array_equal(base, rbase) and np.array_equal(delta, rdelta)
 
@@ -79,20 +77,17 @@ def test_c_split_argument_checks() -> None:
 @given(blocked)
 def test_histogram_matches_reference(packed: np.ndarray) -> None:
     want = P.code_histogram_reference(packed).tolist()
-    for small in (P._SMALL, 0):  # the small-tensor path and the 64 Ki-bin path, on the same bytes
-        with mock.patch.object(P, "_SMALL", small):
-            hist = P.code_histogram(packed)
+    for small in (P.SMALL_BYTES, 0):  # the small-tensor path and the 64 Ki-bin path, on the same bytes
+        hist = P.code_histogram(packed, small=small)
         assert hist.dtype == np.int64
         assert hist.tolist() == want
 
 
-def test_histogram_odd_byte_count_and_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_histogram_odd_byte_count_and_chunks() -> None:
     odd = np.random.default_rng(5).integers(0, 256, (3, 5), dtype=np.uint8)
     assert P.code_histogram(odd).tolist() == P.code_histogram_reference(odd).tolist()
-    monkeypatch.setattr(P, "_HIST_CHUNK", 5)
-    monkeypatch.setattr(P, "_SMALL", 0)
     packed = np.random.default_rng(6).integers(0, 256, (7, 24), dtype=np.uint8)
-    assert P.code_histogram(packed).tolist() == P.code_histogram_reference(packed).tolist()
+    assert P.code_histogram(packed, small=0, chunk=5).tolist() == P.code_histogram_reference(packed).tolist()
 
 
 def test_histogram_of_one_code_everywhere_is_exact() -> None:
@@ -114,22 +109,19 @@ def test_error_and_energy_match_reference(packed: np.ndarray, seed: int) -> None
     scales = _scales(rng, packed)
     table = P.fit_table(P.code_histogram(packed))
     rerr, renergy = P.error_and_energy_reference(packed, scales, table)
-    for small in (P._SMALL, 0):  # the small-tensor path and the word-lookup path
-        with mock.patch.object(P, "_SMALL", small):
-            err, energy = P.error_and_energy(packed, scales, table)
+    for small in (P.SMALL_BYTES, 0):  # the small-tensor path and the word-lookup path
+        err, energy = P.error_and_energy(packed, scales, table, small=small)
         assert err == pytest.approx(rerr, rel=1e-5, abs=1e-6)
         assert energy == pytest.approx(renergy, rel=1e-5, abs=1e-6)
 
 
-def test_error_with_a_foreign_table_and_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_error_with_a_foreign_table_and_chunks() -> None:
     # a table that is not the fitted one (the error must follow the table given), over several chunks
-    monkeypatch.setattr(P, "_ERR_CHUNK", 12)
-    monkeypatch.setattr(P, "_SMALL", 0)
     rng = np.random.default_rng(7)
     packed = rng.integers(0, 256, (6, 32), dtype=np.uint8)
     scales = _scales(rng, packed)
     table = np.array([0.3, 5.0, -0.9, -2.5], dtype=np.float32)
-    err, energy = P.error_and_energy(packed, scales, table)
+    err, energy = P.error_and_energy(packed, scales, table, small=0, chunk=12)
     rerr, renergy = P.error_and_energy_reference(packed, scales, table)
     assert err == pytest.approx(rerr, rel=1e-6) and energy == pytest.approx(renergy, rel=1e-6)
     # and a direct float64 sum from the unpacked values, independent of both lookups

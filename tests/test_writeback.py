@@ -20,9 +20,8 @@ def test_start_writeback_keeps_the_bytes_and_is_a_hint(tmp_path: Path, monkeypat
     calls: list[int] = []
     real = fsutil.start_writeback
     monkeypatch.setattr(stwriter, "start_writeback", lambda fd: (calls.append(fd), real(fd)))
-    monkeypatch.setattr(stwriter, "WRITEBACK_BYTES", 1000)
     data = np.random.default_rng(0).integers(0, 256, 10_000, dtype=np.uint8)
-    w = SafetensorsWriter(tmp_path / "a.safetensors", [TensorSpec("x", "U8", (10_000,))])
+    w = SafetensorsWriter(tmp_path / "a.safetensors", [TensorSpec("x", "U8", (10_000,))], writeback_bytes=1000)
     for i in range(0, 10_000, 500):
         w.write("x", data[i:i + 500])
     w.commit()
