@@ -35,6 +35,13 @@ from .checkpoint import (
     SourceReader,
     open_checkpoint,
 )
+from .cacheview import (
+    file_matches,
+    open_uncommitted_view,
+    open_view,
+    read_committed_manifest,
+    read_delta_index,
+)
 from .errors import InputError, VerificationError
 from .formats import E4M3_16, LAYOUT_FORMAT, ExpertFormat, e4m3_shift, e8m0_to_e4m3, stored_scales
 from .fsutil import (
@@ -47,7 +54,7 @@ from .fsutil import (
     refuse_links,
 )
 from .geometry import LayerGeometry, is_w13
-from .hashing import xxh3_file_hex, xxh3_hex
+from .hashing import xxh3_hex
 from .machine import usable_cores
 from .manifest import (
     CACHE_MANIFEST,
@@ -155,17 +162,6 @@ class BuildResult:
 
 def _key(obj: object) -> str:
     return xxh3_hex(json.dumps(obj, sort_keys=True).encode())
-
-
-def file_matches(root: Path, entry: FileEntry) -> bool:
-    """The file exists with the recorded size and digest (re-hashed)."""
-    p = root / entry.path
-    try:
-        if p.is_symlink() or not p.is_file() or p.stat().st_size != entry.size:
-            return False
-        return xxh3_file_hex(p) == entry.xxh3
-    except OSError:
-        return False
 
 
 def _entries(path: str, written: WrittenFile, role: str) -> tuple[FileEntry, list[TensorEntry]]:
@@ -416,7 +412,8 @@ class _Builder:
         return self._result(manifest, False, budget, t0)
 
     def _result(self, manifest: CacheManifest, already: bool, budget: int, t0: float) -> BuildResult:
-        index = load_record(self.root / L.DELTA_INDEX, DeltaIndex.parse)
+        index = read_delta_index(self.root, manifest)
+        assert index is not None  # every build writes one
         pack = manifest.file(L.Role.PACK)
         return BuildResult(
             cache=str(self.root), already_complete=already, layers=tuple(self.plan.served),
@@ -426,7 +423,6 @@ class _Builder:
             tier_file_bytes=pack.size if pack else 0, budget_bytes=budget, seconds=time.perf_counter() - t0)
 
     def _already_complete(self, params: BuildParams) -> CacheManifest | None:
-        from .verifier import read_committed_manifest
         try:
             manifest = read_committed_manifest(self.root)
         except (ManifestError, InputError):
@@ -921,12 +917,11 @@ TIER_ROLES = (L.Role.PACK, L.Role.DELTA_INDEX)
 def _retier_source(root: Path) -> Any:
     """The cache to re-tier: the committed one, or the one a killed retier (or build) left uncommitted,
     if every file it keeps still matches its digest (re-hashed); the tier itself is rewritten anyway."""
-    from .verifier import load_cache_files, load_uncommitted_cache_files
     if (root / COMMIT_RECORD).is_file():
-        cf = load_cache_files(root)
+        cf = open_view(root)
     else:
         try:
-            cf = load_uncommitted_cache_files(root)
+            cf = open_uncommitted_view(root)
         except ManifestError as e:
             raise InputError(f"{root} is not committed and cannot be resumed without the source: {e.message}",
                              "run moet-cache build SRC CACHE (with --lossless) to finish it") from None

@@ -14,18 +14,18 @@ import numpy as np
 from . import layout as L
 from .checkpoint import INDEX_NAME
 from .commit import Window, kill_point
-from .families import DeepseekV3, Family
+from .families import Family
 from .formats import FORMATS, LAYOUT_FORMAT, ExpertFormat, SourceLayout, source_scales
 from .geometry import names_of
 from .errors import InputError, VerificationError
-from .fsutil import (atomic_write_bytes, atomic_write_json, fsync_dir, open_regular, pread_into, read_all,
-                     read_json_file, resolve_inside)
+from .cacheview import CacheView, ListedFileError, open_view
+from .fsutil import atomic_write_bytes, atomic_write_json, fsync_dir, open_regular, pread_into, read_json_file, resolve_inside
 from .hashing import xxh3_file_hex, xxh3_hex
-from .manifest import PartManifest, TensorEntry, load_record
+from .manifest import TensorEntry
 from .planes import join_planes
 from .progress import NullProgress, Progress
 from .stwriter import DTYPE_SIZES, SafetensorsWriter, TensorSpec
-from .verifier import cache_read_errors, load_cache_files
+from .verifier import cache_read_errors
 
 
 @dataclass(frozen=True)
@@ -36,18 +36,12 @@ class ExportResult:
     bytes_written: int
 
 
-def cache_family(cf: Any) -> Family:
-    """The naming family a cache was built from (caches from before the record: the V3 family)."""
-    model = cf.manifest.model
-    return model.family or DeepseekV3("deepseek_v3", model.config.num_hidden_layers, (), ())
-
-
 def layer_source_format(lm: Any, layout: str) -> ExpertFormat:
     """The expert format a layer was built from (recorded per layer; older caches: the layout's)."""
     return FORMATS.get(lm.source_format) or LAYOUT_FORMAT.get(layout) or LAYOUT_FORMAT[SourceLayout.MODELOPT]
 
 
-def _parse_expert_name(name: str, fam: Family, cf: Any, layout: str) -> tuple[int, int, str, str] | None:
+def _parse_expert_name(name: str, fam: Family, cf: CacheView, layout: str) -> tuple[int, int, str, str] | None:
     """(layer, expert, projection, kind) for a routed-expert tensor name of a served layer."""
     parsed = fam.parse_expert(name)
     if parsed is None or parsed[0] not in cf.layers:
@@ -195,30 +189,24 @@ def export_checkpoint(root: str | os.PathLike[str], out: str | os.PathLike[str],
     """
     root, out = Path(root), Path(out)
     progress = progress or NullProgress()
-    cf = load_cache_files(root)
+    cf = open_view(root)
     if not cf.manifest.build.lossless:
         raise InputError("this cache keeps the delta planes of its tier only, so it cannot give back the source",
                          "build it with --lossless to be able to export")
     bad = next((f.path for f, _ in cf.files if not (root / f.path).is_file() or (root / f.path).stat().st_size != f.size), None)
     if bad is not None:  # a missing file is a damaged cache (exit 1), not an environment problem (exit 3)
         raise VerificationError(f"{bad} is missing or has the wrong size", "run moet-cache verify --full; rebuild the cache")
-    smap_fe = cf.manifest.file(L.Role.SOURCE_MAP)
-    smap_data = read_all(resolve_inside(root, smap_fe.path), 64 << 20)
-    if len(smap_data) != smap_fe.size or xxh3_hex(smap_data) != smap_fe.xxh3:
-        raise VerificationError(f"{smap_fe.path} does not match its digest", "run moet-cache verify --full; rebuild the cache")
     try:
-        smap = json.loads(smap_data)
-    except ValueError:
-        raise InputError("the cache's source map is not valid JSON", "rebuild the cache") from None
+        smap, parts = cf.source_map, cf.dense_parts
+    except ListedFileError as e:  # a damaged cache exports nothing (exit 1)
+        raise VerificationError(e.message, "run moet-cache verify --full; rebuild the cache") from None
     layout = cf.manifest.source_layout
-    fam = cache_family(cf)
+    fam = cf.family
     entries: dict[tuple[str, str], TensorEntry] = {}
     dense_at: dict[str, str] = {}
-    for f, _ in cf.files:
-        if f.role == L.Role.PART and f.path.startswith(L.DENSE_DIR + "/"):
-            part = load_record(resolve_inside(root, f.path), PartManifest.parse, f.path)
-            dense_at.update({t.name: t.file for t in part.tensors})
-            entries.update({(t.file, t.name): t for t in part.tensors})
+    for part in parts:
+        dense_at.update({t.name: t.file for t in part.tensors})
+        entries.update({(t.file, t.name): t for t in part.tensors})
     for lm in cf.layers.values():
         entries.update({(t.file, t.name): t for t in lm.tensors})
     shards = smap.get("shards") if isinstance(smap, dict) else None
@@ -269,9 +257,10 @@ def export_checkpoint(root: str | os.PathLike[str], out: str | os.PathLike[str],
     for f, _ in cf.files:
         served = source_config and f.role == L.Role.AUX and f.path == f"{L.AUX_DIR}/config.json"
         if f.role in (L.Role.AUX, L.Role.SOURCE_CONFIG) and not served:
-            data = read_all(resolve_inside(root, f.path), AUX_LIMIT)
-            if len(data) != f.size or xxh3_hex(data) != f.xxh3:
-                raise VerificationError(f"{f.path} does not match its digest", "run moet-cache verify --full; rebuild the cache")
+            try:
+                data = cf.read(f)
+            except ListedFileError as e:
+                raise VerificationError(e.message, "run moet-cache verify --full; rebuild the cache") from None
             # the source's config.json (model/config.source.json), not the one served to vLLM
             rel = "config.json" if f.role == L.Role.SOURCE_CONFIG else Path(f.path).relative_to(L.AUX_DIR)
             dest = out / rel
@@ -283,10 +272,7 @@ def export_checkpoint(root: str | os.PathLike[str], out: str | os.PathLike[str],
     return ExportResult(str(out), len(shards), n_tensors, written_bytes)
 
 
-AUX_LIMIT = 64 << 20
-
-
-def _tensor_bytes(name: str, layout: str, cf: Any, dense_at: dict[str, str], reader: VerifiedTensors,
+def _tensor_bytes(name: str, layout: str, cf: CacheView, dense_at: dict[str, str], reader: VerifiedTensors,
                   fam: Family) -> Any:
     """One source tensor's bytes, in the source's own format: a dense copy, or an expert tensor rebuilt
     from its planes (codes), its stored block scales (back to the source's form) or its source scalars."""

@@ -8,9 +8,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import layout as L
+from .cacheview import open_view
 from .families import Family
-from .manifest import BuildParams, DeltaIndex, loads_record
-from .verifier import load_cache_files
+from .manifest import BuildParams
 
 
 @dataclass(frozen=True)
@@ -51,16 +51,15 @@ class CacheInfo:
 
 
 def inspect_cache(root: str | os.PathLike[str]) -> CacheInfo:
-    """Summarise a committed cache; raises ManifestError when it is incomplete or damaged."""
+    """Summarise a committed cache; raises ManifestError when it is incomplete or damaged (a listed file that
+    does not match its digest, the delta index included, is never trusted)."""
     root = Path(root)
-    cf = load_cache_files(root)
+    cf = open_view(root)
     m = cf.manifest
-    idx_fe = m.file(L.Role.DELTA_INDEX)
-    index = DeltaIndex.parse(loads_record((root / idx_fe.path).read_bytes(), idx_fe.path), idx_fe.path) if idx_fe else None
     infos = []
     for layer, lm in sorted(cf.layers.items()):
         rel = [math.sqrt(e / w) if w > 0 else 0.0 for e, w in zip(lm.sq_error, lm.energy)]
-        tier = set(index.experts_of(layer) or ()) if index else set()
+        tier = set(cf.tier_experts(layer))
         worst = max(range(len(rel)), key=rel.__getitem__)
         geo = lm.geometry()
         base = sum(f.size for f in lm.files if f.role == L.Role.BASE)
@@ -69,14 +68,11 @@ def inspect_cache(root: str | os.PathLike[str]) -> CacheInfo:
             len(tier), len(tier) * lm.expert_delta_bytes, sum(rel) / len(rel), rel[worst], worst,
             sum(r for e, r in enumerate(rel) if e not in tier) / len(rel),
             lm.source_format or m.source_layout, f"{geo.w13_form}/{geo.w2_form}", base / geo.weights))
-    sizes = {role: sum(f.size for f, _ in cf.files if f.role == role)
-             for role in (L.Role.BASE, L.Role.DELTA_ALL, L.Role.DENSE)}
-    from .exporter import cache_family
-    fam = cache_family(cf)
+    fam = cf.family
     return CacheInfo(
         str(root), m.source_path, m.source_layout, m.tool_version, m.created, m.build, tuple(infos),
-        sizes[L.Role.BASE], sum(i.delta_bytes for i in infos), sizes[L.Role.DELTA_ALL], sizes[L.Role.DENSE],
-        sum(f.size for f, _ in cf.files), sum(i.delta_experts for i in infos), sum(i.experts for i in infos),
+        cf.bytes_of(L.Role.BASE), sum(i.delta_bytes for i in infos), cf.bytes_of(L.Role.DELTA_ALL),
+        cf.bytes_of(L.Role.DENSE), cf.bytes_of(), sum(i.delta_experts for i in infos), sum(i.experts for i in infos),
         fam.name, served_blocks(fam, m.build.layers))
 
 

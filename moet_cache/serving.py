@@ -26,6 +26,7 @@ from . import layout as L
 from .errors import EnvironmentProblem, InputError, MissingDependencyError, VerificationError
 
 if TYPE_CHECKING:
+    from .cacheview import CacheView
     from .verifier import VerifyReport
 
 VLLM_PIN = "0.34.0"
@@ -426,6 +427,9 @@ class ServeCommand:
     gpu: str | None = None
     model_type: str = ""
     torch_version: str | None = None    # torch in vLLM's interpreter, when vLLM's parser was loaded
+    # The opened cache the boot check read (None: forced past manifests that cannot be read): the plan
+    # before exec reads the same checked view instead of opening the cache again.
+    view: CacheView | None = field(default=None, repr=False, compare=False)
 
     def shell(self) -> str:
         env = " ".join(f"{k}={shlex.quote(v)}" for k, v in self.env_added)
@@ -443,12 +447,14 @@ def parser_plugin_path() -> str | None:
     return str(Path(spec.origin).resolve()) if spec and spec.origin else None
 
 
-def _served_name(cache: Path) -> str:
-    from .verifier import read_committed_manifest
-    try:
-        m = read_committed_manifest(cache)
-    except InputError:
-        m = None
+def _served_name(cache: Path, view: CacheView | None) -> str:
+    m = view.manifest if view is not None else None
+    if view is None:  # forced past manifests the view could not read: the commit's manifest, if it reads
+        from .cacheview import read_committed_manifest
+        try:
+            m = read_committed_manifest(cache)
+        except InputError:
+            m = None
     name = Path(m.source_path).name if m and m.source_path else ""
     return name or cache.resolve().name
 
@@ -458,13 +464,9 @@ STOCK_WARNING = ("--stock: vLLM's own FP4 MoE serves the experts, the loader exp
                  "`moet-cache plan` counts")
 
 
-def stock_overrides(cache: Path) -> Flag:
+def stock_overrides(cache: Path, cfg: dict[str, Any]) -> Flag:
     """--hf-overrides giving vLLM the source's own quantization_config (the cache's config.json names moet)."""
-    try:
-        cfg = json.loads((cache / L.AUX_DIR / "config.json").read_text())
-    except (OSError, ValueError):
-        cfg = {}
-    block = cfg.get("quantization_config") if isinstance(cfg, dict) else None
+    block = cfg.get("quantization_config")
     source = block.get("source") if isinstance(block, dict) else None
     if not isinstance(source, dict):
         raise InputError(f"{cache}: the model folder's config.json keeps no source quantization block",
@@ -472,7 +474,8 @@ def stock_overrides(cache: Path) -> Flag:
     return Flag("--hf-overrides", (json.dumps({"quantization_config": source}),))
 
 
-def integration_flags(cache: Path, verify_hash: bool, warnings: list[str], stock: bool = False) -> list[Flag]:
+def integration_flags(cache: Path, verify_hash: bool, warnings: list[str], stock: bool = False,
+                      view: CacheView | None = None, cfg: dict[str, Any] | None = None) -> list[Flag]:
     """The loader, the parsers and the served name: what makes vLLM read this cache. By default vLLM's
     routed experts compute on the planes (quantization method `moet`, named by the cache's config.json);
     `stock` hands vLLM the source's own method and the loader expands the planes to FP4 (warns)."""
@@ -484,9 +487,9 @@ def integration_flags(cache: Path, verify_hash: bool, warnings: list[str], stock
         warnings.append(STOCK_WARNING)
     flags = [Flag("--load-format", (LOAD_FORMAT,)),
              Flag("--model-loader-extra-config", (json.dumps(extra),)),
-             Flag("--served-model-name", (_served_name(cache),))]
+             Flag("--served-model-name", (_served_name(cache, view),))]
     if stock:
-        flags.append(stock_overrides(cache))
+        flags.append(stock_overrides(cache, cfg if cfg is not None else served_config(cache, view)))
     plugin = parser_plugin_path()
     if plugin is None:
         warnings.append(f"{PARSER_MODULE} is not installed: vLLM's own parsers apply, not this project's")
@@ -506,11 +509,12 @@ def _env_added(preset: Preset) -> list[tuple[str, str]]:
     return env
 
 
-def check_boot(cache: Path, force: bool, warnings: list[str]) -> VerifyReport:
-    """Refuse an incomplete, stale or corrupt cache (unless forced); warn about an unverified one."""
+def check_boot(cache: Path, force: bool, warnings: list[str]) -> tuple[VerifyReport, CacheView | None]:
+    """Refuse an incomplete, stale or corrupt cache (unless forced); warn about an unverified one. Returns the
+    report and the opened-cache view the boot check read (None when its manifests could not be read)."""
     # Imported here: the verifier pulls in safetensors, and `moet-cache --help` should not.
-    from .verifier import CORRUPT, INCOMPLETE, STALE, UNVERIFIED, boot_check
-    r = boot_check(cache)
+    from .verifier import CORRUPT, INCOMPLETE, STALE, UNVERIFIED, boot_view
+    r, view = boot_view(cache)
     if r.state in (INCOMPLETE, STALE, CORRUPT):
         what = "; ".join(p.describe() for p in r.problems[:3])
         if not force:
@@ -521,7 +525,23 @@ def check_boot(cache: Path, force: bool, warnings: list[str]) -> VerifyReport:
     elif r.state == UNVERIFIED:
         warnings.append("files changed since the last full verify: the loader will hash every tensor "
                         "(run `moet-cache verify --full` to record them)")
-    return r
+    return r, view
+
+
+def served_config(cache: Path, view: CacheView | None) -> dict[str, Any]:
+    """model/config.json, the config vLLM reads: through the checked view (its size and digest as cache.json
+    lists them); read as it is only when --force serves a cache the boot check did not pass (`view` None)."""
+    cfg: Any = None
+    if view is not None:
+        cfg = view.served_config
+    else:
+        try:
+            cfg = json.loads((cache / L.AUX_DIR / "config.json").read_text())
+        except (OSError, ValueError):
+            cfg = None if not (cache / L.AUX_DIR / "config.json").is_file() else {}
+    if cfg is None:
+        raise InputError(f"{cache} has no {L.AUX_DIR}/config.json for vLLM to read", "rebuild the cache")
+    return cfg if isinstance(cfg, dict) else {}
 
 
 def install_hint(python: str) -> str:
@@ -551,12 +571,8 @@ def check_plugin_env(table: OptionTable) -> list[str]:
     return out
 
 
-def model_type_of(model_dir: Path) -> str:
-    try:
-        cfg = json.loads((model_dir / "config.json").read_text())
-    except (OSError, ValueError):
-        return ""
-    mt = cfg.get("model_type") if isinstance(cfg, dict) else None
+def model_type_of(cfg: dict[str, Any]) -> str:
+    mt = cfg.get("model_type")
     return mt if isinstance(mt, str) else ""
 
 
@@ -574,12 +590,13 @@ def build_serve_command(cache: str | os.PathLike[str], preset_name: str = DEFAUL
         raise InputError(f"{root} is not a cache folder")
     warnings: list[str] = []
     notes: list[str] = []
-    report = check_boot(root, force, warnings)
+    report, view = check_boot(root, force, warnings)
     unverified = report.state == "unverified"
+    if not report.complete:  # --force past the boot check: the files are read as they are on disk
+        view = None
     model_dir = (root / L.AUX_DIR).resolve()
-    if not (model_dir / "config.json").is_file():
-        raise InputError(f"{root} has no {L.AUX_DIR}/config.json for vLLM to read", "rebuild the cache")
-    model_type = model_type_of(model_dir)
+    cfg = served_config(root, view)
+    model_type = model_type_of(cfg)
     preset = get_preset(preset_name, model_type)
     exe = shutil.which("vllm")
     if exe is None and require_vllm:
@@ -600,7 +617,7 @@ def build_serve_command(cache: str | os.PathLike[str], preset_name: str = DEFAUL
             probe.close()
         probe = None
     try:
-        base = [Flag(o, v) for o, v in preset.flags] + integration_flags(root, unverified, warnings, stock)
+        base = [Flag(o, v) for o, v in preset.flags] + integration_flags(root, unverified, warnings, stock, view, cfg)
         user = split_flags(list(user_args or []), table)
         base, n1 = adapt_renames(base, table)
         user, n2 = adapt_renames(user, table)
@@ -638,7 +655,7 @@ def build_serve_command(cache: str | os.PathLike[str], preset_name: str = DEFAUL
     return ServeCommand(("vllm" if exe is None else exe, "serve", *args), tuple(_env_added(preset)),
                         str(root.resolve()), preset.name, report.state, exe,
                         table.version if table else None, table is not None, tuple(warnings), tuple(notes),
-                        model_type=model_type, torch_version=torch_v)
+                        model_type=model_type, torch_version=torch_v, view=view)
 
 
 # --- plan before exec ---------------------------------------------------------------------------------
@@ -689,10 +706,11 @@ class PreflightPlan:
 
 def preflight_plan(cmd: ServeCommand) -> PreflightPlan:
     """Plan the command's settings on the GPU nvidia-smi sees (else the default preset: warnings only)."""
-    from .vram import DEFAULT_GPU, GPU_PRESETS, detect_gpu, footprint_from_cache, make_plan
+    from .vram import DEFAULT_GPU, GPU_PRESETS, detect_gpu, footprint_from_cache, footprint_of_view, make_plan
     seen = detect_gpu(cmd.environment().get("CUDA_VISIBLE_DEVICES", ""))  # the GPU vLLM will see
     gpu = seen or GPU_PRESETS[DEFAULT_GPU]
-    p = make_plan(footprint_from_cache(cmd.cache), settings_from_argv(cmd.argv, gpu))
+    fp = footprint_of_view(cmd.view) if cmd.view is not None else footprint_from_cache(cmd.cache)
+    p = make_plan(fp, settings_from_argv(cmd.argv, gpu))
     return PreflightPlan(gpu.name, seen is not None, p.fits, p.margin, p.deciding,
                          tuple(x.advice() for x in p.suggestions),
                          p.warnings if seen is not None else p.notes)

@@ -15,13 +15,13 @@ from typing import Any, Iterable
 from . import layout as L
 from .commit import utc_now
 from .enums import StrEnum
-from .errors import InputError, UnsafePathError, VerificationError
-from .fsutil import (atomic_write_json, lock_is_held, open_regular, pread_into, read_all, read_json_file,
-                     refuse_links, resolve_inside)
+from .cacheview import (CacheView, ListedFileError, entry_digest, open_uncommitted_view, open_view,
+                        read_committed_manifest, view_of)
+from .errors import InputError, VerificationError
+from .fsutil import atomic_write_json, lock_is_held, open_regular, pread_into, read_json_file, refuse_links, resolve_inside
 from .hashing import xxh3_file_hex, xxh3_hex
 from .machine import usable_cores
-from .manifest import (CACHE_MANIFEST, COMMIT_RECORD, VERIFIED_STATE, CacheManifest, CommitRecord,
-                       DeltaIndex, FileEntry, LayerManifest, ManifestError, TensorEntry, loads_record)
+from .manifest import CACHE_MANIFEST, COMMIT_RECORD, VERIFIED_STATE, CacheManifest, FileEntry, ManifestError, TensorEntry
 from .progress import NullProgress, Progress
 
 
@@ -103,96 +103,11 @@ class VerifyReport:
         return STATE_TEXT[self.state]
 
 
-@dataclass(frozen=True)
-class CacheFiles:
-    """Everything a committed cache lists: the manifest, the layer manifests, every file."""
-
-    manifest: CacheManifest
-    manifest_xxh3: str
-    layers: dict[int, LayerManifest]
-    files: tuple[tuple[FileEntry, int | None], ...]  # (entry, layer or None)
-
-
-def read_committed_manifest(root: Path) -> CacheManifest | None:
-    """The manifest named by the commit record, or None when there is no commit record."""
-    commit_path = root / COMMIT_RECORD
-    if not commit_path.is_file():
-        return None
-    return _committed(root)[0]
-
-
-def _committed(root: Path) -> tuple[CacheManifest, str]:
-    commit = CommitRecord.parse(_read_json(root / COMMIT_RECORD), COMMIT_RECORD)
-    mpath = resolve_inside(root, commit.manifest, "commit record manifest")
-    try:
-        data = read_all(mpath, commit.manifest_size)
-    except (OSError, InputError):
-        data = b""
-    if len(data) != commit.manifest_size or xxh3_hex(data) != commit.manifest_xxh3:
-        raise ManifestError(f"{commit.manifest} does not match the commit record (edited or replaced after the build)",
-                            "run moet-cache build again")
-    return CacheManifest.parse(loads_record(data, commit.manifest), commit.manifest), commit.manifest_xxh3
-
-
-def _read_json(path: Path) -> Any:
-    try:
-        return read_json_file(path)
-    except InputError as e:
-        raise ManifestError(e.message, "run moet-cache build again") from None
-
-
-def _read_checked(root: Path, rel: str, size: int, digest: str) -> bytes | None:
-    p = resolve_inside(root, rel)
-    try:
-        data = read_all(p, size)
-    except (OSError, InputError):  # missing, unreadable, not a plain file, or too big
-        return None
-    return data if data is not None and xxh3_hex(data) == digest else None
-
-
-def load_cache_files(root: Path) -> CacheFiles:
-    """Read and check the commit record, cache.json and every layer manifest (all small files)."""
-    if not (root / COMMIT_RECORD).is_file():
-        raise ManifestError(f"{root} has no commit record: the cache is incomplete",
-                            "run moet-cache build to finish it")
-    manifest, mdigest = _committed(root)
-    return cache_files_of(root, manifest, mdigest)
-
-
-def load_uncommitted_cache_files(root: Path) -> CacheFiles:
-    """What an uncommitted cache's cache.json lists (a command killed inside its commit window left it):
-    the manifests are checked as in a committed cache; the big files are not (the caller re-hashes them)."""
-    try:
-        data = read_all(root / CACHE_MANIFEST, 64 << 20)
-    except (OSError, InputError):
-        raise ManifestError(f"{root} has neither a commit record nor a readable {CACHE_MANIFEST}",
-                            "run moet-cache build SRC CACHE to finish it") from None
-    manifest = CacheManifest.parse(loads_record(data, CACHE_MANIFEST), CACHE_MANIFEST)
-    return cache_files_of(root, manifest, xxh3_hex(data))
-
-
-def cache_files_of(root: Path, manifest: CacheManifest, mdigest: str) -> CacheFiles:
-    """The layer manifests (checked against cache.json) and every listed file of this manifest."""
-    layers: dict[int, LayerManifest] = {}
-    files: list[tuple[FileEntry, int | None]] = [(f, None) for f in manifest.files]
-    for ref in manifest.layers:
-        data = _read_checked(root, ref.manifest, ref.size, ref.xxh3)
-        if data is None:
-            raise ManifestError(f"{ref.manifest} is missing or does not match cache.json",
-                                "run moet-cache build again")
-        lm = LayerManifest.parse(loads_record(data, ref.manifest), ref.manifest)
-        if lm.layer != ref.layer:
-            raise ManifestError(f"{ref.manifest} describes layer {lm.layer}, cache.json says {ref.layer}")
-        layers[ref.layer] = lm
-        files.append((FileEntry(ref.manifest, ref.size, ref.xxh3, L.Role.LAYER_MANIFEST), ref.layer))
-        files.extend((f, ref.layer) for f in lm.files)
-    # Never read through a linked folder (a linked file itself is reported as a "link" problem).
-    for folder in sorted({f.path.rsplit("/", 1)[0] for f, _ in files if "/" in f.path}):
-        try:
-            resolve_inside(root, folder)
-        except UnsafePathError as e:
-            raise ManifestError(e.message, "the cache must hold plain files; rebuild it") from None
-    return CacheFiles(manifest, mdigest, layers, tuple(files))
+# The opened-cache view is the verifier's CacheFiles (older names, kept for callers and tests).
+CacheFiles = CacheView
+load_cache_files = open_view
+load_uncommitted_cache_files = open_uncommitted_view
+cache_files_of = view_of
 
 
 def _stat_key(st: os.stat_result) -> list[int]:
@@ -241,8 +156,9 @@ def _verified_state(root: Path, manifest_xxh3: str | None) -> dict[str, Any] | N
     return doc
 
 
-def _structure(root: Path, cf: CacheFiles) -> list[Problem]:
-    """Coverage: every served layer has its manifest, its base file and its delta-index entry."""
+def _structure(cf: CacheView, reported: set[str]) -> list[Problem]:
+    """Coverage: every served layer has its manifest, its base file and its delta-index entry.
+    `reported`: paths that already have a problem (missing, wrong size, a link), not read again here."""
     problems = []
     for layer in cf.manifest.build.layers:
         lm = cf.layers.get(layer)
@@ -256,10 +172,13 @@ def _structure(root: Path, cf: CacheFiles) -> list[Problem]:
     idx = cf.manifest.file(L.Role.DELTA_INDEX)
     if idx is None or cf.manifest.file(L.Role.PACK) is None:
         return problems + [Problem("coverage", L.DELTA_INDEX, "the cache lists no delta tier")]
-    data = _read_checked(root, idx.path, idx.size, idx.xxh3)
-    if data is None:
-        return problems  # reported as a file problem
-    index = DeltaIndex.parse(loads_record(data, idx.path), idx.path)
+    if idx.path in reported:
+        return problems
+    try:
+        index = cf.delta_index
+    except ListedFileError as e:  # the boot check reads this small file anyway: a damaged one is not trusted
+        return problems + [Problem("digest", e.path, e.message)]
+    assert index is not None
     have = {layer for layer, _ in index.layers}
     for layer in cf.manifest.build.layers:
         if layer not in have:
@@ -299,6 +218,12 @@ def _source_changes(cf: CacheFiles) -> tuple[bool, list[Problem]]:
 
 def boot_check(root: str | os.PathLike[str], check_source: bool = True) -> VerifyReport:
     """The cheap check for every boot: manifests, file stats, commit record, coverage, source staleness."""
+    return boot_view(root, check_source)[0]
+
+
+def boot_view(root: str | os.PathLike[str], check_source: bool = True) -> tuple[VerifyReport, CacheView | None]:
+    """The boot check, and the opened-cache view it checked (None when the manifests could not be read):
+    a command that goes on to read the cache (load, serve, --against) reads it through this view."""
     t0 = time.perf_counter()
     root = Path(root)
     if not root.is_dir():
@@ -306,12 +231,12 @@ def boot_check(root: str | os.PathLike[str], check_source: bool = True) -> Verif
     if not (root / COMMIT_RECORD).is_file():
         detail = "a build is running" if lock_is_held(root) else "no commit record: the build did not finish"
         return VerifyReport(Check.BOOT, INCOMPLETE, (Problem("commit", COMMIT_RECORD, detail),), 0,
-                            seconds=time.perf_counter() - t0)
+                            seconds=time.perf_counter() - t0), None
     try:
-        cf = load_cache_files(root)
+        cf = open_view(root)
     except ManifestError as e:
         return VerifyReport(Check.BOOT, CORRUPT, (Problem("manifest", CACHE_MANIFEST, e.message),), 0,
-                            seconds=time.perf_counter() - t0)
+                            seconds=time.perf_counter() - t0), None
     state = _verified_state(root, cf.manifest_xxh3)
     recorded = state["files"] if state else {}
     problems: list[Problem] = []
@@ -329,7 +254,7 @@ def boot_check(root: str | os.PathLike[str], check_source: bool = True) -> Verif
             problems.append(Problem("size", f.path, f"size is {st.st_size}, the manifest says {f.size}", layer))
         elif recorded.get(f.path) != _stat_key(st):
             changed.append(Problem("changed", f.path, _how_changed(recorded.get(f.path), st), layer))
-    problems += _structure(root, cf)
+    problems += _structure(cf, {p.path for p in problems})
     present, stale = _source_changes(cf) if check_source else (None, [])
     if any(p.kind == "missing" for p in problems) and not any(p.kind in ("size", "link") for p in problems):
         verdict = INCOMPLETE
@@ -346,7 +271,7 @@ def boot_check(root: str | os.PathLike[str], check_source: bool = True) -> Verif
         details = _full_cost(cf, changed, _recorded_speed(state or _verified_state(root, None)))
     return VerifyReport(Check.BOOT, verdict, tuple(problems + stale + changed), len(cf.files),
                         seconds=time.perf_counter() - t0, verified_by=state.get("by") if state else None,
-                        verified_at=state.get("at") if state else None, source_present=present, details=details)
+                        verified_at=state.get("at") if state else None, source_present=present, details=details), cf
 
 
 def _how_changed(recorded: Any, st: os.stat_result) -> str:
@@ -373,14 +298,8 @@ UNREADABLE = "unreadable"
 def _hash_file(root: Path, f: FileEntry) -> tuple[FileEntry, str | None]:
     """(entry, digest); digest None: missing, a link or the wrong size (a boot-check problem already);
     UNREADABLE + the error: the file is there but a read failed (EIO, EACCES): it is not verified."""
-    p = root / f.path
     try:
-        if p.is_symlink() or not p.is_file() or p.stat().st_size != f.size:
-            return f, None
-    except OSError:
-        return f, None
-    try:
-        return f, xxh3_file_hex(p)
+        return f, entry_digest(root, f)
     except OSError as e:
         return f, f"{UNREADABLE}: {e.strerror or e}"
 
@@ -414,14 +333,14 @@ def full_verify(root: str | os.PathLike[str], workers: int | None = None,
     t0 = time.perf_counter()
     root = Path(root)
     progress = progress or NullProgress()
-    boot = boot_check(root)
-    if boot.state in (INCOMPLETE,) and not (root / COMMIT_RECORD).is_file() or boot.state == CORRUPT and \
-            any(p.kind == "manifest" for p in boot.problems):
+    boot, view = boot_view(root)
+    if view is None:  # no commit record, or manifests that cannot be read: nothing to hash against
         return VerifyReport(Check.FULL, boot.state, boot.problems, 0, seconds=time.perf_counter() - t0)
-    cf = load_cache_files(root)
+    cf = view
     total = sum(f.size for f, _ in cf.files)
     progress.start(total, "verify")
-    problems = [p for p in boot.problems if p.kind not in ("changed",)]
+    # "changed" is what --full settles; a small file's "digest" problem comes back from the re-hash below
+    problems = [p for p in boot.problems if p.kind not in ("changed", "digest")]
     hashed = 0
     layer_of = {f.path: layer for f, layer in cf.files}
     with ThreadPoolExecutor(max_workers=workers or min(8, usable_cores())) as pool:
@@ -495,16 +414,19 @@ def verify_against(root: str | os.PathLike[str], src: str | os.PathLike[str],
     t0 = time.perf_counter()
     root = Path(root)
     progress = progress or NullProgress()
-    boot = boot_check(root, check_source=False)
-    if not boot.complete:
+    boot, cf = boot_view(root, check_source=False)
+    if not boot.complete or cf is None:
         return VerifyReport(Check.AGAINST, boot.state, boot.problems, boot.files_checked, seconds=time.perf_counter() - t0)
-    cf = load_cache_files(root)
     problems: list[Problem] = []
     smap_fe = cf.manifest.file(L.Role.SOURCE_MAP)
     if smap_fe is None:
         problems.append(Problem("coverage", CACHE_MANIFEST, "the cache lists no source map (source-map.json)"))
     if not any(f.role == L.Role.AUX and f.path.rsplit("/", 1)[-1] == "config.json" for f, _ in cf.files):
         problems.append(Problem("coverage", CACHE_MANIFEST, f"the cache lists no model config ({L.AUX_DIR}/config.json)"))
+    try:
+        index, smap = cf.delta_index, cf.source_map
+    except ListedFileError as e:
+        problems.append(Problem("digest", e.path, e.message))
     if problems:
         return VerifyReport(Check.AGAINST, CORRUPT, tuple(problems), len(cf.files), seconds=time.perf_counter() - t0)
     checked = {"experts": 0, "delta_planes": 0, "scales": 0, "tables": 0, "dense_tensors": 0}
@@ -518,14 +440,12 @@ def verify_against(root: str | os.PathLike[str], src: str | os.PathLike[str],
             return VerifyReport(Check.AGAINST, CORRUPT, (Problem("mismatch", CACHE_MANIFEST,
                                 f"the source is {ck.layout}, the cache was built from {cf.manifest.source_layout}"),),
                                 len(cf.files), seconds=time.perf_counter() - t0)
-        index_fe = cf.manifest.file(L.Role.DELTA_INDEX)
-        index = DeltaIndex.parse(loads_record(read_all(root / index_fe.path, 64 << 20), index_fe.path), index_fe.path) if index_fe else None
         pack = safe_open(str(resolve_inside(root, L.PACK)), framework="pt") if index else None
         progress.start(sum(lm.source_bytes for lm in cf.layers.values()), "verify --against")
         for layer, lm in sorted(cf.layers.items()):
             base_fe = next(f for f in lm.files if f.role == L.Role.BASE)
             all_fe = next((f for f in lm.files if f.role == L.Role.DELTA_ALL), None)
-            tier = list(index.experts_of(layer) or ()) if index else []
+            tier = list(cf.tier_experts(layer))
             with safe_open(str(resolve_inside(root, base_fe.path)), framework="pt") as bf:
                 allf = safe_open(str(resolve_inside(root, all_fe.path)), framework="pt") if all_fe else None
                 geo = lm.geometry()
@@ -595,7 +515,7 @@ def verify_against(root: str | os.PathLike[str], src: str | os.PathLike[str],
             if problems:
                 break
         if not problems:
-            problems += _dense_against(root, cf, ck, checked, read_json_file(resolve_inside(root, smap_fe.path)))
+            problems += _dense_against(root, cf, ck, checked, smap)
     progress.finish()
     return VerifyReport(Check.AGAINST, CORRUPT if problems else VERIFIED, tuple(problems[:1]), len(cf.files),
                         seconds=time.perf_counter() - t0, details=checked)
@@ -629,5 +549,5 @@ def _dense_against(root: Path, cf: CacheFiles, ck: Any, checked: dict[str, int],
     return []
 
 
-__all__ = ["boot_check", "full_verify", "verify_against", "VerifyReport", "Problem", "load_cache_files",
+__all__ = ["boot_check", "boot_view", "full_verify", "verify_against", "VerifyReport", "Problem", "load_cache_files",
            "record_verified_state", "read_committed_manifest"]

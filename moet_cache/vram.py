@@ -8,7 +8,6 @@ The CUDA-graph and activation reserves are documented estimates; the user can ov
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -17,7 +16,8 @@ from typing import Any
 from . import layout as L
 from .errors import InputError
 from .families import Family
-from .manifest import CACHE_MANIFEST, COMMIT_RECORD, DeltaIndex, LayerKind, PartManifest
+from .cacheview import CacheView, open_view
+from .manifest import CACHE_MANIFEST, COMMIT_RECORD, LayerKind
 from .modelconfig import ModelConfig
 from .kv_v4 import BLOCK_SIZE_V4, KV_DTYPES_V4, V4Attention, V4Kv, compress_ratios_of, longest_context, v4_kv
 from .units import GIB, parse_budget, parse_size
@@ -244,20 +244,14 @@ def is_cache(path: Path) -> bool:
     return (path / CACHE_MANIFEST).is_file() or (path / COMMIT_RECORD).is_file()
 
 
-def _verified_json(root: Path, rel: str, size: int, digest: str) -> Any:
-    from .hashing import xxh3_hex
-    from .fsutil import resolve_inside
-    data = resolve_inside(root, rel).read_bytes()
-    if len(data) != size or xxh3_hex(data) != digest:
-        raise InputError(f"{rel} does not match the cache manifest", "run moet-cache verify; rebuild if damaged")
-    return json.loads(data)
-
-
 def footprint_from_cache(root: str | os.PathLike[str], delta_budget: str | None = None) -> Footprint:
     """Exact bytes from a committed cache's manifests (tensor byte ranges, the delta index)."""
-    from .verifier import load_cache_files
-    root = Path(root)
-    cf = load_cache_files(root)
+    return footprint_of_view(open_view(root), delta_budget)
+
+
+def footprint_of_view(cf: CacheView, delta_budget: str | None = None) -> Footprint:
+    """Exact bytes from an opened cache: its layer manifests, delta index, dense parts and model config, each
+    read through the view (a damaged one is refused, never counted)."""
     m, fam = cf.manifest.model.config, cf.manifest.model.family
     base = mtp_base = 0
     main_layers: list[int] = []
@@ -272,30 +266,25 @@ def footprint_from_cache(root: str | os.PathLike[str], delta_budget: str | None 
     edb = next((lm.expert_delta_bytes for lm in cf.layers.values()), expert_delta_bytes(m))
     total_experts = sum(cf.layers[i].n_experts for i in main_layers)
     tier_experts = 0
-    idx_fe = cf.manifest.file(L.Role.DELTA_INDEX)
-    if idx_fe is not None:
-        index = DeltaIndex.parse(_verified_json(root, idx_fe.path, idx_fe.size, idx_fe.xxh3), idx_fe.path)
+    index = cf.delta_index
+    if index is not None:
         tier_experts = sum(len(ex) for layer, ex in index.layers if layer in main_layers)
     dense = mtp_dense = 0
-    for fe, _ in cf.files:
-        if fe.role == L.Role.PART and fe.path.startswith(L.DENSE_DIR + "/"):
-            part = PartManifest.parse(_verified_json(root, fe.path, fe.size, fe.xxh3), fe.path)
-            for t in part.tensors:
-                layer = _layer_of(t.name, fam)
-                if layer is not None and layer >= m.num_hidden_layers:
-                    mtp_dense += t.end - t.begin
-                else:
-                    dense += t.end - t.begin
-    cfg = cf.manifest.model.to_dict()
-    aux = next((f for f in cf.manifest.files if f.role == L.Role.AUX and f.path == f"{L.AUX_DIR}/config.json"), None)
-    if aux is not None:
-        cfg = _verified_json(root, aux.path, aux.size, aux.xxh3)
+    for part in cf.dense_parts:
+        for t in part.tensors:
+            layer = _layer_of(t.name, fam)
+            if layer is not None and layer >= m.num_hidden_layers:
+                mtp_dense += t.end - t.begin
+            else:
+                dense += t.end - t.begin
+    served = cf.served_config
+    cfg = cf.manifest.model.to_dict() if served is None else served
     # MTP tensors are in the cache with --include-mtp (planes + the rest) or --lossless (all at FP4).
     mtp_exact = bool(mtp_dense)
     mtp = mtp_base + mtp_dense if mtp_exact else 0
     if not mtp_exact and m.num_nextn_predict_layers:
         mtp = _mtp_estimate(m, dense // max(1, m.num_hidden_layers))
-    fp = Footprint("cache", str(root), True, base, tier_experts * edb, dense, edb, tier_experts,
+    fp = Footprint("cache", str(cf.root), True, base, tier_experts * edb, dense, edb, tier_experts,
                    total_experts, len(main_layers), mtp, mtp_exact, attention_from_config(cfg), cfg)
     if delta_budget is not None:
         fp = fp.with_tier(parse_budget(delta_budget, total_experts * edb, what="delta budget"))

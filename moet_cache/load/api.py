@@ -15,7 +15,6 @@ iterating.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -25,14 +24,13 @@ from typing import Callable, Iterator, Sequence
 import torch
 
 from .. import layout as L
+from ..cacheview import ListedFileError, entry_digest
 from ..enums import DeltaMode, VerifyMode
 from ..errors import InputError, VerificationError
-from ..fsutil import resolve_inside
-from ..hashing import xxh3_file_hex, xxh3_hex
-from ..manifest import DeltaIndex, FileEntry, PartManifest, TensorEntry
+from ..manifest import DeltaIndex, FileEntry, TensorEntry
 from ..progress import NullProgress, Progress
 from ..verifier import (CORRUPT, INCOMPLETE, STALE, VERIFIED, CacheFiles, Problem, VerifyReport, boot_check,
-                        load_cache_files)
+                        boot_view)
 from .assemble import assemble_layer
 from .engine import Finish, Pipeline
 from .options import LoadOptions, Tuning
@@ -59,14 +57,6 @@ def _refuse(report: VerifyReport, root: Path) -> VerificationError:
                              list(report.problems))
 
 
-def _check_small(root: Path, fe: FileEntry) -> bytes:
-    """A small file listed in cache.json, read and checked against its size and digest."""
-    data = resolve_inside(root, fe.path).read_bytes()
-    if len(data) != fe.size or xxh3_hex(data) != fe.xxh3:
-        raise VerificationError(f"{fe.path} does not match cache.json", "run moet-cache build again")
-    return data
-
-
 def _boot_gate(root: Path) -> None:
     """verify='boot': the boot check must pass before anything is handed out."""
     report = boot_check(root)
@@ -87,14 +77,14 @@ class _Gates:
     def __init__(self, root: Path, verify: VerifyMode, pack: FileEntry | None) -> None:
         self.pack = pack if verify == VerifyMode.HASH else None
         self._boot: Future[None] | None = None
-        self._pack: Future[str] | None = None
+        self._pack: Future[str | None] | None = None
         self._side = ThreadPoolExecutor(max_workers=2, thread_name_prefix="moet-check") \
             if verify == VerifyMode.BOOT or self.pack is not None else None
         if self._side is not None:
             if verify == VerifyMode.BOOT:
                 self._boot = self._side.submit(_boot_gate, root)
             if self.pack is not None:
-                self._pack = self._side.submit(xxh3_file_hex, resolve_inside(root, self.pack.path))
+                self._pack = self._side.submit(entry_digest, root, self.pack)
 
     def before_yield(self, job: Job) -> None:
         if self._boot is not None:
@@ -184,16 +174,15 @@ class Cache:
         """Every dense tensor the cache holds (from the dense part manifests, digests checked)."""
         out: list[TensorEntry] = []
         dense_files = {f.path for f in self.files.manifest.files if f.role == L.Role.DENSE}
-        for fe in self.files.manifest.files:
-            if fe.role != L.Role.PART or not fe.path.startswith(L.DENSE_DIR + "/"):
-                continue
-            try:
-                part = PartManifest.parse(json.loads(_check_small(self.root, fe)), fe.path)
-            except ValueError:
-                raise VerificationError(f"{fe.path} is not valid JSON", "run moet-cache build again") from None
+        try:
+            parts = self.files.dense_parts  # read through the view: each checked against cache.json once
+        except ListedFileError as e:  # a damaged cache: refused like one (exit 1)
+            raise VerificationError(e.message, e.hint) from None
+        for part in parts:
             for t in part.tensors:
                 if t.file not in dense_files:
-                    raise VerificationError(f"{fe.path}: tensor {t.name} is in {t.file}, which cache.json does not list")
+                    raise VerificationError(f"a dense part manifest: tensor {t.name} is in {t.file}, "
+                                            "which cache.json does not list")
                 out.append(t)
         return out
 
@@ -220,18 +209,11 @@ class Cache:
 def open_cache(path: str | os.PathLike[str], check_source: bool = True) -> Cache:
     """Open a cache for loading: manifests read and checked; incomplete, stale or corrupt is refused."""
     root = Path(path)
-    report = boot_check(root, check_source=check_source)
-    if report.state in (CORRUPT, INCOMPLETE, STALE):
+    report, view = boot_view(root, check_source=check_source)
+    if report.state in (CORRUPT, INCOMPLETE, STALE) or view is None:
         raise _refuse(report, root)
-    files = load_cache_files(root)
-    index = None
-    idx_fe = files.manifest.file(L.Role.DELTA_INDEX)
-    if idx_fe is not None:
-        try:
-            index = DeltaIndex.parse(json.loads(_check_small(root, idx_fe)), idx_fe.path)
-        except ValueError:
-            raise VerificationError(f"{idx_fe.path} is not valid JSON", "run moet-cache build again") from None
-    return Cache(root, files, report, index)
+    # the boot check read and checked the delta index through the view (a damaged one is corrupt)
+    return Cache(root, view, report, view.delta_index)
 
 
 __all__ = ["Cache", "LoadedLayer", "open_cache"]
