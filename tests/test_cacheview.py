@@ -65,21 +65,21 @@ def test_view_gives_typed_records_each_read_once(built_cache: Path) -> None:
     assert sum(len(view.tier_experts(x)) for x in view.layers) == sum(len(ex) for _, ex in index.layers) > 0
     parts = view.dense_parts
     assert parts and all(isinstance(p, PartManifest) for p in parts) and view.dense_parts is parts
-    assert {t.file for p in parts for t in p.tensors} == {f.path for f, _ in view.files if f.role == L.ROLE_DENSE}
+    assert {t.file for p in parts for t in p.tensors} == {f.path for f, _ in view.files if f.role == L.Role.DENSE}
     cfg = view.served_config
     assert cfg == json.loads((built_cache / L.AUX_DIR / "config.json").read_text())
     assert cfg["quantization_config"]["quant_method"] == "moet"
     assert isinstance(view.source_map, dict) and view.source_map["shards"]
     assert view.family.name == "deepseek_v3"
     assert view.bytes_of() == sum(f.size for f, _ in view.files)
-    assert view.bytes_of(L.ROLE_BASE) == sum(f.size for lm in view.layers.values() for f in lm.files
-                                             if f.role == L.ROLE_BASE)
+    assert view.bytes_of(L.Role.BASE) == sum(f.size for lm in view.layers.values() for f in lm.files
+                                             if f.role == L.Role.BASE)
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate", "extend", "delete", "link"])
 def test_read_listed_refuses_any_other_bytes(built_cache: Path, tmp_path: Path, damage: str) -> None:
     root = _copy(built_cache, tmp_path)
-    entry = open_view(root).manifest.file(L.ROLE_DELTA_INDEX)
+    entry = open_view(root).manifest.file(L.Role.DELTA_INDEX)
     assert entry is not None and read_listed(root, entry) == (root / entry.path).read_bytes()
     p = root / entry.path
     data = p.read_bytes()
@@ -105,7 +105,7 @@ def test_read_listed_refuses_any_other_bytes(built_cache: Path, tmp_path: Path, 
 def test_file_matches_rehashes_big_files(built_cache: Path, tmp_path: Path) -> None:
     root = _copy(built_cache, tmp_path)
     view = open_view(root)
-    base = next(f for f in view.layers[1].files if f.role == L.ROLE_BASE)
+    base = next(f for f in view.layers[1].files if f.role == L.Role.BASE)
     assert file_matches(root, base) and entry_digest(root, base) == base.xxh3
     p = root / base.path
     data = p.read_bytes()
@@ -115,7 +115,7 @@ def test_file_matches_rehashes_big_files(built_cache: Path, tmp_path: Path) -> N
     assert not file_matches(root, base) and entry_digest(root, base) is None  # wrong size: not even hashed
     p.unlink()
     assert not file_matches(root, base) and entry_digest(root, base) is None
-    assert not file_matches(root, FileEntry("layers/none.safetensors", 1, base.xxh3, L.ROLE_BASE))
+    assert not file_matches(root, FileEntry("layers/none.safetensors", 1, base.xxh3, L.Role.BASE))
 
 
 # --- a damaged delta index is refused by every reader, never trusted ---------------------------------
@@ -161,7 +161,7 @@ def test_damaged_delta_index_is_refused_by_inspect_plan_serve_and_load(bad_index
 # --- the other small files --------------------------------------------------------------------------
 def test_damaged_dense_part_is_refused_by_plan_and_load_dense(built_cache: Path, tmp_path: Path) -> None:
     root = _copy(built_cache, tmp_path)
-    part = next(f for f in open_view(root).manifest.files if f.role == L.ROLE_PART and f.path.startswith(L.DENSE_DIR))
+    part = next(f for f in open_view(root).manifest.files if f.role == L.Role.PART and f.path.startswith(L.DENSE_DIR))
     cache = open_cache(root)  # opened before the damage: load_dense must still read the part checked
     _change_number(root / part.path, "begin")
     with pytest.raises(ListedFileError, match=part.path):
