@@ -664,7 +664,7 @@ def build_serve_command(cache: str | os.PathLike[str], preset_name: str = DEFAUL
 def settings_from_argv(argv: tuple[str, ...] | list[str], gpu: Any) -> Any:
     """The PlanSettings that a `vllm serve` argv asks for (flags vLLM would use; the rest default)."""
     from .units import parse_tokens
-    from .vram import PlanSettings, parse_sizes_list
+    from .vram import PlanSettings, Speculative, parse_sizes_list
     flags = {f.option: f.values for f in split_flags([a for a in argv[3:]])} if len(argv) > 3 else {}
     s: dict[str, Any] = {"gpu": gpu}
     if "--gpu-memory-utilization" in flags:
@@ -689,7 +689,7 @@ def settings_from_argv(argv: tuple[str, ...] | list[str], gpu: Any) -> Any:
             method = str(json.loads(spec[0]).get("method", ""))
         except (ValueError, AttributeError):
             method = ""
-        s["speculative"] = "mtp" if "mtp" in method else "none"
+        s["speculative"] = Speculative.MTP if "mtp" in method else Speculative.NONE
     return PlanSettings(**s)
 
 

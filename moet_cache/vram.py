@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from . import layout as L
+from .enums import StrEnum
 from .errors import InputError
 from .families import Family
 from .cacheview import CacheView, open_view
@@ -64,11 +65,24 @@ KV_DTYPES = ("auto", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2", "fp8_
 SPARSE_ONLY = ("fp8_ds_mla", "nvfp4_ds_mla")   # vLLM allows these only on sparse-MLA backends
 
 
+class AttentionKind(StrEnum):
+    MLA = "mla"                      # DeepSeek latent attention
+    DEEPSEEK_V4 = "deepseek_v4"      # compressed (kv_v4.py)
+    UNKNOWN = "unknown"              # needs --kv-bytes-per-token
+
+
+class Speculative(StrEnum):
+    """Speculative decoding the plan counts (--speculative)."""
+
+    NONE = "none"
+    MTP = "mtp"                      # the MTP layer's weights and its KV
+
+
 @dataclass(frozen=True)
 class Attention:
     """What the KV cache of one token in one attention layer is made of, from config.json."""
 
-    kind: str                  # "mla" (DeepSeek latent attention), "deepseek_v4" (compressed, kv_v4.py) or "unknown"
+    kind: AttentionKind
     kv_lora_rank: int = 0
     rope_dim: int = 0
     index_head_dim: int = 0    # DeepSeek-V3.2 sparse attention's indexer keys (0: none)
@@ -80,11 +94,11 @@ class Attention:
     @property
     def kv_dtypes(self) -> tuple[str, ...]:
         """The --kv-cache-dtype values vLLM 0.34 runs this attention with (the plan suggests no other)."""
-        if self.kind == "deepseek_v4":
+        if self.kind == AttentionKind.DEEPSEEK_V4:
             return KV_DTYPES_V4
-        if self.kind == "mla" and self.index_head_dim:  # FlashMLA sparse (nvfp4_ds_mla: SM100 only, not offered)
+        if self.kind == AttentionKind.MLA and self.index_head_dim:  # FlashMLA sparse (nvfp4_ds_mla: SM100 only, not offered)
             return ("auto", "bfloat16", "fp8", "fp8_ds_mla")
-        if self.kind == "mla":                          # dense MLA backends
+        if self.kind == AttentionKind.MLA:              # dense MLA backends
             return ("auto", "bfloat16", "float16", "fp8", "fp8_e4m3")
         return KV_DTYPES
 
@@ -106,7 +120,7 @@ def attention_from_config(cfg: dict[str, Any]) -> Attention:
                              f"to each of the {layers} layers", "check the model's config.json")
         v4 = V4Attention(tuple(ratios[:layers]), _int(cfg, "head_dim"), _int(cfg, "sliding_window", 128) or 128,
                          _int(cfg, "index_head_dim", 128) or 128, mtp)
-        return Attention("deepseek_v4", 0, _int(cfg, "qk_rope_head_dim"), v4.index_head_dim, layers, mtp, v4=v4)
+        return Attention(AttentionKind.DEEPSEEK_V4, 0, _int(cfg, "qk_rope_head_dim"), v4.index_head_dim, layers, mtp, v4=v4)
     r, rope = cfg.get("kv_lora_rank"), cfg.get("qk_rope_head_dim")
     if isinstance(r, int) and isinstance(rope, int) and r > 0 and rope >= 0:
         idx = cfg.get("index_head_dim")
@@ -115,16 +129,16 @@ def attention_from_config(cfg: dict[str, Any]) -> Attention:
         if any(k in cfg for k in ("compress_ratios", "sliding_window", "window_size")):
             note = ("the config also names compressed or windowed attention, which caches less per token "
                     "than plain MLA: this KV figure is an upper bound; give --kv-bytes-per-token if known")
-        return Attention("mla", r, rope, idx, layers, mtp, note)
-    return Attention("unknown", layers=layers, mtp_layers=mtp,
+        return Attention(AttentionKind.MLA, r, rope, idx, layers, mtp, note)
+    return Attention(AttentionKind.UNKNOWN, layers=layers, mtp_layers=mtp,
                      note="the config has no kv_lora_rank/qk_rope_head_dim (not DeepSeek MLA)")
 
 
 def kv_bytes_per_token_layer(att: Attention, kv_dtype: str) -> int:
     """Bytes one token takes in one layer's KV cache, from the dims (FORMATS.md: 656/576/1152/352 for V3)."""
-    if att.kind == "deepseek_v4":
+    if att.kind == AttentionKind.DEEPSEEK_V4:
         raise InputError("DeepSeek-V4 caches no fixed bytes per token per layer", "plan it with kv_v4.v4_kv")
-    if att.kind != "mla":
+    if att.kind != AttentionKind.MLA:
         raise InputError("the KV cache size of this model's attention is not known to moet-cache",
                          f"{att.note}; give --kv-bytes-per-token (bytes per token per layer)")
     r, rope = att.kv_lora_rank, att.rope_dim
@@ -338,7 +352,7 @@ class PlanSettings:
     kv_cache_dtype: str = DEFAULT_KV_DTYPE
     max_num_seqs: int = 1                      # full-length sequences the KV cache must back at once
     cudagraph_sizes: tuple[int, ...] = DEFAULT_CUDAGRAPH_SIZES
-    speculative: str = "none"                  # "none" or "mtp"
+    speculative: Speculative | str = Speculative.NONE
     block_size: int = DEFAULT_BLOCK_SIZE
     kv_bytes_per_token: int | None = None      # per token per layer, for attention we do not know
     cudagraph_reserve: int | None = None       # override of the estimate
@@ -357,7 +371,7 @@ class PlanSettings:
             raise InputError("--block-size must be at least 1")
         if self.batched_tokens < 1:
             raise InputError("--max-num-batched-tokens must be at least 1")
-        if self.speculative not in ("none", "mtp"):
+        if self.speculative not in Speculative.names():
             raise InputError(f"--speculative {self.speculative!r}", "use mtp or none")
         if self.kv_cache_dtype not in KV_DTYPES and self.kv_bytes_per_token is None:
             raise InputError(f"unknown --kv-cache-dtype {self.kv_cache_dtype!r}",
@@ -366,7 +380,15 @@ class PlanSettings:
 
 # --- the plan ---------------------------------------------------------------------------------------
 
-SERVE, CACHE, CARD = "serve", "cache", "card"   # where a change is made: a `vllm serve` flag, the cache, the GPU
+class Where(StrEnum):
+    """Where a suggested change is made."""
+
+    SERVE = "serve"    # a `vllm serve` flag
+    CACHE = "cache"    # the cache: `moet-cache retier` (a --lossless cache) or `build` with that option
+    CARD = "card"      # the GPU
+
+
+SERVE, CACHE, CARD = Where.SERVE, Where.CACHE, Where.CARD   # the short names the code and tests use
 
 
 @dataclass(frozen=True)
@@ -374,7 +396,7 @@ class Suggestion:
     change: str        # context, sequences, batched-tokens, tier, base-only, kv-cache-dtype, gpu
     setting: str       # the flag that gets there, e.g. "--max-model-len 131072"
     margin: int        # bytes left over with that change
-    where: str = SERVE  # SERVE: a serve (vLLM) flag; CACHE: `moet-cache retier` / `build` with that option; CARD
+    where: Where = SERVE  # SERVE: a serve (vLLM) flag; CACHE: `moet-cache retier` / `build` with that option; CARD
 
     def thin(self, budget: int) -> bool:
         """The change fits by less than the estimates' error."""
@@ -497,7 +519,7 @@ def make_plan(fp: Footprint, s: PlanSettings) -> Plan:
     s.check()
     notes: list[str] = []
     att = fp.attention
-    spec = s.speculative == "mtp"
+    spec = s.speculative == Speculative.MTP
     if spec and not fp.mtp_bytes:
         raise InputError("--speculative mtp: this model has no MTP layer (num_nextn_predict_layers is 0)")
     layers = att.layers or fp.served_layers
@@ -623,7 +645,7 @@ def _suggestions(fp: Footprint, s: PlanSettings, kvm: _Kv, budget: int, static: 
         if longest >= min(s.block_size, L):
             out.append(Suggestion("base-only+context", f"--delta-budget 0 --max-model-len {longest}",
                                   room0 - kvm.bytes(n, longest), CACHE))
-    if s.kv_bytes_per_token is None and fp.attention.kind == "mla":
+    if s.kv_bytes_per_token is None and fp.attention.kind == AttentionKind.MLA:
         for dtype in ("fp8_ds_mla", "fp8"):
             if dtype not in fp.attention.kv_dtypes:
                 continue
