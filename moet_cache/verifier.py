@@ -115,11 +115,12 @@ def _stat_key(st: os.stat_result) -> list[int]:
 
 
 def record_verified_state(root: Path, manifest: CacheManifest, manifest_xxh3: str, by: VerifiedBy,
-                          bytes_per_second: float | None = None) -> None:
+                          bytes_per_second: float | None = None, view: CacheView | None = None) -> None:
     """Remember each file's (size, mtime_ns, inode) after a build or a full verify, for the boot check,
-    and the speed this machine hashed the cache at (kept from the previous record when none is given)."""
+    and the speed this machine hashed the cache at (kept from the previous record when none is given).
+    `view`: the committed cache as the caller opened it (--full: the view it hashed); else opened here."""
     refuse_links(root, (".state",))
-    cf = load_cache_files(root)
+    cf = view if view is not None else open_view(root)
     stats = {f.path: _stat_key((root / f.path).stat()) for f, _ in cf.files}
     for name in (CACHE_MANIFEST, COMMIT_RECORD):
         stats[name] = _stat_key((root / name).stat())
@@ -371,7 +372,7 @@ def full_verify(root: str | os.PathLike[str], workers: int | None = None,
         verdict = VERIFIED
         secs = time.perf_counter() - t0
         record_verified_state(root, cf.manifest, cf.manifest_xxh3, by=VerifiedBy.FULL,
-                              bytes_per_second=speed_sample(hashed, secs))
+                              bytes_per_second=speed_sample(hashed, secs), view=cf)
     ok = verdict == VERIFIED
     return VerifyReport(Check.FULL, verdict, tuple(problems), len(cf.files), bytes_hashed=hashed,
                         seconds=time.perf_counter() - t0, verified_by=VerifiedBy.FULL if ok else None,
