@@ -7,10 +7,11 @@ same convention as the FP4 nibbles. code = (base << 2) | delta, for each element
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from .enums import StrEnum
 from .fp4 import BLOCK, E2M1_VALUES
 
 if TYPE_CHECKING:
@@ -71,15 +72,17 @@ def _compact_pairs(a: np.ndarray, b: np.ndarray) -> None:
     np.bitwise_or(a, b, out=a)      # the byte sits in bits 0-7 of each 16-bit lane
 
 
-def split_planes(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """uint8 [..., n/2] packed FP4 -> (base, delta), each uint8 [..., n/4]."""
+def split_planes(packed: np.ndarray, *, kernel: HostKernel | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """uint8 [..., n/2] packed FP4 -> (base, delta), each uint8 [..., n/4]. `kernel`: HostKernel (default
+    KERNEL, the fastest this install has)."""
     words = _as_u16(packed)
     if words.size % 4:  # rows not a whole number of uint64 words: the lookup path
         return np.take(_BASE_LUT, words), np.take(_DELTA_LUT, words)
-    if _kernels is not None and hasattr(_kernels, "split"):  # the same planes at ~3x the speed, GIL released
+    c = _c_kernels(kernel)
+    if c is not None and hasattr(c, "split"):  # the same planes at ~3x the speed, GIL released
         base = np.empty(words.size, dtype=np.uint8)
         delta = np.empty(words.size, dtype=np.uint8)
-        _kernels.split(np.ascontiguousarray(packed).reshape(-1), base, delta)
+        c.split(np.ascontiguousarray(packed).reshape(-1), base, delta)
         return base.reshape(words.shape), delta.reshape(words.shape)
     return split_planes_numpy(packed)
 
@@ -312,8 +315,22 @@ except ImportError:  # pragma: no cover - depends on the install
 if __import__("os").environ.get("MOET_CACHE_KERNELS") == "numpy":  # force the numpy path (A/B runs)
     _kernels = None
 
-#: Which path split_and_measure takes: "c" (moet_cache._kernels) or "numpy".
-KERNEL = "c" if _kernels is not None else "numpy"
+
+class HostKernel(StrEnum):
+    """Which host kernels split and measure: the C extension or numpy (the same planes and tables; the
+    sums agree to float rounding). Every kernel function takes one as `kernel`; the tests ask for numpy."""
+
+    C = "c"
+    NUMPY = "numpy"
+
+
+#: Which path split_and_measure takes by default: "c" (moet_cache._kernels, where it is built) or "numpy".
+KERNEL = HostKernel.C if _kernels is not None else HostKernel.NUMPY
+
+
+def _c_kernels(kernel: HostKernel | None) -> Any:
+    """The C extension when `kernel` asks for it (None: KERNEL, the default) and it is built; else None."""
+    return _kernels if (kernel or KERNEL) == HostKernel.C else None
 
 
 def _sums_from_weighted(weighted: np.ndarray, table: np.ndarray) -> tuple[float, float]:
@@ -323,7 +340,7 @@ def _sums_from_weighted(weighted: np.ndarray, table: np.ndarray) -> tuple[float,
     return float(weighted @ ((v - t) ** 2)), float(weighted @ (v**2))
 
 
-def split_and_measure(packed: np.ndarray, block_scales: np.ndarray
+def split_and_measure(packed: np.ndarray, block_scales: np.ndarray, *, kernel: HostKernel | None = None
                       ) -> tuple[np.ndarray, np.ndarray, np.ndarray, float, float]:
     """(base, delta, table, error, energy) for one tensor: split_planes, fit_table(code_histogram) and
     error_and_energy together, in one pass through moet_cache._kernels where it is built (the GIL is
@@ -331,24 +348,26 @@ def split_and_measure(packed: np.ndarray, block_scales: np.ndarray
 
     packed: uint8 [rows, n/2]; block_scales: [rows, n/16] (any float dtype, taken as float32).
     """
-    if _kernels is not None and packed.dtype == np.uint8 and packed.ndim == 2 \
+    c = _c_kernels(kernel)
+    if c is not None and packed.dtype == np.uint8 and packed.ndim == 2 \
             and packed.shape[1] % (BLOCK // 2) == 0 \
             and block_scales.shape == (packed.shape[0], packed.shape[1] * 2 // BLOCK):
         src = np.ascontiguousarray(packed)
         scales = np.ascontiguousarray(block_scales, dtype=np.float32)
         base = np.empty((src.shape[0], src.shape[1] // 2), dtype=np.uint8)
         delta = np.empty_like(base)
-        counts, weighted = _kernels.split_measure(src, scales, base, delta)
+        counts, weighted = c.split_measure(src, scales, base, delta)
         table = fit_table(np.array(counts, dtype=np.int64))
         er, eg = _sums_from_weighted(np.array(weighted, dtype=np.float64), table)
         return base, delta, table, er, eg
-    return split_and_measure_numpy(packed, block_scales)
+    return split_and_measure_numpy(packed, block_scales, kernel=kernel)
 
 
-def split_and_measure_numpy(packed: np.ndarray, block_scales: np.ndarray
+def split_and_measure_numpy(packed: np.ndarray, block_scales: np.ndarray, *, kernel: HostKernel | None = None
                             ) -> tuple[np.ndarray, np.ndarray, np.ndarray, float, float]:
-    """split_and_measure through the numpy kernels (the fallback when the C extension is absent)."""
-    base, delta = split_planes(packed)
+    """split_and_measure through the numpy kernels (the fallback when the C extension is absent; its split
+    still takes the C one where `kernel` allows it)."""
+    base, delta = split_planes(packed, kernel=kernel)
     table = fit_table(code_histogram(packed))
     er, eg = error_and_energy(packed, np.asarray(block_scales, dtype=np.float32), table)
     return base, delta, table, er, eg
@@ -367,7 +386,7 @@ def _e4m3_table() -> np.ndarray:
 E4M3_VALUES = _e4m3_table()
 
 
-def split_and_measure_e4m3(packed: np.ndarray, scale_bytes: np.ndarray
+def split_and_measure_e4m3(packed: np.ndarray, scale_bytes: np.ndarray, *, kernel: HostKernel | None = None
                            ) -> tuple[np.ndarray, np.ndarray, np.ndarray, float, float]:
     """split_and_measure with the block scales as their raw float8_e4m3fn bytes (uint8 [rows, n/16]).
 
@@ -375,14 +394,15 @@ def split_and_measure_e4m3(packed: np.ndarray, scale_bytes: np.ndarray
     copy of the scales and a cheaper inner loop. Planes and table are identical to split_and_measure's;
     error and energy agree to float rounding (the sums are taken in another order).
     """
-    if _kernels is not None and hasattr(_kernels, "split_measure_e4m3") and packed.dtype == np.uint8 \
+    c = _c_kernels(kernel)
+    if c is not None and hasattr(c, "split_measure_e4m3") and packed.dtype == np.uint8 \
             and packed.ndim == 2 and packed.shape[1] % (BLOCK // 2) == 0 and scale_bytes.dtype == np.uint8 \
             and scale_bytes.shape == (packed.shape[0], packed.shape[1] * 2 // BLOCK):
         src = np.ascontiguousarray(packed)
         base = np.empty((src.shape[0], src.shape[1] // 2), dtype=np.uint8)
         delta = np.empty_like(base)
-        counts, weighted = _kernels.split_measure_e4m3(src, np.ascontiguousarray(scale_bytes), base, delta)
+        counts, weighted = c.split_measure_e4m3(src, np.ascontiguousarray(scale_bytes), base, delta)
         table = fit_table(np.array(counts, dtype=np.int64))
         er, eg = _sums_from_weighted(np.array(weighted, dtype=np.float64), table)
         return base, delta, table, er, eg
-    return split_and_measure(packed, E4M3_VALUES[scale_bytes])
+    return split_and_measure(packed, E4M3_VALUES[scale_bytes], kernel=kernel)

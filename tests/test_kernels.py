@@ -3,6 +3,7 @@ plain references: planes, histogram and table exactly; error and energy to rel 1
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import threading
@@ -77,12 +78,12 @@ def test_numpy_fallback_matches_references(rows: int, cols: int, kind: str) -> N
     _check(P.split_and_measure_numpy, packed, scales, err_rel=1e-6)
 
 
-def test_fallback_when_the_extension_is_absent(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_fallback_when_the_extension_is_absent() -> None:
     packed, scales = _inputs(9, 96, "random", seed=5)
     want = P.split_and_measure(packed, scales)
-    monkeypatch.setattr(P, "_kernels", None)
-    got = P.split_and_measure(packed, scales)
-    _check(P.split_and_measure, packed, scales, err_rel=1e-6)  # now the numpy path
+    numpy_only = functools.partial(P.split_and_measure, kernel=P.HostKernel.NUMPY)
+    got = numpy_only(packed, scales)
+    _check(numpy_only, packed, scales, err_rel=1e-6)  # the numpy path
     for a, b in zip(want[:3], got[:3]):
         assert np.array_equal(a, b)
     assert got[3] == pytest.approx(want[3], rel=1e-6) and got[4] == pytest.approx(want[4], rel=1e-9)
@@ -179,22 +180,19 @@ def test_split_and_measure_e4m3_matches_references(rows: int, cols: int, kind: s
     assert got[4] == pytest.approx(want[4], rel=1e-12, abs=1e-300)
 
 
-def test_e4m3_nan_scale_poisons_the_sums_like_float32(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_e4m3_nan_scale_poisons_the_sums_like_float32() -> None:
     packed, scale_bytes = _e4m3_inputs(4, 64, "random", seed=3)
     scale_bytes[2, 3] = 0x7F  # NaN
-    for path in ("c", "numpy"):
-        if path == "numpy":
-            monkeypatch.setattr(P, "_kernels", None)
-        base, _, _, err, energy = P.split_and_measure_e4m3(packed, scale_bytes)
+    for path in P.HostKernel:
+        base, _, _, err, energy = P.split_and_measure_e4m3(packed, scale_bytes, kernel=path)
         assert np.isnan(err) and np.isnan(energy)
         assert np.array_equal(base, P.split_planes_reference(packed)[0])
 
 
-def test_e4m3_fallback_when_the_extension_is_absent(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_e4m3_fallback_when_the_extension_is_absent() -> None:
     packed, scale_bytes = _e4m3_inputs(9, 96, "skewed", seed=5)
     want = P.split_and_measure_e4m3(packed, scale_bytes)
-    monkeypatch.setattr(P, "_kernels", None)
-    got = P.split_and_measure_e4m3(packed, scale_bytes)
+    got = P.split_and_measure_e4m3(packed, scale_bytes, kernel=P.HostKernel.NUMPY)
     assert all(np.array_equal(a, b) for a, b in zip(got[:3], want[:3]))
     assert got[3] == pytest.approx(want[3], rel=1e-6) and got[4] == pytest.approx(want[4], rel=1e-9)
 
