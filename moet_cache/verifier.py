@@ -62,9 +62,25 @@ STATE_TEXT = {
 }
 
 
+class ProblemKind(StrEnum):
+    """What is wrong with one file or record of a cache."""
+
+    MISSING = "missing"          # a listed file is not there
+    SIZE = "size"                # its size is not the listed one
+    DIGEST = "digest"            # its bytes do not match the listed digest
+    UNREADABLE = "unreadable"    # it cannot be read (an I/O error)
+    LINK = "link"                # not a plain file (a link, a folder)
+    MANIFEST = "manifest"        # a manifest is malformed or does not match its record
+    COMMIT = "commit"            # no commit record (or a build is running)
+    COVERAGE = "coverage"        # a served layer lacks its manifest, base file or delta-index entry
+    STALE = "stale"              # the source changed since the build
+    CHANGED = "changed"          # stats differ from the last verification: not damage, not proven either
+    MISMATCH = "mismatch"        # the cache's planes differ from the source's (verify --against)
+
+
 @dataclass(frozen=True)
 class Problem:
-    kind: str          # missing, size, digest, manifest, commit, coverage, stale, changed, mismatch, link
+    kind: ProblemKind
     path: str
     detail: str
     layer: int | None = None
@@ -164,30 +180,30 @@ def _structure(cf: CacheView, reported: set[str]) -> list[Problem]:
     for layer in cf.manifest.build.layers:
         lm = cf.layers.get(layer)
         if lm is None:
-            problems.append(Problem("coverage", CACHE_MANIFEST, "served layer has no layer manifest", layer))
+            problems.append(Problem(ProblemKind.COVERAGE, CACHE_MANIFEST, "served layer has no layer manifest", layer))
         elif not any(f.role == L.Role.BASE for f in lm.files):
-            problems.append(Problem("coverage", L.layer_manifest(layer), "no base-plane file", layer))
+            problems.append(Problem(ProblemKind.COVERAGE, L.layer_manifest(layer), "no base-plane file", layer))
     if not any(f.role == L.Role.AUX and f.path == f"{L.AUX_DIR}/config.json" for f in cf.manifest.files):
-        problems.append(Problem("coverage", CACHE_MANIFEST, f"the cache's model folder lists no config.json "
+        problems.append(Problem(ProblemKind.COVERAGE, CACHE_MANIFEST, f"the cache's model folder lists no config.json "
                                 f"({L.AUX_DIR}/config.json): a server could not start from it"))
     idx = cf.manifest.file(L.Role.DELTA_INDEX)
     if idx is None or cf.manifest.file(L.Role.PACK) is None:
-        return problems + [Problem("coverage", L.DELTA_INDEX, "the cache lists no delta tier")]
+        return problems + [Problem(ProblemKind.COVERAGE, L.DELTA_INDEX, "the cache lists no delta tier")]
     if idx.path in reported:
         return problems
     try:
         index = cf.delta_index
     except ListedFileError as e:  # the boot check reads this small file anyway: a damaged one is not trusted
-        return problems + [Problem("digest", e.path, e.message)]
+        return problems + [Problem(ProblemKind.DIGEST, e.path, e.message)]
     assert index is not None
     have = {layer for layer, _ in index.layers}
     for layer in cf.manifest.build.layers:
         if layer not in have:
-            problems.append(Problem("coverage", idx.path, "served layer has no delta-index entry", layer))
+            problems.append(Problem(ProblemKind.COVERAGE, idx.path, "served layer has no delta-index entry", layer))
     for layer, experts in index.layers:
         n = cf.layers[layer].n_experts if layer in cf.layers else 0
         if any(e >= n for e in experts):
-            problems.append(Problem("coverage", idx.path, f"delta index names an expert >= {n}", layer))
+            problems.append(Problem(ProblemKind.COVERAGE, idx.path, f"delta index names an expert >= {n}", layer))
     return problems
 
 
@@ -199,20 +215,21 @@ def _source_changes(cf: CacheFiles) -> tuple[bool, list[Problem]]:
     fp = cf.manifest.source_fingerprint
     cfg = src / "config.json"
     if cfg.is_file() and xxh3_file_hex(cfg, follow=True) != fp.config_xxh3:
-        problems.append(Problem("stale", "config.json", "the source's config.json changed"))
+        problems.append(Problem(ProblemKind.STALE, "config.json", "the source's config.json changed"))
     for shard in fp.shards:
         p = src / shard.name
         try:
             st = p.stat()
         except OSError:
-            problems.append(Problem("stale", shard.name, "the source shard is gone"))
+            problems.append(Problem(ProblemKind.STALE, shard.name, "the source shard is gone"))
             continue
         if st.st_size != shard.size:
-            problems.append(Problem("stale", p.name, f"the source shard's size changed ({shard.size} -> {st.st_size})"))
+            problems.append(Problem(ProblemKind.STALE, p.name,
+                                    f"the source shard's size changed ({shard.size} -> {st.st_size})"))
         elif st.st_mtime_ns != shard.mtime_ns:
             from .checkpoint import header_digest  # here: checkpoint imports torch (seconds), rarely needed
             same_header = header_digest(p) == shard.header_xxh3
-            problems.append(Problem("stale", p.name, "the source shard was rewritten since the build"
+            problems.append(Problem(ProblemKind.STALE, p.name, "the source shard was rewritten since the build"
                                     + ("" if same_header else " (its header differs)")))
     return True, problems
 
@@ -231,12 +248,12 @@ def boot_view(root: str | os.PathLike[str], check_source: bool = True) -> tuple[
         raise InputError(f"{root} is not a cache folder")
     if not (root / COMMIT_RECORD).is_file():
         detail = "a build is running" if lock_is_held(root) else "no commit record: the build did not finish"
-        return VerifyReport(Check.BOOT, INCOMPLETE, (Problem("commit", COMMIT_RECORD, detail),), 0,
+        return VerifyReport(Check.BOOT, INCOMPLETE, (Problem(ProblemKind.COMMIT, COMMIT_RECORD, detail),), 0,
                             seconds=time.perf_counter() - t0), None
     try:
         cf = open_view(root)
     except ManifestError as e:
-        return VerifyReport(Check.BOOT, CORRUPT, (Problem("manifest", CACHE_MANIFEST, e.message),), 0,
+        return VerifyReport(Check.BOOT, CORRUPT, (Problem(ProblemKind.MANIFEST, CACHE_MANIFEST, e.message),), 0,
                             seconds=time.perf_counter() - t0), None
     state = _verified_state(root, cf.manifest_xxh3)
     recorded = state["files"] if state else {}
@@ -247,17 +264,19 @@ def boot_view(root: str | os.PathLike[str], check_source: bool = True) -> tuple[
         try:
             st = os.lstat(p)
         except OSError:
-            problems.append(Problem("missing", f.path, "file is missing", layer))
+            problems.append(Problem(ProblemKind.MISSING, f.path, "file is missing", layer))
             continue
         if not os.path.isfile(p) or os.path.islink(p):
-            problems.append(Problem("link", f.path, "not a plain file", layer))
+            problems.append(Problem(ProblemKind.LINK, f.path, "not a plain file", layer))
         elif st.st_size != f.size:
-            problems.append(Problem("size", f.path, f"size is {st.st_size}, the manifest says {f.size}", layer))
+            problems.append(Problem(ProblemKind.SIZE, f.path,
+                                    f"size is {st.st_size}, the manifest says {f.size}", layer))
         elif recorded.get(f.path) != _stat_key(st):
-            changed.append(Problem("changed", f.path, _how_changed(recorded.get(f.path), st), layer))
+            changed.append(Problem(ProblemKind.CHANGED, f.path, _how_changed(recorded.get(f.path), st), layer))
     problems += _structure(cf, {p.path for p in problems})
     present, stale = _source_changes(cf) if check_source else (None, [])
-    if any(p.kind == "missing" for p in problems) and not any(p.kind in ("size", "link") for p in problems):
+    if any(p.kind == ProblemKind.MISSING for p in problems) \
+            and not any(p.kind in (ProblemKind.SIZE, ProblemKind.LINK) for p in problems):
         verdict = INCOMPLETE
     elif problems:
         verdict = CORRUPT
@@ -341,7 +360,7 @@ def full_verify(root: str | os.PathLike[str], workers: int | None = None,
     total = sum(f.size for f, _ in cf.files)
     progress.start(total, "verify")
     # "changed" is what --full settles; a small file's "digest" problem comes back from the re-hash below
-    problems = [p for p in boot.problems if p.kind not in ("changed", "digest")]
+    problems = [p for p in boot.problems if p.kind not in (ProblemKind.CHANGED, ProblemKind.DIGEST)]
     hashed = 0
     layer_of = {f.path: layer for f, layer in cf.files}
     with ThreadPoolExecutor(max_workers=workers or min(8, usable_cores())) as pool:
@@ -350,7 +369,7 @@ def full_verify(root: str | os.PathLike[str], workers: int | None = None,
             if digest is None:
                 continue  # missing or wrong size: already a boot-check problem
             if digest.startswith(UNREADABLE):
-                problems.append(Problem("unreadable", f.path, f"cannot be read ({digest.split(': ', 1)[1]}): "
+                problems.append(Problem(ProblemKind.UNREADABLE, f.path, f"cannot be read ({digest.split(': ', 1)[1]}): "
                                         "its bytes are not verified; check the disk", layer_of.get(f.path)))
                 continue
             hashed += f.size
@@ -360,13 +379,14 @@ def full_verify(root: str | os.PathLike[str], workers: int | None = None,
                 bad = _bad_tensors(root, f, tensors) if tensors else []
                 detail = "contents differ from the manifest (xxh3-128 mismatch)"
                 if bad:
-                    problems.append(Problem("digest", f.path, detail, layer, ", ".join(bad)))
+                    problems.append(Problem(ProblemKind.DIGEST, f.path, detail, layer, ", ".join(bad)))
                 else:
-                    problems.append(Problem("digest", f.path, detail + ("; header or padding damaged" if tensors else ""), layer))
+                    problems.append(Problem(ProblemKind.DIGEST, f.path,
+                                            detail + ("; header or padding damaged" if tensors else ""), layer))
     progress.finish()
     if problems:
-        verdict = INCOMPLETE if all(p.kind in ("missing", "commit") for p in problems) else CORRUPT
-        if all(p.kind == "stale" for p in problems):
+        verdict = INCOMPLETE if all(p.kind in (ProblemKind.MISSING, ProblemKind.COMMIT) for p in problems) else CORRUPT
+        if all(p.kind == ProblemKind.STALE for p in problems):
             verdict = STALE
     else:
         verdict = VERIFIED
@@ -421,13 +441,15 @@ def verify_against(root: str | os.PathLike[str], src: str | os.PathLike[str],
     problems: list[Problem] = []
     smap_fe = cf.manifest.file(L.Role.SOURCE_MAP)
     if smap_fe is None:
-        problems.append(Problem("coverage", CACHE_MANIFEST, "the cache lists no source map (source-map.json)"))
+        problems.append(Problem(ProblemKind.COVERAGE, CACHE_MANIFEST,
+                                "the cache lists no source map (source-map.json)"))
     if not any(f.role == L.Role.AUX and f.path.rsplit("/", 1)[-1] == "config.json" for f, _ in cf.files):
-        problems.append(Problem("coverage", CACHE_MANIFEST, f"the cache lists no model config ({L.AUX_DIR}/config.json)"))
+        problems.append(Problem(ProblemKind.COVERAGE, CACHE_MANIFEST,
+                                f"the cache lists no model config ({L.AUX_DIR}/config.json)"))
     try:
         index, smap = cf.delta_index, cf.source_map
     except ListedFileError as e:
-        problems.append(Problem("digest", e.path, e.message))
+        problems.append(Problem(ProblemKind.DIGEST, e.path, e.message))
     if problems:
         return VerifyReport(Check.AGAINST, CORRUPT, tuple(problems), len(cf.files), seconds=time.perf_counter() - t0)
     checked = {"experts": 0, "delta_planes": 0, "scales": 0, "tables": 0, "dense_tensors": 0}
@@ -438,7 +460,7 @@ def verify_against(root: str | os.PathLike[str], src: str | os.PathLike[str],
 
     with open_checkpoint(src) as ck:
         if ck.layout != cf.manifest.source_layout:
-            return VerifyReport(Check.AGAINST, CORRUPT, (Problem("mismatch", CACHE_MANIFEST,
+            return VerifyReport(Check.AGAINST, CORRUPT, (Problem(ProblemKind.MISMATCH, CACHE_MANIFEST,
                                 f"the source is {ck.layout}, the cache was built from {cf.manifest.source_layout}"),),
                                 len(cf.files), seconds=time.perf_counter() - t0)
         pack = safe_open(str(resolve_inside(root, L.PACK)), framework="pt") if index else None
@@ -457,12 +479,14 @@ def verify_against(root: str | os.PathLike[str], src: str | os.PathLike[str],
                         x = ck.read_raw_expert(layer, e, proj)
                         name = f"expert {e} {proj}"
                         if want_fmt is not None and x.fmt is not want_fmt:
-                            problems.append(Problem("mismatch", base_fe.path, f"{name}: the source is {x.fmt.name}, "
+                            problems.append(Problem(ProblemKind.MISMATCH, base_fe.path,
+                                                    f"{name}: the source is {x.fmt.name}, "
                                                     f"the cache was built from {want_fmt.name}", layer))
                             break
 
                         def mismatch(what: str, tensor: str, path: str = base_fe.path) -> None:
-                            problems.append(Problem("mismatch", path, f"{name}: {what} differs from the source", layer, tensor))
+                            problems.append(Problem(ProblemKind.MISMATCH, path,
+                                                    f"{name}: {what} differs from the source", layer, tensor))
                         base, delta = split_planes(x.codes)
                         base_name, delta_name, scale_name = names_of(proj)
                         rows = geo.rows(proj)
@@ -505,7 +529,8 @@ def verify_against(root: str | os.PathLike[str], src: str | os.PathLike[str],
                         for path, tname, got in deltas:
                             checked["delta_planes"] += 1
                             if differs(got, delta):
-                                problems.append(Problem("mismatch", path, f"{name}: delta plane differs from the source", layer, tname))
+                                problems.append(Problem(ProblemKind.MISMATCH, path,
+                                                        f"{name}: delta plane differs from the source", layer, tname))
                         progress.advance(x.codes.nbytes)
                         ck.release(x.codes)
                         if problems:
@@ -542,10 +567,11 @@ def _dense_against(root: Path, cf: CacheFiles, ck: Any, checked: dict[str, int],
                 checked["dense_tensors"] += 1
                 seen.add(name)
                 if name not in ck.tensors or not np.array_equal(tensor_bytes(df.get_tensor(name)), ck.get_raw(name)):
-                    return [Problem("mismatch", f.path, f"dense tensor {name} differs from the source", None, name)]
+                    return [Problem(ProblemKind.MISMATCH, f.path,
+                                    f"dense tensor {name} differs from the source", None, name)]
     missing = sorted(listed - planed - seen)
     if missing:
-        return [Problem("missing", L.DENSE_DIR, f"dense tensor {missing[0]} of the source is in no dense file"
+        return [Problem(ProblemKind.MISSING, L.DENSE_DIR, f"dense tensor {missing[0]} of the source is in no dense file"
                         + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""), None, missing[0])]
     return []
 

@@ -29,8 +29,8 @@ from ..enums import DeltaMode, VerifyMode
 from ..errors import InputError, VerificationError
 from ..manifest import DeltaIndex, FileEntry, TensorEntry
 from ..progress import NullProgress, Progress
-from ..verifier import (CORRUPT, INCOMPLETE, STALE, VERIFIED, CacheFiles, Problem, VerifyReport, boot_check,
-                        boot_view)
+from ..verifier import (CORRUPT, INCOMPLETE, STALE, VERIFIED, CacheFiles, Problem, ProblemKind, VerifyReport,
+                        boot_check, boot_view)
 from .assemble import assemble_layer
 from .engine import Finish, Pipeline
 from .options import LoadOptions, Tuning
@@ -93,7 +93,8 @@ class _Gates:
             if self._pack.result() != self.pack.xxh3:
                 raise VerificationError(f"{self.pack.path} does not match its xxh3-128 digest",
                                         "the delta pack is corrupt: run moet-cache build again",
-                                        [Problem("digest", self.pack.path, "contents differ from cache.json")])
+                                        [Problem(ProblemKind.DIGEST, self.pack.path,
+                                                 "contents differ from cache.json")])
 
     def close(self) -> None:
         if self._side is not None:

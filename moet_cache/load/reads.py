@@ -19,7 +19,7 @@ from ..hashing import new_hasher
 from ..stheader import DTYPES as STDTYPES
 from ..stheader import nbytes as st_nbytes
 from ..stheader import storage_shape, torch_dtype
-from ..verifier import Problem
+from ..verifier import Problem, ProblemKind
 from .plan import Job, Read
 
 
@@ -53,7 +53,7 @@ def mismatch(r: Read) -> VerificationError:
     return VerificationError(
         f"{r.path}: tensor {r.name} ({r.where}) does not match its xxh3-128 digest",
         "the cache is corrupt: run moet-cache verify --full, then moet-cache build to repair it",
-        [Problem("digest", r.path, "contents differ from the manifest (xxh3-128 mismatch)", r.layer, r.name)])
+        [Problem(ProblemKind.DIGEST, r.path, "contents differ from the manifest (xxh3-128 mismatch)", r.layer, r.name)])
 
 
 def check_digest(r: Read, hasher: Any) -> None:
