@@ -8,7 +8,9 @@ from rich.progress import (BarColumn, DownloadColumn, Progress as RichProgress, 
 from moet_cache.progress import NullProgress, Progress
 
 from ._output import Output
-from ._signals import InterruptGate, InterruptibleProgress
+from ._signals import InterruptGate, InterruptibleProgress, cancel_token
+
+__all__ = ["RichBytesProgress", "cancel_token", "progress_for"]
 
 
 class RichBytesProgress:

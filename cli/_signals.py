@@ -4,8 +4,9 @@ A signal handler that raises lands wherever the main thread happens to be. Insid
 often torch or safetensors code calling back into Python, which turns the error into another one
 (a build stopped by Ctrl-C then reported "shard may be corrupt", exit 2), or a weakref callback,
 which prints and swallows it (the build went on and exited 0). So while long work reports progress,
-the first signal is only noted, and the next progress report raises it: every long operation
-reports at least once per tensor or file. A second signal stops the process at once; that is safe
+the first signal is only noted: it sets the gate's cancel token, which the library checks between
+units of work, and the next progress report raises it too: every long operation reports at least once
+per tensor or file. A second signal stops the process at once; that is safe
 because every write is atomic and the lock is an flock that dies with the process.
 """
 
@@ -15,12 +16,11 @@ import os
 import signal
 from types import FrameType
 
+from moet_cache.cancel import RESUME_HINT, CancelToken
 from moet_cache.errors import Interrupted
 from moet_cache.progress import Progress
 
 from ._errors import EXIT_ENVIRONMENT
-
-RESUME_HINT = "nothing is lost: run the same command again to resume"
 
 
 class InterruptGate:
@@ -29,6 +29,7 @@ class InterruptGate:
     def __init__(self) -> None:
         self.pending: str | None = None
         self.deferring = False
+        self.token = CancelToken()  # what the library checks; set with the held signal
 
     def install(self) -> None:
         signal.signal(signal.SIGINT, self._on_signal)
@@ -47,6 +48,7 @@ class InterruptGate:
             os._exit(EXIT_ENVIRONMENT)
         if self.deferring:
             self.pending = name
+            self.token.cancel(f"interrupted by {name}", RESUME_HINT)
             return
         # no long work under way (a lock wait, an import, a short command): raising here is the quick way out
         raise Interrupted(f"interrupted by {name}", RESUME_HINT)
@@ -55,6 +57,12 @@ class InterruptGate:
         if self.pending is not None:
             self.deferring = False  # the error is on its way: cleanup code must not see it held back again
             raise Interrupted(f"interrupted by {self.pending}", RESUME_HINT)
+
+
+def cancel_token() -> CancelToken | None:
+    """The token the console script's Ctrl-C sets, for the library call (None for in-process calls)."""
+    gate = InterruptGate.installed()
+    return gate.token if gate is not None else None
 
 
 class InterruptibleProgress:

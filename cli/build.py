@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -12,7 +13,17 @@ from moet_cache.units import fmt_bytes
 
 from ._common import JsonOpt, QuietOpt
 from ._output import Output
-from ._progress import progress_for
+from ._progress import cancel_token, progress_for
+
+#: The environment variable for BuildTuning.split_device (read here, never by the library).
+SPLIT_DEVICE_ENV = "MOET_CACHE_SPLIT_DEVICE"
+
+
+def split_device_from_env() -> str:
+    """MOET_CACHE_SPLIT_DEVICE: auto, cpu, torch-cpu or cuda; unset or any other value is auto."""
+    from moet_cache.build.options import SPLIT_DEVICES
+    want = os.environ.get(SPLIT_DEVICE_ENV, "auto")
+    return want if want in SPLIT_DEVICES else "auto"
 
 
 def build(
@@ -28,11 +39,12 @@ def build(
     quiet: QuietOpt = False,
 ) -> None:
     """Build the cache once; a rerun resumes a killed build, or confirms a complete one."""
-    from moet_cache import BuildOptions, build_cache  # here, not at the top: it imports torch (seconds)
+    from moet_cache import BuildOptions, BuildTuning, build_cache  # here, not at the top: it imports torch (seconds)
     out = Output(json_, quiet)
     opts = BuildOptions(delta_budget=delta_budget, profile=str(profile) if profile else None,
-                        lossless=lossless, layers=layers, include_mtp=include_mtp, wait=wait)
-    r = build_cache(src, cache, opts, progress_for(out))
+                        lossless=lossless, layers=layers, include_mtp=include_mtp, wait=wait,
+                        tuning=BuildTuning(split_device=split_device_from_env()))
+    r = build_cache(src, cache, opts, progress_for(out), cancel_token())
     if out.json_mode:
         out.json({"command": "build", **r.__dict__})
         return
@@ -57,7 +69,7 @@ def retier(
     """Choose a new FP4 delta tier for a --lossless cache, without the source."""
     from moet_cache import retier_cache  # here, not at the top: it imports torch (seconds)
     out = Output(json_, quiet)
-    r = retier_cache(cache, delta_budget, str(profile) if profile else None, wait)
+    r = retier_cache(cache, delta_budget, str(profile) if profile else None, wait, cancel_token())
     if out.json_mode:
         out.json({"command": "retier", **r.__dict__})
     else:

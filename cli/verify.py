@@ -14,7 +14,7 @@ from moet_cache.verifier import VerifyReport
 from ._common import JsonOpt, QuietOpt
 from ._errors import EXIT_OK, EXIT_PROBLEM
 from ._output import Output
-from ._progress import progress_for
+from ._progress import cancel_token, progress_for
 
 MAX_LISTED = 20
 
@@ -74,9 +74,9 @@ def verify(
     """Verify a cache. Exit 0: complete and verified; 1: anything else (the report says what)."""
     out = Output(json_, quiet)
     if against is not None:
-        r = verify_against(cache, against, progress_for(out))
+        r = verify_against(cache, against, progress_for(out), cancel_token())
     elif full:
-        r = full_verify(cache, workers, progress_for(out))
+        r = full_verify(cache, workers, progress_for(out), cancel_token())
     else:
         r = boot_check(cache)
     show_report(out, r, cache)

@@ -5,22 +5,23 @@ The public API; the CLI (moet_cache.cli) is a thin layer over these functions.
 
 from typing import TYPE_CHECKING, Any
 
+from .cancel import CancelToken
 from .errors import (DiskFullError, EnvironmentProblem, InputError, LockHeldError, MoetError,
                      UnsupportedCheckpointError, VerificationError)
 from .version import __version__
 
 if TYPE_CHECKING:
-    from .builder import BuildOptions, BuildResult, RetierResult, build_cache, retier_cache
+    from .build import BuildOptions, BuildResult, BuildTuning, RetierResult, build_cache, retier_cache
     from .exporter import ExportResult, export_checkpoint
     from .inspection import CacheInfo, inspect_cache
     from .loader import Cache, LoadedLayer, open_cache
     from .synthetic import SyntheticSpec, V4Spec, make_checkpoint, make_v4_checkpoint, small_spec, small_v4_spec
     from .verifier import VerifyReport, boot_check, full_verify, verify_against
 
-# The API's modules load on first use (PEP 562): builder, exporter and synthetic import torch, which
+# The API's modules load on first use (PEP 562): build, exporter and synthetic import torch, which
 # costs seconds, and `moet-cache verify` (the boot check, run at every start) needs none of it.
 _LAZY = {
-    "builder": ("BuildOptions", "BuildResult", "RetierResult", "build_cache", "retier_cache"),
+    "build": ("BuildOptions", "BuildResult", "BuildTuning", "RetierResult", "build_cache", "retier_cache"),
     "exporter": ("ExportResult", "export_checkpoint"),
     "inspection": ("CacheInfo", "inspect_cache"),
     "loader": ("Cache", "LoadedLayer", "open_cache"),
@@ -38,7 +39,7 @@ def __getattr__(name: str) -> Any:
     return getattr(importlib.import_module(f".{module}", __name__), name)
 
 __all__ = [
-    "BuildOptions", "BuildResult", "RetierResult", "build_cache", "retier_cache",
+    "BuildOptions", "BuildResult", "BuildTuning", "RetierResult", "build_cache", "retier_cache", "CancelToken",
     "MoetError", "InputError", "UnsupportedCheckpointError", "VerificationError", "EnvironmentProblem",
     "LockHeldError", "DiskFullError", "ExportResult", "export_checkpoint", "CacheInfo", "inspect_cache",
     "SyntheticSpec", "make_checkpoint", "small_spec", "V4Spec", "make_v4_checkpoint", "small_v4_spec", "VerifyReport", "boot_check", "full_verify",

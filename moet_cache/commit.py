@@ -24,7 +24,8 @@ from pathlib import Path
 
 from .enums import StrEnum
 from .errors import EnvironmentProblem, InputError
-from .fsutil import atomic_write_bytes, fsync_dir, read_all
+from . import layout as L
+from .fsutil import CacheLock, atomic_write_bytes, fsync_dir, read_all, refuse_links
 from .hashing import xxh3_hex
 from .manifest import CACHE_MANIFEST, COMMIT_RECORD, CacheManifest, CommitRecord, write_record
 
@@ -130,3 +131,14 @@ class Committer:
 def utc_now() -> str:
     """The one timestamp format of the cache's records (created, committed_at, verified_at): UTC, seconds, Z."""
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+@contextmanager
+def changing(root: Path, wait: bool = False) -> Iterator[Committer]:
+    """The frame of every command that changes a cache (build, retier): the cache's lock, no links in the
+    folders it writes, and the committer, whose guard restores what it can prove on any exception."""
+    with CacheLock(root, wait=wait):
+        refuse_links(root, L.WRITTEN_DIRS)
+        commits = Committer(root)
+        with commits.guard():
+            yield commits

@@ -23,6 +23,7 @@ from .fsutil import atomic_write_bytes, atomic_write_json, fsync_dir, open_regul
 from .hashing import xxh3_file_hex, xxh3_hex
 from .manifest import TensorEntry
 from .planes import join_planes
+from .cancel import CancelToken, check as check_cancel
 from .progress import NullProgress, Progress
 from .stwriter import DTYPE_SIZES, SafetensorsWriter, TensorSpec
 from .verifier import cache_read_errors
@@ -177,7 +178,7 @@ def _prepare_out(out: Path, cache_digest: str) -> dict[str, str]:
 
 @cache_read_errors
 def export_checkpoint(root: str | os.PathLike[str], out: str | os.PathLike[str],
-                      progress: Progress | None = None) -> ExportResult:
+                      progress: Progress | None = None, cancel: CancelToken | None = None) -> ExportResult:
     """Write the source's shards, index and aux files again from a --lossless cache.
 
     Every tensor comes out exact (its bytes, dtype, shape, shard and the shard's metadata); the shard
@@ -234,6 +235,7 @@ def export_checkpoint(root: str | os.PathLike[str], out: str | os.PathLike[str],
                 continue
             with SafetensorsWriter(out / name, specs, shard.get("metadata")) as w:
                 for spec in specs:
+                    check_cancel(cancel)  # between tensors: the shard's temp file goes, the done ones stay
                     data = _tensor_bytes(spec.name, layout, cf, dense_at, reader, fam)
                     if data.nbytes != spec.nbytes:
                         raise VerificationError(f"the cache holds {data.nbytes} bytes for {spec.name}, its source map says "

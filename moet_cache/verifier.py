@@ -22,7 +22,9 @@ from .fsutil import atomic_write_json, lock_is_held, open_regular, pread_into, r
 from .hashing import xxh3_file_hex, xxh3_hex
 from .machine import usable_cores
 from .manifest import CACHE_MANIFEST, COMMIT_RECORD, VERIFIED_STATE, CacheManifest, FileEntry, ManifestError, TensorEntry
+from .cancel import CancelToken, check as check_cancel
 from .progress import NullProgress, Progress
+from .window import bounded_window
 
 
 
@@ -348,8 +350,9 @@ def _bad_tensors(root: Path, f: FileEntry, tensors: Iterable[TensorEntry]) -> li
 
 
 def full_verify(root: str | os.PathLike[str], workers: int | None = None,
-                progress: Progress | None = None) -> VerifyReport:
-    """Re-hash every byte of every listed file in parallel; on success, record it for the boot check."""
+                progress: Progress | None = None, cancel: CancelToken | None = None) -> VerifyReport:
+    """Re-hash every byte of every listed file in parallel; on success, record it for the boot check.
+    `cancel` stops it between files (Interrupted); nothing is recorded then."""
     t0 = time.perf_counter()
     root = Path(root)
     progress = progress or NullProgress()
@@ -363,8 +366,10 @@ def full_verify(root: str | os.PathLike[str], workers: int | None = None,
     problems = [p for p in boot.problems if p.kind not in (ProblemKind.CHANGED, ProblemKind.DIGEST)]
     hashed = 0
     layer_of = {f.path: layer for f, layer in cf.files}
-    with ThreadPoolExecutor(max_workers=workers or min(8, usable_cores())) as pool:
-        for f, digest in pool.map(lambda fe: _hash_file(root, fe[0]), cf.files):
+    n_workers = workers or min(8, usable_cores())
+    with ThreadPoolExecutor(max_workers=n_workers) as pool:
+        for f, digest in bounded_window(lambda fe: pool.submit(_hash_file, root, fe[0]), cf.files,
+                                        4 * n_workers, cancel):
             progress.advance(f.size)
             if digest is None:
                 continue  # missing or wrong size: already a boot-check problem
@@ -418,7 +423,7 @@ def cache_read_errors(fn: Any) -> Any:
 
 @cache_read_errors
 def verify_against(root: str | os.PathLike[str], src: str | os.PathLike[str],
-                   progress: Progress | None = None) -> VerifyReport:
+                   progress: Progress | None = None, cancel: CancelToken | None = None) -> VerifyReport:
     """Every plane, block scale, global scale, input scale and table of every expert equals what the
     source gives (planes and scales bit for bit, tables recomputed from the source's codes); every dense
     tensor is there and equal; names the first mismatch. A cache the boot check finds incomplete or
@@ -475,6 +480,7 @@ def verify_against(root: str | os.PathLike[str], src: str | os.PathLike[str],
                 want_fmt = FORMATS.get(lm.source_format) if lm.source_format else None
                 names = set(bf.keys())
                 for e in range(lm.n_experts):
+                    check_cancel(cancel)
                     for j, proj in enumerate(PROJECTIONS):
                         x = ck.read_raw_expert(layer, e, proj)
                         name = f"expert {e} {proj}"

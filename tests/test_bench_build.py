@@ -7,12 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from moet_cache import BuildOptions, build_cache, full_verify, verify_against
+from moet_cache import BuildOptions, BuildTuning, build_cache, full_verify, verify_against
 
 
 def _build(src: Path, dest: Path, device: str, monkeypatch: pytest.MonkeyPatch) -> Path:
-    monkeypatch.setenv("MOET_CACHE_SPLIT_DEVICE", device)
-    build_cache(src, dest, BuildOptions(delta_budget="25%"))
+    build_cache(src, dest, BuildOptions(delta_budget="25%", tuning=BuildTuning(split_device=device)))
     return dest
 
 
@@ -50,13 +49,11 @@ def test_the_split_stays_on_the_host_kernels_when_they_are_built(monkeypatch: py
     # measured: the C kernels on 8 threads built 4 GiB in 5.4 s, the GPU split in 10.0 s (benchmarks/NOTES.md)
     import torch
 
-    from moet_cache import builder as B
-    monkeypatch.delenv("MOET_CACHE_SPLIT_DEVICE", raising=False)
+    from moet_cache.build import options as B
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # as on a GPU machine
     monkeypatch.setattr(B, "KERNEL", "c")
-    assert B._plane_device() is None
+    assert B.BuildTuning().device() is None
     monkeypatch.setattr(B, "KERNEL", "numpy")  # no C compiler at install: the GPU, as before
-    assert B._plane_device() == "cuda"
-    monkeypatch.setenv("MOET_CACHE_SPLIT_DEVICE", "cuda")
+    assert B.BuildTuning().device() == "cuda"
     monkeypatch.setattr(B, "KERNEL", "c")
-    assert B._plane_device() == "cuda"
+    assert B.BuildTuning(split_device="cuda").device() == "cuda"

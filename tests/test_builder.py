@@ -249,23 +249,22 @@ def test_multiply_convention_is_the_checkpoints(layout: str) -> None:
             assert (np.isnan(want) and np.isnan(got)) or got == want, v
 
 
-def test_dense_chunks_reassemble_the_tensors(ckpt_modelopt: Path, tmp_path: Path,
-                                             monkeypatch: pytest.MonkeyPatch) -> None:
+def test_dense_chunks_reassemble_the_tensors(ckpt_modelopt: Path) -> None:
     # tiny chunks: many reads in flight through the three reused buffers, tensors split across chunks
     from moet_cache import builder as B
-    monkeypatch.setattr(B, "_DENSE_CHUNK", 4096 + 8)
     with open_checkpoint(ckpt_modelopt) as ck:
-        b = B._Builder(ck, tmp_path / "c", B.BuildOptions(), B.NullProgress())
+        plan = B.make_plan(ck, B.BuildOptions())
+        reader = B.SourceReader(ck)
         try:
-            names = sorted(n for ns in b.plan.dense_by_shard.values() for n in ns)
+            names = sorted(n for ns in plan.dense_by_shard.values() for n in ns)
             got: dict[str, list[bytes]] = {}
-            for n, chunk in b._chunks(names):
+            for n, chunk in B.chunks(plan, reader, names, 4096 + 8):
                 got.setdefault(n, []).append(chunk.tobytes())
             assert list(got) == names
             for n in names:
                 assert b"".join(got[n]) == ck.get_raw(n).tobytes(), n
         finally:
-            b.reader.close()
+            reader.close()
 
 
 def test_truncated_shard_is_bad_input_not_a_crash(src_copy: Path) -> None:
@@ -295,11 +294,10 @@ def test_read_window_is_bounded_by_bytes_and_workers() -> None:
 def test_reads_ahead_build_the_same_planes(ckpt_modelopt: Path, tmp_path: Path, read_threads: int,
                                            monkeypatch: pytest.MonkeyPatch) -> None:
     # another read-thread count and a one-expert window: the same files, byte for byte
-    from moet_cache import builder as B
+    from moet_cache import BuildTuning
     build_cache(ckpt_modelopt, tmp_path / "ref", BuildOptions(delta_budget="30%"))
-    monkeypatch.setattr(B, "READ_THREADS", read_threads)
-    monkeypatch.setattr(B, "_READ_AHEAD_BYTES", 1)
-    build_cache(ckpt_modelopt, tmp_path / "c", BuildOptions(delta_budget="30%"))
+    build_cache(ckpt_modelopt, tmp_path / "c", BuildOptions(delta_budget="30%", tuning=BuildTuning(
+        read_threads=read_threads, read_ahead_bytes=1)))
     ref = {f.path: f.xxh3 for f, _ in load_cache_files(tmp_path / "ref").files}
     got = {f.path: f.xxh3 for f, _ in load_cache_files(tmp_path / "c").files}
     assert got == ref and full_verify(tmp_path / "c").ok

@@ -187,3 +187,30 @@ def test_interrupt_gate_holds_a_signal_until_the_next_progress_report() -> None:
     with pytest.raises(Interrupted, match="SIGINT"):
         progress.advance(1)
     assert not gate.deferring
+
+
+def test_a_held_signal_sets_the_librarys_cancel_token() -> None:
+    # the library checks the token between units of work; the CLI's Ctrl-C sets it
+    from moet_cache.cli._signals import InterruptGate, InterruptibleProgress
+    from moet_cache.errors import Interrupted
+    from moet_cache.progress import NullProgress
+    gate = InterruptGate()
+    progress = InterruptibleProgress(NullProgress(), gate)
+    progress.start(10, "build")
+    assert not gate.token.cancelled
+    gate._on_signal(signal.SIGTERM, None)
+    assert gate.token.cancelled
+    with pytest.raises(Interrupted, match="interrupted by SIGTERM"):
+        gate.token.check()
+
+
+def test_the_split_device_comes_from_the_environment_in_the_cli_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    from moet_cache.cli.build import split_device_from_env
+    for value, want in (("cpu", "cpu"), ("torch-cpu", "torch-cpu"), ("cuda", "cuda"), ("gpu", "auto"), ("", "auto")):
+        monkeypatch.setenv("MOET_CACHE_SPLIT_DEVICE", value)
+        assert split_device_from_env() == want
+    monkeypatch.delenv("MOET_CACHE_SPLIT_DEVICE")
+    assert split_device_from_env() == "auto"
+    import moet_cache.build as build_pkg
+    for f in Path(build_pkg.__file__).parent.glob("*.py"):  # the library takes it as BuildTuning.split_device
+        assert "environ" not in f.read_text(), f

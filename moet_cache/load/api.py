@@ -25,6 +25,7 @@ import torch
 
 from .. import layout as L
 from ..cacheview import ListedFileError, entry_digest
+from ..cancel import CancelToken
 from ..enums import DeltaMode, VerifyMode
 from ..errors import InputError, VerificationError
 from ..manifest import DeltaIndex, FileEntry, TensorEntry
@@ -128,12 +129,14 @@ class Cache:
              verify: VerifyMode | str = VerifyMode.BOOT,
              workers: int | None = None, max_inflight: str | int = "2GiB", progress: Progress | None = None,
              expand: bool = False, layers: Sequence[int] | None = None,
-             tuning: Tuning | None = None) -> Iterator[LoadedLayer]:
-        """Yield every served layer (or those in `layers`) as it completes; see docs/LOADER.md."""
+             tuning: Tuning | None = None, cancel: CancelToken | None = None) -> Iterator[LoadedLayer]:
+        """Yield every served layer (or those in `layers`) as it completes; see docs/LOADER.md.
+        `cancel` (set from any thread) stops the load between layers with Interrupted."""
         return self.load_with(LoadOptions.parse(device, delta, verify, workers, max_inflight, expand, layers, tuning),
-                              progress)
+                              progress, cancel)
 
-    def load_with(self, opts: LoadOptions, progress: Progress | None = None) -> Iterator[LoadedLayer]:
+    def load_with(self, opts: LoadOptions, progress: Progress | None = None,
+                  cancel: CancelToken | None = None) -> Iterator[LoadedLayer]:
         """`load` with its arguments already checked into a LoadOptions."""
         if opts.delta == DeltaMode.ALL and not self.lossless:
             raise InputError("delta='all' needs a --lossless cache (this one keeps only the tier's planes)",
@@ -150,7 +153,7 @@ class Cache:
                                         "run moet-cache build again")
         pack = read_pack_header(self.root, pack_fe) if pack_fe is not None else None
         jobs = [layer_job(self.files.layers[x], opts.delta, self.delta_index, pack) for x in sel]
-        return self._run_layers(jobs, opts, progress or NullProgress(), pack_fe)
+        return self._run_layers(jobs, opts, progress or NullProgress(), pack_fe, cancel)
 
     def _finish(self, opts: LoadOptions) -> Finish:
         def finish(job: Job, t: dict[str, torch.Tensor], stream: object) -> dict[str, torch.Tensor]:
@@ -160,11 +163,11 @@ class Cache:
         return finish
 
     def _run_layers(self, jobs: list[Job], opts: LoadOptions, progress: Progress,
-                    pack_fe: FileEntry | None) -> Iterator[LoadedLayer]:
+                    pack_fe: FileEntry | None, cancel: CancelToken | None = None) -> Iterator[LoadedLayer]:
         pipe = Pipeline(self.root, opts, self._finish(opts), self._pinned)
         gates = _Gates(self.root, opts.verify, pack_fe)
         try:
-            for job, tensors in pipe.run(jobs, progress, "load", gates.before_yield):
+            for job, tensors in pipe.run(jobs, progress, "load", gates.before_yield, cancel):
                 assert job.layer is not None
                 yield LoadedLayer(job.layer, tensors, job.nbytes)
         finally:
@@ -190,12 +193,13 @@ class Cache:
     def load_dense(self, device: str | torch.device = "cpu", verify: VerifyMode | str = VerifyMode.BOOT,
                    workers: int | None = None,
                    max_inflight: str | int = "2GiB", progress: Progress | None = None,
-                   tuning: Tuning | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-        """Yield (source name, tensor) for every dense tensor, with the checks of `load`."""
+                   tuning: Tuning | None = None, cancel: CancelToken | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield (source name, tensor) for every dense tensor, with the checks of `load` (and its `cancel`)."""
         opts = LoadOptions.parse(device, verify=verify, workers=workers, max_inflight=max_inflight, tuning=tuning)
-        return self.load_dense_with(opts, progress)
+        return self.load_dense_with(opts, progress, cancel)
 
-    def load_dense_with(self, opts: LoadOptions, progress: Progress | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    def load_dense_with(self, opts: LoadOptions, progress: Progress | None = None,
+                        cancel: CancelToken | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """`load_dense` with its arguments already checked (delta, expand and layers are not used)."""
         if opts.verify == VerifyMode.BOOT:
             _boot_gate(self.root)
@@ -203,7 +207,7 @@ class Cache:
         keep: Callable[[Job, dict[str, torch.Tensor], object], dict[str, torch.Tensor]] = lambda j, t, s: t
         pipe = Pipeline(self.root, dataclasses.replace(opts, max_inflight=max(opts.max_inflight, DENSE_MIN_INFLIGHT)),
                         keep, self._pinned)
-        for _, tensors in pipe.run(jobs, progress or NullProgress(), "load dense"):
+        for _, tensors in pipe.run(jobs, progress or NullProgress(), "load dense", cancel=cancel):
             yield from tensors.items()
 
 

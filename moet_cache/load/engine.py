@@ -15,6 +15,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
+from ..cancel import CancelToken, check as check_cancel
 from ..progress import Progress
 from .options import LoadOptions
 from .plan import Job
@@ -48,8 +49,10 @@ class Pipeline:
         return result
 
     def run(self, jobs: Sequence[Job], progress: Progress, what: str,
-            before_yield: Callable[[Job], None] | None = None) -> Iterator[tuple[Job, dict[str, torch.Tensor]]]:
-        """Yield (job, tensors) as each job completes; before_yield may refuse a job (it raises)."""
+            before_yield: Callable[[Job], None] | None = None,
+            cancel: CancelToken | None = None) -> Iterator[tuple[Job, dict[str, torch.Tensor]]]:
+        """Yield (job, tensors) as each job completes; before_yield may refuse a job (it raises);
+        `cancel` stops it between jobs (Interrupted; the wait below wakes every 0.25 s to look)."""
         pending = deque(jobs)
         running: dict[Future[dict[str, torch.Tensor]], Job] = {}
         inflight = 0
@@ -64,6 +67,7 @@ class Pipeline:
         progress.start(sum(j.nbytes for j in jobs), what)
         try:
             while pending or running:
+                check_cancel(cancel)
                 while pending and len(running) < max_jobs and \
                         (not running or inflight + pending[0].nbytes <= budget):
                     job = pending.popleft()

@@ -1,0 +1,149 @@
+"""Everything of the cache that is a copy of the source, not planes: the model folder (aux files and the
+served config.json), each shard's dense tensors (streamed through a ring of three reused buffers) and
+the source map that lets export give the checkpoint back."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+from .. import layout as L
+from ..cancel import CancelToken
+from ..checkpoint import INDEX_NAME, Checkpoint, SourceReader
+from ..errors import InputError
+from ..fsutil import read_all, refuse_links
+from ..manifest import FORMAT_VERSION, FileEntry, LayerManifest, PartManifest
+from ..stwriter import SafetensorsWriter, TensorSpec
+from ..vllm_config import SERVED_CONFIG, SOURCE_CONFIG, LayerForm, served_config_bytes
+from ..window import bounded_window
+from .parts import Counters, read_entry, reusable_part, write_bytes_entry, write_record_entry, \
+    written_entries
+from .plan import BuildPlan
+
+AUX_MAX_BYTES = 64 << 20
+AUX_MAX_FILES = 4096
+AUX_MAX_DEPTH = 4
+
+
+def aux_files(src: Path) -> list[tuple[str, Path]]:
+    """(relative path, path) of the source's small non-weight files, folders included (V4's encoding/).
+
+    Links to files are followed (hub snapshots); linked folders, hidden names, weights and files over
+    AUX_MAX_BYTES are not carried.
+    """
+    out: list[tuple[str, Path]] = []
+
+    def walk(d: Path, rel: str, depth: int) -> None:
+        for p in sorted(d.iterdir()):
+            if len(out) >= AUX_MAX_FILES or p.name.startswith(".") or p.name == INDEX_NAME \
+                    or p.name.endswith((".safetensors", ".bin", ".pt", ".pth", ".gguf")):
+                continue
+            r = f"{rel}{p.name}"
+            try:
+                if p.is_dir():
+                    if not p.is_symlink() and depth < AUX_MAX_DEPTH:
+                        walk(p, r + "/", depth + 1)
+                elif p.is_file() and p.stat().st_size <= AUX_MAX_BYTES:
+                    out.append((r, p))
+            except OSError:
+                continue  # a dangling link or an unreadable entry: not carried
+    walk(src, "", 0)
+    return out
+
+
+def copy_aux(src: Path, root: Path) -> list[FileEntry]:
+    """The model folder: config.json, hf_quant_config.json, generation_config.json, the tokenizer files and
+    folders such as V4's encoding/, so a server needs nothing from the source. Links in the source are
+    followed (a Hugging Face hub snapshot's files are links into its blobs); links in the cache never."""
+    out = []
+    for rel_src, p in aux_files(src):
+        try:
+            data = read_all(p, AUX_MAX_BYTES, follow=True)
+        except (OSError, InputError):
+            continue  # not a plain file after all (it changed), or grown past the limit: not carried
+        # the source's config.json is kept as config.source.json; served_config writes config.json
+        source_config = rel_src == SERVED_CONFIG
+        rel = f"{L.AUX_DIR}/{SOURCE_CONFIG if source_config else rel_src}"
+        refuse_links(root, tuple(str(Path(rel).parents[i]) for i in range(len(Path(rel).parts) - 1)))
+        out.append(write_bytes_entry(root, rel, data, L.Role.SOURCE_CONFIG if source_config else L.Role.AUX))
+    if not any(f.role == L.Role.SOURCE_CONFIG for f in out):
+        raise InputError(f"cannot copy {src / 'config.json'} into the cache's model folder",
+                         "config.json must be a readable file (or a link to one) of at most 64 MiB")
+    return out
+
+
+def served_config(root: Path, files: list[FileEntry], layers: dict[int, LayerManifest]) -> list[FileEntry]:
+    """model/config.json: what vLLM reads, the source's config.json with `quant_method: moet` and the
+    source's block inside (vllm_config.py); the source's own bytes stay in model/config.source.json."""
+    entry = next((f for f in files if f.role == L.Role.SOURCE_CONFIG), None)
+    if entry is None:
+        return files
+    forms = {layer: LayerForm(lm.scale_form(L.W13_SCALE), lm.scale_form(L.W2_SCALE),
+                              any(t.name == L.W13_INPUT_SCALE for t in lm.tensors))
+             for layer, lm in layers.items()}
+    served = served_config_bytes((root / entry.path).read_bytes(), forms)
+    return [*files, write_bytes_entry(root, f"{L.AUX_DIR}/{SERVED_CONFIG}", served, L.Role.AUX)]
+
+
+def source_map(ck: Checkpoint, root: Path, omitted: set[str]) -> FileEntry:
+    """source-map.json: every carried tensor's shard, dtype and shape, and each shard's metadata."""
+    shards = []
+    for shard in ck.shards:
+        names = sorted(n for n, t in ck.tensors.items() if t.shard == shard and n not in omitted)
+        shards.append({"name": shard, "metadata": ck.shard_metadata.get(shard),
+                       "tensors": [[n, ck.tensors[n].dtype, list(ck.tensors[n].shape)] for n in names]})
+    doc = {"format": "moet-cache-source-map", "format_version": FORMAT_VERSION, "layout": ck.layout,
+           "complete": not omitted, "index_metadata": (ck.index or {}).get("metadata"), "shards": shards}
+    return write_bytes_entry(root, L.SOURCE_MAP, (json.dumps(doc, indent=None) + "\n").encode(), L.Role.SOURCE_MAP)
+
+
+def copy_dense(plan: BuildPlan, root: Path, reader: SourceReader, counters: Counters, shard: str) -> list[FileEntry]:
+    """Copy one shard's dense tensors (on the dense thread); returns the file's and its part record's
+    entries. A part a killed build finished for the same key is kept."""
+    ck, names = plan.ckpt, plan.dense_by_shard[shard]
+    rel, rec = L.dense_file(shard), L.dense_record(shard)
+    key = plan.dense_key(shard)
+    part = reusable_part(root, rec, key)
+    if part is not None:
+        counters.advance(sum(plan.nbytes(n) for n in names), read=False)
+        return [part.files[0], read_entry(root, rec, L.Role.PART)]
+    specs = [TensorSpec(n, ck.tensors[n].dtype, ck.tensors[n].shape) for n in names]
+    with SafetensorsWriter(root / rel, specs, ck.shard_metadata.get(shard)) as w:
+        for n, chunk in chunks(plan, reader, names, plan.opts.tuning.dense_chunk_bytes, counters.cancel):
+            w.write(n, chunk)
+            counters.advance(chunk.nbytes)
+        written = w.commit()
+    fe, tensors = written_entries(rel, written, L.Role.DENSE)
+    part = PartManifest(key, (fe,), tuple(tensors), ck.shard_metadata.get(shard))
+    return [fe, write_record_entry(root, rec, part, L.Role.PART)]  # the record after its file
+
+
+#: Buffers of the dense copy's ring: one being written while the next two are read.
+RING = 3
+
+
+def chunks(plan: BuildPlan, reader: SourceReader, names: list[str], chunk_bytes: int,
+           cancel: CancelToken | None = None) -> Iterator[tuple[str, np.ndarray]]:
+    """(name, bytes) chunks of these tensors in order; the next two are read on a thread while one is written.
+
+    RING reused buffers: a yielded chunk is valid until the next one is asked for.
+    """
+    items = []
+    for n in names:
+        size = plan.nbytes(n)
+        items += [(n, start, min(chunk_bytes, size - start)) for start in range(0, size, chunk_bytes)]
+    bufs = [np.empty(min(chunk_bytes, max((k for _, _, k in items), default=1)), dtype=np.uint8)
+            for _ in range(RING)]
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="moet-read") as rd:
+        def read_chunk(n: str, out: np.ndarray, start: int) -> tuple[str, np.ndarray]:
+            reader.read_into(n, out, start)
+            return n, out
+
+        def read(i: int) -> Future[tuple[str, np.ndarray]]:
+            n, start, k = items[i]
+            return rd.submit(read_chunk, n, bufs[i % RING][:k], start)
+        yield from bounded_window(read, range(len(items)), RING, cancel)

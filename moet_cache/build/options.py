@@ -1,0 +1,116 @@
+"""What a build is asked for (BuildOptions), how it uses the machine (BuildTuning), and what it reports."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..errors import InputError
+from ..machine import usable_cores
+from ..planes import KERNEL
+from ..tiering import DEFAULT_DELTA_BUDGET
+
+#: Where the split runs (BuildTuning.split_device); the CLI takes it from MOET_CACHE_SPLIT_DEVICE.
+SPLIT_DEVICES = ("auto", "cpu", "torch-cpu", "cuda")
+
+
+@dataclass(frozen=True)
+class BuildTuning:
+    """How a build uses the machine. Never what it writes: every setting builds the same bytes (tested).
+
+    split_device: auto (the host's C kernels where they are built, else the GPU when one is present),
+      cpu (the host kernels), torch-cpu (the torch kernels on the host: how the tests check the GPU
+      path's maths without a GPU), cuda (the GPU). On the H200 machine (4 GiB, 16 cores) a build took
+      5.4 s with the C kernels on 8 threads and 10.0 s with the GPU split, whose per-tensor copies and
+      syncs cost more than the kernel saves (benchmarks/NOTES.md).
+    plane_workers: threads for the split; None: the cores this process may use, at most 8.
+    read_threads: source reads in flight beside the plane workers (the disk wants a queue).
+    read_ahead_bytes: source bytes read ahead of the writer at most (bounded memory).
+    dense_chunk_bytes: dense tensors are copied in chunks of this size (bounded memory, reused buffers).
+    device_min_bytes: smaller tensors stay on the host on a GPU split (~20 launches and 3 syncs cost more).
+    """
+
+    split_device: str = "auto"
+    plane_workers: int | None = None
+    read_threads: int = 2
+    read_ahead_bytes: int = 256 << 20
+    dense_chunk_bytes: int = 16 << 20
+    device_min_bytes: int = 512 << 10
+
+    def __post_init__(self) -> None:
+        if self.split_device not in SPLIT_DEVICES:
+            raise InputError(f"unknown split device {self.split_device!r}", f"use one of {', '.join(SPLIT_DEVICES)}")
+        for name in ("read_threads", "read_ahead_bytes", "dense_chunk_bytes"):
+            if getattr(self, name) < 1:
+                raise InputError(f"build tuning: {name} must be at least 1")
+        if self.plane_workers is not None and self.plane_workers < 1:
+            raise InputError("build tuning: plane_workers must be at least 1")
+
+    def workers(self) -> int:
+        return self.plane_workers or plane_workers()
+
+    def device(self) -> str | None:
+        return plane_device(self.split_device)
+
+    def read_window(self, workers: int, expert_bytes: int) -> int:
+        return read_window(workers, expert_bytes, self.read_ahead_bytes)
+
+
+def plane_workers() -> int:
+    """Threads for the split by default: the cores this process may use, at most 8."""
+    return min(8, usable_cores())
+
+
+def plane_device(want: str = "auto") -> str | None:
+    """Where the split runs: None for the host kernels (C, or numpy), else a torch device (BuildTuning)."""
+    if want == "cpu":
+        return None
+    if want == "torch-cpu":
+        return "cpu"
+    if want == "cuda" or (KERNEL != "c" and torch.cuda.is_available()):
+        return "cuda"
+    return None
+
+
+def read_window(workers: int, expert_bytes: int, ahead_bytes: int = BuildTuning.read_ahead_bytes) -> int:
+    """Experts in flight (read, being split, or waiting to be written): enough to keep the reads going
+    while the workers compute, never more than `ahead_bytes` of source."""
+    return max(2, min(4 * workers, ahead_bytes // max(1, expert_bytes)))
+
+
+@dataclass(frozen=True)
+class BuildOptions:
+    delta_budget: str = DEFAULT_DELTA_BUDGET
+    profile: str | None = None
+    lossless: bool = False
+    layers: str | None = None
+    include_mtp: bool = False
+    wait: bool = False
+    tuning: BuildTuning = field(default_factory=BuildTuning)
+
+
+@dataclass(frozen=True)
+class BuildResult:
+    cache: str
+    already_complete: bool
+    layers: tuple[int, ...]
+    layers_built: tuple[int, ...]
+    layers_reused: tuple[int, ...]
+    source_bytes: int
+    cache_bytes: int
+    tier_experts: int
+    tier_bytes: int         # the delta planes of the tier: what the budget counts (never above it)
+    tier_file_bytes: int    # delta/tier.safetensors on disk: the planes plus the file's header
+    budget_bytes: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class RetierResult:
+    cache: str
+    budget_bytes: int
+    tier_experts: int
+    tier_bytes: int         # the delta planes of the tier: what the budget counts (never above it)
+    tier_file_bytes: int    # delta/tier.safetensors on disk: the planes plus the file's header
+    weighted_by_profile: bool

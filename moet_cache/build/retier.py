@@ -1,0 +1,77 @@
+"""retier_cache: a new delta tier for a --lossless cache, from its own delta files, without the source."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+from functools import partial
+from pathlib import Path
+
+from .. import layout as L
+from ..cacheview import CacheView, file_matches, open_uncommitted_view, open_view
+from ..cancel import CancelToken
+from ..commit import changing, utc_now
+from ..errors import InputError
+from ..manifest import COMMIT_RECORD, ManifestError
+from ..tiering import check_profile, choose_tier, load_profile
+from ..units import parse_budget
+from .options import RetierResult
+from .parts import sweep
+from .tier import TIER_PART, TIER_ROLES, file_deltas, tier_candidates, tier_key, write_tier
+
+
+def retier_cache(cache: str | os.PathLike[str], delta_budget: str, profile: str | None = None,
+                 wait: bool = False, cancel: CancelToken | None = None) -> RetierResult:
+    """Choose a new delta tier for a --lossless cache, without the source; recommits the cache.
+
+    The same commit protocol as a build (moet_cache.commit): interrupted with Ctrl-C, SIGTERM or `cancel`
+    it puts the previous commit back where it can prove nothing changed; killed inside its window it leaves
+    the cache uncommitted, and the same command resumes it (from cache.json, re-hashing the files it keeps).
+    """
+    root = Path(cache)
+    with changing(root, wait) as commits:
+        cf = _retier_source(root)
+        m = cf.manifest
+        total = sum(lm.n_experts * lm.expert_delta_bytes for lm in cf.layers.values())
+        budget = parse_budget(delta_budget, total, what="delta budget")
+        prof = load_profile(profile) if profile else None
+        if prof:
+            check_profile(prof, {layer: lm.n_experts for layer, lm in cf.layers.items()})
+        chosen = choose_tier(tier_candidates(cf.layers, prof), budget)
+        if cancel is not None:
+            cancel.check()
+        commits.uncommit()
+        deltas = file_deltas({layer: root / L.delta_file(layer) for layer, ex in chosen.items() if ex})
+        key = tier_key({r.layer: r.xxh3 for r in m.layers}, budget, prof.digest if prof else None)
+        tier = write_tier(root, cf.layers, chosen, deltas, budget, prof, key, cancel)
+        keep = [f for f in m.files if f.role not in TIER_ROLES and f.path != TIER_PART]
+        new = replace(m, created=utc_now(), files=(*keep, *tier),
+                      build=replace(m.build, delta_budget_bytes=budget, profile_xxh3=prof.digest if prof else None))
+        if cancel is not None:
+            cancel.check()  # the last moment a cancel is taken: from here the commit runs to its end
+        commits.commit(new, partial(sweep, root))
+        used = sum(cf.layers[layer].expert_delta_bytes * len(ex) for layer, ex in chosen.items())
+        return RetierResult(str(root), budget, sum(len(ex) for ex in chosen.values()), used, tier[0].size,
+                            prof is not None)
+
+
+def _retier_source(root: Path) -> CacheView:
+    """The cache to re-tier: the committed one, or the one a killed retier (or build) left uncommitted,
+    if every file it keeps still matches its digest (re-hashed); the tier itself is rewritten anyway."""
+    if (root / COMMIT_RECORD).is_file():
+        cf = open_view(root)
+    else:
+        try:
+            cf = open_uncommitted_view(root)
+        except ManifestError as e:
+            raise InputError(f"{root} is not committed and cannot be resumed without the source: {e.message}",
+                             "run moet-cache build SRC CACHE (with --lossless) to finish it") from None
+        bad = next((f.path for f, _ in cf.files
+                    if f.role not in TIER_ROLES and f.path != TIER_PART and not file_matches(root, f)), None)
+        if bad is not None:
+            raise InputError(f"{root} is not committed and {bad} does not match its record, so it cannot be "
+                             "resumed without the source", "run moet-cache build SRC CACHE (with --lossless)")
+    if not cf.manifest.build.lossless:
+        raise InputError("only a --lossless cache keeps every delta plane, so only it can be re-tiered",
+                         "build again with the new --delta-budget (the source is needed)")
+    return cf

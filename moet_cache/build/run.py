@@ -1,0 +1,126 @@
+"""build_cache: the build as the script it is.
+
+Order of writes (each atomic): aux files, dense shards (+ part records), per layer the plane files
+then its manifest, the delta pack and index, the source map, cache.json, and last COMMIT.json.
+A killed (or cancelled) build is rerun: finished parts whose files still match their records are kept.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
+from pathlib import Path
+
+from .. import layout as L
+from ..cacheview import read_committed_manifest, read_delta_index
+from ..cancel import CancelToken
+from ..checkpoint import SourceReader, open_checkpoint
+from ..commit import changing, utc_now
+from ..errors import InputError
+from ..fsutil import check_free_space
+from ..manifest import BuildParams, CacheManifest, CacheModel, FileEntry, LayerRef, ManifestError
+from ..progress import NullProgress, Progress
+from ..tiering import check_profile, load_profile
+from ..units import parse_budget
+from ..verifier import speed_sample
+from ..version import __version__
+from .dense import copy_aux, copy_dense, served_config, source_map
+from .layers import LayerResults, build_layers
+from .options import BuildOptions, BuildResult
+from .parts import Counters, sweep
+from .plan import BuildPlan, make_plan
+from .tier import build_tier
+
+
+def build_cache(src: str | os.PathLike[str], cache: str | os.PathLike[str], options: BuildOptions | None = None,
+                progress: Progress | None = None, cancel: CancelToken | None = None) -> BuildResult:
+    """Build (or resume, or confirm) the cache for `src` at `cache`.
+
+    `cancel` (set from any thread) stops the build between units of work with Interrupted; the cache is
+    then left uncommitted (or its previous commit restored), and the same call resumes it.
+    """
+    t0 = time.perf_counter()
+    opts = options or BuildOptions()
+    root, src_path = Path(cache), Path(src)
+    if root.exists() and not root.is_dir():
+        raise InputError(f"{root} exists and is not a folder")
+    if root.resolve() == src_path.resolve() or src_path.resolve() in root.resolve().parents:
+        raise InputError("the cache folder must not be the checkpoint folder or inside it")
+    root.mkdir(parents=True, exist_ok=True)
+    with changing(root, opts.wait) as commits, open_checkpoint(src_path) as ckpt:
+        plan = make_plan(ckpt, opts)
+        profile = load_profile(opts.profile) if opts.profile else None
+        if profile:
+            check_profile(profile, {layer: ckpt.model.n_routed_experts for layer in plan.served})
+        budget = parse_budget(opts.delta_budget, plan.total_delta_bytes, what="delta budget")
+        params = plan.build_params(budget, profile.digest if profile else None)
+        done = _already_complete(root, plan, params)
+        if done is not None:
+            return _result(root, plan, done, None, 0, budget, t0)
+        commits.uncommit()
+        _check_space(root, plan, budget)
+        counters = Counters(progress or NullProgress(), cancel)
+        counters.progress.start(plan.planed_bytes + plan.dense_bytes, "build")
+        reader = SourceReader(ckpt)
+        try:
+            files = copy_aux(ckpt.root, root)
+            # The dense copy (disk-bound) runs on its own thread beside the layers (CPU-bound).
+            with ThreadPoolExecutor(max_workers=1, thread_name_prefix="moet-dense") as dense_pool:
+                dense = [dense_pool.submit(copy_dense, plan, root, reader, counters, shard)
+                         for shard in sorted(plan.dense_by_shard)]
+                layers = build_layers(plan, root, reader, counters)
+                files += [fe for part in dense for fe in part.result()]
+            files += build_tier(plan, root, reader, layers.done, budget, profile, cancel)
+        finally:
+            reader.close()
+        files.append(source_map(ckpt, root, plan.omitted))
+        files = served_config(root, files, {layer: lm for layer, (lm, _) in layers.done.items()})
+        manifest = _manifest(plan, params, layers, files)
+        counters.check()  # the last moment a cancel is taken: from here the commit runs to its end
+        commits.commit(manifest, partial(sweep, root), speed_sample(*counters.hashed))
+        counters.progress.finish()
+        return _result(root, plan, manifest, layers, counters.read_bytes, budget, t0)
+
+
+def _manifest(plan: BuildPlan, params: BuildParams, layers: LayerResults, files: list[FileEntry]) -> CacheManifest:
+    ck = plan.ckpt
+    refs = tuple(LayerRef(layer, fe.path, fe.size, fe.xxh3) for layer, (_, fe) in sorted(layers.done.items()))
+    return CacheManifest(__version__, utc_now(), str(ck.root.resolve()), ck.layout, plan.fingerprint,
+                         CacheModel(ck.model, ck.family), params, refs, tuple(files))
+
+
+def _already_complete(root: Path, plan: BuildPlan, params: BuildParams) -> CacheManifest | None:
+    """The committed manifest if it is this very build (settings and source) and the boot check passes."""
+    from ..verifier import boot_check
+    try:
+        manifest = read_committed_manifest(root)
+    except (ManifestError, InputError):
+        return None
+    if manifest is None or manifest.build != params or manifest.source_fingerprint != plan.fingerprint:
+        return None
+    return manifest if boot_check(root).ok else None
+
+
+def _check_space(root: Path, plan: BuildPlan, budget: int) -> None:
+    codes = plan.planed_bytes
+    estimate = codes + min(budget, codes // 2) + plan.dense_bytes
+    present = sum(p.stat().st_size for p in root.rglob("*") if p.is_file() and not p.is_symlink())
+    check_free_space(root, max(0, estimate - present))
+
+
+def _result(root: Path, plan: BuildPlan, manifest: CacheManifest, layers: LayerResults | None, read_bytes: int,
+            budget: int, t0: float) -> BuildResult:
+    index = read_delta_index(root, manifest)
+    assert index is not None  # every build writes one
+    pack = manifest.file(L.Role.PACK)
+    return BuildResult(
+        cache=str(root), already_complete=layers is None, layers=tuple(plan.served),
+        layers_built=tuple(layers.built) if layers else (), layers_reused=tuple(layers.reused) if layers else (),
+        source_bytes=read_bytes, cache_bytes=sum(f.size for f in manifest.files) + sum(r.size for r in manifest.layers),
+        tier_experts=sum(len(ex) for _, ex in index.layers), tier_bytes=index.used_bytes,
+        tier_file_bytes=pack.size if pack else 0, budget_bytes=budget, seconds=time.perf_counter() - t0)
+
+
+__all__ = ["build_cache"]

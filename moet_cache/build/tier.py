@@ -1,0 +1,139 @@
+"""The delta tier: which experts keep their FP4 delta planes (tiering.choose_tier, within the budget),
+written as one pack (delta/tier.safetensors), its index (delta/tier.json) and its part record. A build
+takes the chosen planes from the source (split again: the same planes, bit for bit) or, with --lossless,
+from the per-layer delta files; retier takes them from those files, without the source."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+from .. import layout as L
+from ..cancel import CancelToken
+from ..checkpoint import SourceReader
+from ..errors import VerificationError
+from ..manifest import DeltaIndex, FileEntry, LayerManifest, PartManifest
+from ..planes import split_planes
+from ..stheader import read_header
+from ..stwriter import SafetensorsWriter, TensorSpec
+from ..tiering import Candidate, RoutingProfile, choose_tier
+from ..window import bounded_window
+from .parts import key_of, read_entry, reusable_part, write_record_entry
+from .plan import BuildPlan
+
+TIER_PART = "delta/tier.part.json"
+TIER_ROLES = (L.Role.PACK, L.Role.DELTA_INDEX)
+
+#: (layer, w13_delta or w2_delta, experts) -> the experts' planes of that tensor, in order, as byte chunks.
+DeltaReader = Callable[[int, str, tuple[int, ...]], Iterable[np.ndarray]]
+
+
+def tier_key(layer_digests: dict[int, str], budget: int, profile_digest: str | None) -> str:
+    """What the tier's bytes depend on: the layer manifests, the budget and the profile."""
+    return key_of({"layers": {str(k): v for k, v in sorted(layer_digests.items())}, "budget": budget,
+                   "profile": profile_digest})
+
+
+def tier_candidates(layers: dict[int, LayerManifest], profile: RoutingProfile | None) -> list[Candidate]:
+    out = []
+    for layer, lm in sorted(layers.items()):
+        weights = profile.weights(layer, lm.n_experts) if profile else (1.0,) * lm.n_experts
+        out += [Candidate(layer, e, lm.expert_delta_bytes, lm.sq_error[e], weights[e]) for e in range(lm.n_experts)]
+    return out
+
+
+def file_deltas(sources: dict[int, Path]) -> DeltaReader:
+    """A DeltaReader over per-layer delta files (the --lossless ones) holding every expert's planes.
+
+    Read through the strict header reader: a damaged file is a damaged cache (exit 1), never a crash.
+    """
+    def read(layer: int, which: str, experts: tuple[int, ...]) -> Iterator[np.ndarray]:
+        path = sources[layer]
+        head = read_header(path, str(path.name), VerificationError, VerificationError)
+        ent = head.tensors.get(which)
+        if ent is None or ent.dtype != "U8" or not ent.shape or any(e >= ent.shape[0] for e in experts):
+            raise VerificationError(f"{path.name}: {which} is missing or does not hold the tier's experts",
+                                    "run moet-cache verify --full, then build the cache again")
+        per = (ent.end - ent.begin) // ent.shape[0]
+        with open(path, "rb") as f:
+            for e in experts:
+                data = os.pread(f.fileno(), per, ent.begin + e * per)
+                if len(data) != per:
+                    raise VerificationError(f"{path.name}: the file ends inside {which}", "build the cache again")
+                yield np.frombuffer(data, dtype=np.uint8)
+    return read
+
+
+def source_deltas(reader: SourceReader, workers: int, cancel: CancelToken | None = None) -> DeltaReader:
+    """A DeltaReader that splits the experts' planes again from the source (the same planes, bit for bit),
+    read and split on worker threads a few experts ahead of the pack's writer."""
+    def read(layer: int, which: str, experts: tuple[int, ...]) -> Iterator[np.ndarray]:
+        projs = ("gate_proj", "up_proj") if which == L.W13_DELTA else ("down_proj",)
+
+        def delta(item: tuple[int, str]) -> np.ndarray:
+            x = reader.read_expert(layer, *item)
+            out = split_planes(x.codes)[1]
+            reader.release(x.codes)
+            return out
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="moet-tier") as pool:
+            yield from bounded_window(lambda item: pool.submit(delta, item),
+                                      ((e, proj) for e in experts for proj in projs), 2 * workers + 1, cancel)
+    return read
+
+
+def write_delta_pack(root: Path, layers: dict[int, LayerManifest], chosen: dict[int, tuple[int, ...]],
+                     deltas: DeltaReader, budget: int, weighted: bool,
+                     cancel: CancelToken | None = None) -> tuple[FileEntry, FileEntry]:
+    """Write delta/tier.safetensors (chosen experts' planes, layer by layer) and its index."""
+    specs = []
+    for layer, experts in sorted(chosen.items()):
+        if experts:
+            specs += [TensorSpec(L.pack_tensor(layer, sp.name), sp.dtype, sp.shape)
+                      for sp in layers[layer].geometry().delta_specs(len(experts))]
+    with SafetensorsWriter(root / L.PACK, specs) as w:
+        for layer, experts in sorted(chosen.items()):
+            if not experts:
+                continue
+            for which in (L.W13_DELTA, L.W2_DELTA):
+                for chunk in deltas(layer, which, experts):
+                    if cancel is not None:
+                        cancel.check()
+                    w.write(L.pack_tensor(layer, which), chunk)
+        written = w.commit()
+    pack_fe = FileEntry(L.PACK, written.size, written.xxh3, L.Role.PACK)
+    used = sum(layers[layer].expert_delta_bytes * len(ex) for layer, ex in chosen.items())
+    index = DeltaIndex(L.PACK, budget, used, weighted, tuple(sorted(chosen.items())))
+    index_fe = write_record_entry(root, L.DELTA_INDEX, index, L.Role.DELTA_INDEX)
+    return pack_fe, index_fe
+
+
+def write_tier(root: Path, layers: dict[int, LayerManifest], chosen: dict[int, tuple[int, ...]],
+               deltas: DeltaReader, budget: int, profile: RoutingProfile | None, key: str,
+               cancel: CancelToken | None = None) -> list[FileEntry]:
+    """The pack, its index, then the part record naming both (a resumed build keeps a finished tier)."""
+    pack_fe, index_fe = write_delta_pack(root, layers, chosen, deltas, budget, profile is not None, cancel)
+    part_fe = write_record_entry(root, TIER_PART, PartManifest(key, (pack_fe, index_fe), ()), L.Role.PART)
+    return [pack_fe, index_fe, part_fe]
+
+
+def build_tier(plan: BuildPlan, root: Path, reader: SourceReader, layers: dict[int, tuple[LayerManifest, FileEntry]],
+               budget: int, profile: RoutingProfile | None, cancel: CancelToken | None = None) -> list[FileEntry]:
+    """The build's tier: kept when a killed build finished it for the same layers, budget and profile."""
+    layer_mans = {layer: lm for layer, (lm, _) in layers.items()}
+    key = tier_key({layer: fe.xxh3 for layer, (_, fe) in layers.items()}, budget,
+                   profile.digest if profile else None)
+    part = reusable_part(root, TIER_PART, key)
+    if part is not None:
+        return [*part.files, read_entry(root, TIER_PART, L.Role.PART)]
+    chosen = choose_tier(tier_candidates(layer_mans, profile), budget)
+    deltas = file_deltas({layer: root / L.delta_file(layer) for layer in layer_mans}) if plan.opts.lossless \
+        else source_deltas(reader, plan.opts.tuning.workers(), cancel)
+    return write_tier(root, layer_mans, chosen, deltas, budget, profile, key, cancel)
+
+
+__all__ = ["TIER_PART", "TIER_ROLES", "DeltaReader", "build_tier", "file_deltas",
+           "source_deltas", "tier_candidates", "tier_key", "write_delta_pack", "write_tier"]
