@@ -15,8 +15,7 @@ from typing import Any, Iterable
 from . import layout as L
 from .commit import utc_now
 from .enums import StrEnum
-from .cacheview import (CacheView, ListedFileError, entry_digest, open_uncommitted_view, open_view,
-                        read_committed_manifest, view_of)
+from .cacheview import CacheView, ListedFileError, entry_digest, open_view, read_committed_manifest
 from .errors import InputError, VerificationError
 from .fsutil import atomic_write_json, lock_is_held, open_regular, pread_into, read_json_file, refuse_links, resolve_inside
 from .hashing import xxh3_file_hex, xxh3_hex
@@ -121,11 +120,9 @@ class VerifyReport:
         return STATE_TEXT[self.state]
 
 
-# The opened-cache view is the verifier's CacheFiles (older names, kept for callers and tests).
+# The opened-cache view by the verifier's older names (the loader's Cache.files, the tests, the campaign).
 CacheFiles = CacheView
 load_cache_files = open_view
-load_uncommitted_cache_files = open_uncommitted_view
-cache_files_of = view_of
 
 
 def _stat_key(st: os.stat_result) -> list[int]:
@@ -209,7 +206,7 @@ def _structure(cf: CacheView, reported: set[str]) -> list[Problem]:
     return problems
 
 
-def _source_changes(cf: CacheFiles) -> tuple[bool, list[Problem]]:
+def _source_changes(cf: CacheView) -> tuple[bool, list[Problem]]:
     src = Path(cf.manifest.source_path)
     if not src.is_dir():
         return False, []
@@ -305,7 +302,7 @@ def _how_changed(recorded: Any, st: os.stat_result) -> str:
     return "not yet verified on this copy (no record of it)"
 
 
-def _full_cost(cf: CacheFiles, changed: list[Problem], speed: float | None) -> dict[str, Any]:
+def _full_cost(cf: CacheView, changed: list[Problem], speed: float | None) -> dict[str, Any]:
     """What one `verify --full` costs: every listed byte, and the time at the speed recorded here."""
     total = sum(f.size for f, _ in cf.files)
     copied = sum(1 for p in changed if p.detail.startswith("copied"))
@@ -553,7 +550,7 @@ def verify_against(root: str | os.PathLike[str], src: str | os.PathLike[str],
                         seconds=time.perf_counter() - t0, details=checked)
 
 
-def _dense_against(root: Path, cf: CacheFiles, ck: Any, checked: dict[str, int], smap: Any) -> list[Problem]:
+def _dense_against(root: Path, cf: CacheView, ck: Any, checked: dict[str, int], smap: Any) -> list[Problem]:
     """Every tensor the source map lists that is not a plane of a served layer is in a dense file, equal."""
     import numpy as np
     from safetensors import safe_open
