@@ -591,7 +591,8 @@ def build_serve_command(cache: str | os.PathLike[str], preset_name: str = DEFAUL
     warnings: list[str] = []
     notes: list[str] = []
     report, view = check_boot(root, force, warnings)
-    unverified = report.state == "unverified"
+    from .verifier import State
+    unverified = report.state == State.UNVERIFIED
     if not report.complete:  # --force past the boot check: the files are read as they are on disk
         view = None
     model_dir = (root / L.AUX_DIR).resolve()
