@@ -22,7 +22,7 @@ import numpy as np
 from .errors import InputError, UnsupportedCheckpointError
 from .families import PROJECTIONS, Family, detect_family
 from .formats import (CT_NVFP4, E4M3_16, E8M0_32, LAYOUT_FORMAT, MODELOPT_NVFP4, ExpertFormat, SourceLayout,
-                      compact_e8m0, format_of)
+                      TensorKind, compact_e8m0, format_of)
 from .fsutil import read_json_file
 from .hashing import xxh3_file_hex, xxh3_hex
 from .manifest import ShardFingerprint, SourceFingerprint
@@ -263,7 +263,8 @@ class Checkpoint:
         """The one format of this layer's routed experts (expert 0's; validate_experts checks the rest)."""
         return self.expert_format(layer, 0, PROJECTIONS[0])
 
-    def expert_names(self, layer: int, expert: int, proj: str, fmt: ExpertFormat | None = None) -> dict[str, str]:
+    def expert_names(self, layer: int, expert: int, proj: str,
+                     fmt: ExpertFormat | None = None) -> dict[TensorKind, str]:
         prefix = self.family.expert_prefix(layer, expert, proj)
         if fmt is None:
             fmt = format_of(prefix, self.tensors) or LAYOUT_FORMAT[self.layout]
@@ -273,16 +274,17 @@ class Checkpoint:
         """The bytes of one projection of one expert (pooled code buffer: release() it when split)."""
         fmt = fmt or self.expert_format(layer, expert, proj)
         names = fmt.names(self.family.expert_prefix(layer, expert, proj))
-        codes = self.read(names["codes"], pooled=True)
-        rows = self.tensors[names["codes"]].shape[0]
-        scale = self.read(names["block_scale"]).reshape(self.tensors[names["block_scale"]].shape)
+        codes = self.read(names[TensorKind.CODES], pooled=True)
+        rows = self.tensors[names[TensorKind.CODES]].shape[0]
+        scale = self.read(names[TensorKind.BLOCK_SCALE]).reshape(self.tensors[names[TensorKind.BLOCK_SCALE]].shape)
 
-        def scalar(kind: str) -> np.ndarray | None:  # F32 (validate_experts), little-endian in the file
+        def scalar(kind: TensorKind) -> np.ndarray | None:  # F32 (validate_experts), little-endian in the file
             name = names.get(kind)
             if name is None or name not in self.tensors:
                 return None
             return self.read(name).view("<f4").astype(np.float32, copy=False).reshape(self.tensors[name].shape)
-        return RawExpert(codes.reshape(rows, -1), scale, scalar("global_scale"), scalar("input_scale"), fmt)
+        return RawExpert(codes.reshape(rows, -1), scale, scalar(TensorKind.GLOBAL_SCALE), scalar(TensorKind.INPUT_SCALE),
+                         fmt)
 
     def read_expert(self, layer: int, expert: int, proj: str) -> ExpertTensors:
         """The codes, block scales and scalars of one projection of one routed expert, as torch."""
@@ -327,7 +329,7 @@ class Checkpoint:
             compact = True
             for e in range(self.model.n_routed_experts):
                 for proj in projs:
-                    name = self.expert_names(layer, e, proj, fmt)["block_scale"]
+                    name = self.expert_names(layer, e, proj, fmt)[TensorKind.BLOCK_SCALE]
                     if compact_e8m0(self.read(name).reshape(self.tensors[name].shape)) is None:
                         compact = False
                         break
@@ -338,7 +340,7 @@ class Checkpoint:
 
     def has_input_scales(self, layer: int, fmt: ExpertFormat | None = None) -> bool:
         names = self.expert_names(layer, 0, PROJECTIONS[0], fmt or self.layer_format(layer))
-        return "input_scale" in names and names["input_scale"] in self.tensors
+        return TensorKind.INPUT_SCALE in names and names[TensorKind.INPUT_SCALE] in self.tensors
 
     def expert_tensor_names(self, layers: list[int]) -> set[str]:
         out: set[str] = set()
@@ -363,12 +365,13 @@ class Checkpoint:
                         raise InputError(f"layer {layer} mixes expert formats ({fmt.name} and {f.name} at expert {e} "
                                          f"{proj})", "moet-cache needs one format for a layer's routed experts")
                     names = f.names(self.family.expert_prefix(layer, e, proj))
-                    self._expect(names["codes"], f.code_dtypes, (out_dim, in_dim // 2), layer, e)
-                    self._expect(names["block_scale"], (f.scale_dtype,), (out_dim, in_dim // f.group), layer, e)
-                    if "global_scale" in names:
-                        self._expect(names["global_scale"], ("F32",), None, layer, e)
-                    if "input_scale" in names and names["input_scale"] in self.tensors:
-                        self._expect(names["input_scale"], ("F32",), None, layer, e)
+                    self._expect(names[TensorKind.CODES], f.code_dtypes, (out_dim, in_dim // 2), layer, e)
+                    self._expect(names[TensorKind.BLOCK_SCALE], (f.scale_dtype,), (out_dim, in_dim // f.group),
+                                 layer, e)
+                    if TensorKind.GLOBAL_SCALE in names:
+                        self._expect(names[TensorKind.GLOBAL_SCALE], ("F32",), None, layer, e)
+                    if TensorKind.INPUT_SCALE in names and names[TensorKind.INPUT_SCALE] in self.tensors:
+                        self._expect(names[TensorKind.INPUT_SCALE], ("F32",), None, layer, e)
 
     def _expect(self, name: str, dtypes: tuple[str, ...], shape: tuple[int, ...] | None,
                 layer: int, expert: int) -> None:

@@ -69,3 +69,13 @@ class SourceLayout(StrEnum):
     MODELOPT = "modelopt"
     COMPRESSED_TENSORS = "compressed-tensors"
     MXFP4 = "mxfp4"                   # DeepSeek-V4's official release: FP8 dense, MXFP4 experts
+
+
+class TensorKind(StrEnum):
+    """The tensors of one quantized projection of an expert (formats.ExpertFormat names each one's suffix);
+    a delta-all file keeps the scalars as `source.{proj}.{kind}` (layout.source_scalar)."""
+
+    CODES = "codes"                   # the packed FP4 codes
+    BLOCK_SCALE = "block_scale"       # one scale per block of 16 or 32
+    GLOBAL_SCALE = "global_scale"     # the per-tensor scale (NVFP4)
+    INPUT_SCALE = "input_scale"       # the activation scale (NVFP4, optional)

@@ -15,7 +15,7 @@ from . import layout as L
 from .checkpoint import INDEX_NAME
 from .commit import Window, kill_point
 from .families import Family
-from .formats import FORMATS, LAYOUT_FORMAT, ExpertFormat, SourceLayout, source_scales
+from .formats import FORMATS, LAYOUT_FORMAT, ExpertFormat, SourceLayout, TensorKind, source_scales
 from .geometry import names_of
 from .errors import InputError, VerificationError
 from .cacheview import CacheView, ListedFileError, open_view
@@ -42,7 +42,7 @@ def layer_source_format(lm: Any, layout: str) -> ExpertFormat:
     return FORMATS.get(lm.source_format) or LAYOUT_FORMAT.get(layout) or LAYOUT_FORMAT[SourceLayout.MODELOPT]
 
 
-def _parse_expert_name(name: str, fam: Family, cf: CacheView, layout: str) -> tuple[int, int, str, str] | None:
+def _parse_expert_name(name: str, fam: Family, cf: CacheView, layout: str) -> tuple[int, int, str, TensorKind] | None:
     """(layer, expert, projection, kind) for a routed-expert tensor name of a served layer."""
     parsed = fam.parse_expert(name)
     if parsed is None or parsed[0] not in cf.layers:
@@ -291,11 +291,11 @@ def _tensor_bytes(name: str, layout: str, cf: CacheView, dense_at: dict[str, str
         raise InputError(f"layer {layer} has no lossless delta planes", "rebuild the cache with --lossless")
     rows = lm.geometry().rows(proj)
     base_name, delta_name, scale_name = names_of(proj)
-    if kind == "codes":
+    if kind == TensorKind.CODES:
         base = reader.expert(base_rel, base_name, e)[rows]
         delta = reader.expert(all_rel, delta_name, e)[rows]
         return join_planes(base, delta)
-    if kind == "block_scale":
+    if kind == TensorKind.BLOCK_SCALE:
         stored = reader.expert(base_rel, scale_name, e)[rows]
         return source_scales(stored, lm.scale_form(scale_name), layer_source_format(lm, layout).scale_form)
     return reader.expert(all_rel, L.source_scalar(proj, kind), e)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .enums import ScaleForm, SourceLayout
+from .enums import ScaleForm, SourceLayout, TensorKind
 from .errors import InputError
 
 # The short names the code and tests use.
@@ -45,16 +45,16 @@ class ExpertFormat:
     scale_form: ScaleForm              # the source's block-scale form
     reciprocal_global: bool = False    # compressed-tensors stores 1/scale
 
-    def suffixes(self) -> dict[str, str]:
+    def suffixes(self) -> dict[TensorKind, str]:
         """kind -> suffix for the kinds this format has (codes, block_scale, global_scale, input_scale)."""
-        out = {"codes": self.codes, "block_scale": self.block_scale}
+        out = {TensorKind.CODES: self.codes, TensorKind.BLOCK_SCALE: self.block_scale}
         if self.global_scale:
-            out["global_scale"] = self.global_scale
+            out[TensorKind.GLOBAL_SCALE] = self.global_scale
         if self.input_scale:
-            out["input_scale"] = self.input_scale
+            out[TensorKind.INPUT_SCALE] = self.input_scale
         return out
 
-    def names(self, prefix: str) -> dict[str, str]:
+    def names(self, prefix: str) -> dict[TensorKind, str]:
         return {k: f"{prefix}.{s}" for k, s in self.suffixes().items()}
 
     @property
@@ -66,8 +66,8 @@ class ExpertFormat:
         return FORM_DTYPE[self.scale_form]
 
     @property
-    def scalar_kinds(self) -> tuple[str, ...]:
-        return tuple(k for k in ("global_scale", "input_scale") if getattr(self, k))
+    def scalar_kinds(self) -> tuple[TensorKind, ...]:
+        return tuple(k for k in (TensorKind.GLOBAL_SCALE, TensorKind.INPUT_SCALE) if getattr(self, k.value))
 
     def multiply(self, raw: np.ndarray) -> float:
         """A source scalar (float32, the source's shape) in the cache's convention: W = v * block * scale_2."""
@@ -202,6 +202,6 @@ def scale_values(stored: np.ndarray, form: str) -> np.ndarray:
     return E4M3_VALUES[s]
 
 
-__all__ = ["CT_NVFP4", "E4M3_16", "E8M0_32", "ExpertFormat", "FORMATS", "FORM_DTYPE", "FORM_GROUP", "MODELOPT_NVFP4",
-           "MXFP4", "LAYOUT_FORMAT", "SCALE_FORMS", "ScaleForm", "SourceLayout", "compact_e8m0", "e4m3_shift", "e8m0_to_e4m3", "format_of", "scale_values",
-           "source_scales", "stored_scales"]
+__all__ = ["CT_NVFP4", "E4M3_16", "E8M0_32", "ExpertFormat", "FORMATS", "FORM_DTYPE", "FORM_GROUP", "LAYOUT_FORMAT",
+           "MODELOPT_NVFP4", "MXFP4", "SCALE_FORMS", "ScaleForm", "SourceLayout", "TensorKind", "compact_e8m0",
+           "e4m3_shift", "e8m0_to_e4m3", "format_of", "scale_values", "source_scales", "stored_scales"]

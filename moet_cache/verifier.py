@@ -14,7 +14,7 @@ from typing import Any, Iterable
 
 from . import layout as L
 from .commit import utc_now
-from .enums import StrEnum
+from .enums import StrEnum, TensorKind
 from .cacheview import CacheView, ListedFileError, entry_digest, open_view, read_committed_manifest
 from .errors import InputError, VerificationError
 from .fsutil import atomic_write_json, lock_is_held, open_regular, pread_into, read_json_file, refuse_links, resolve_inside
@@ -522,7 +522,8 @@ def verify_against(root: str | os.PathLike[str], src: str | os.PathLike[str],
                         deltas = []
                         if allf is not None:
                             deltas.append((all_fe.path, delta_name, tensor_bytes(allf.get_slice(delta_name)[e])[rows]))
-                            for kind, t in (("global_scale", x.global_scale), ("input_scale", x.input_scale)):
+                            for kind, t in ((TensorKind.GLOBAL_SCALE, x.global_scale),
+                                            (TensorKind.INPUT_SCALE, x.input_scale)):
                                 raw = L.source_scalar(proj, kind)
                                 if t is not None and differs(tensor_bytes(allf.get_slice(raw)[e]), t):
                                     mismatch(f"source {kind.replace('_', ' ')}", raw, all_fe.path)
