@@ -191,7 +191,20 @@ def test_damaged_source_map_is_refused_by_export(lossless: tuple[Path, Path], tm
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
 
 
-def test_serve_reads_the_cache_once_through_the_view(built_cache: Path) -> None:
+def test_serve_reads_the_cache_once_through_the_view(built_cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """serve goes straight down: one boot check opens the view; name, config and plan come from it."""
+    from moet_cache import cacheview
+    from moet_cache.serving import preflight_plan
+    opened: list[Path] = []
+    real = cacheview.read_commit
+    monkeypatch.setattr(cacheview, "read_commit", lambda root: (opened.append(root), real(root))[1])
+    reads: list[str] = []
+    real_read = cacheview.read_listed
+    monkeypatch.setattr(cacheview, "read_listed", lambda root, e, *a: (reads.append(e.path), real_read(root, e, *a))[1])
     cmd = build_serve_command(built_cache, require_vllm=False, skip_flag_check=True)
+    preflight_plan(cmd)
+    assert opened == [built_cache]  # COMMIT.json and cache.json read once, by the boot check
+    assert len(reads) == len(set(reads))  # and every small listed file at most once
     assert isinstance(cmd.view, CacheView) and cmd.view.root == built_cache
     assert cmd.model_type == cmd.view.served_config["model_type"]
+    assert L.DELTA_INDEX in reads and f"{L.AUX_DIR}/config.json" in reads
