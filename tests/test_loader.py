@@ -20,6 +20,7 @@ from safetensors import safe_open
 from moet_cache import BuildOptions, build_cache, make_checkpoint, small_spec
 from moet_cache import layout as L
 from moet_cache.checkpoint import open_checkpoint
+from moet_cache.enums import DeltaMode
 from moet_cache.errors import InputError, VerificationError
 from moet_cache.expand import expand_projection, join_planes_torch, nearest_delta_lut
 from moet_cache.fp4 import unpack_codes
@@ -264,7 +265,7 @@ def test_inflight_bytes_stay_bounded(lossless, monkeypatch) -> None:
         time.sleep(0.02)
         return orig(self, job)
     monkeypatch.setattr(_Pipeline, "run_job", spy)
-    one = max(sum(r.end - r.begin for r in j.reads) for j in [layer_job(cache.files.layers[x], "none", None, None)
+    one = max(sum(r.end - r.begin for r in j.reads) for j in [layer_job(cache.files.layers[x], DeltaMode.NONE, (), None)
                                                               for x in cache.layers])
     budget = int(one * 1.5)  # room for one layer and a half: never two at once
     for x in cache.load(delta="none", workers=4, max_inflight=budget):

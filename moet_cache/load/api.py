@@ -24,18 +24,18 @@ from typing import Callable, Iterator, Sequence
 import torch
 
 from .. import layout as L
-from ..cacheview import ListedFileError, entry_digest
+from ..cacheview import CacheView, ListedFileError, entry_digest
 from ..cancel import CancelToken
 from ..enums import DeltaMode, VerifyMode
 from ..errors import InputError, VerificationError
 from ..manifest import DeltaIndex, FileEntry, TensorEntry
 from ..progress import NullProgress, Progress
-from ..verifier import (CORRUPT, INCOMPLETE, STALE, VERIFIED, CacheFiles, Problem, ProblemKind, VerifyReport,
-                        boot_check, boot_view)
+from ..verifier import (CORRUPT, INCOMPLETE, STALE, VERIFIED, Problem, ProblemKind, VerifyReport, boot_check,
+                        boot_view)
 from .assemble import assemble_layer
 from .engine import Finish, Pipeline
 from .options import LoadOptions, Tuning
-from .plan import Job, dense_jobs, layer_job, read_pack_header, tier_experts
+from .plan import Job, dense_jobs, layer_job, read_pack_header
 from .staging import PinnedPool
 
 DENSE_MIN_INFLIGHT = 1 << 20     # load_dense's floor for the in-flight bytes (its jobs are ~64 MiB groups)
@@ -105,12 +105,20 @@ class _Gates:
 class Cache:
     """An opened cache: its checked manifests; `load` and `load_dense` read it into memory."""
 
-    def __init__(self, root: Path, files: CacheFiles, report: VerifyReport, index: DeltaIndex | None) -> None:
-        self.root = root
-        self.files = files
+    def __init__(self, view: CacheView, report: VerifyReport) -> None:
+        self.root = view.root
+        self.view = view
         self.report = report
-        self.delta_index = index
         self._pinned = PinnedPool()  # staging reused by this cache's GPU loads (pinning is slow)
+
+    @property
+    def files(self) -> CacheView:
+        """The opened-cache view (its older name here): manifest, layer manifests, listed files."""
+        return self.view
+
+    @property
+    def delta_index(self) -> DeltaIndex | None:
+        return self.view.delta_index
 
     def release(self) -> None:
         """Free the pinned staging memory kept for the next GPU load."""
@@ -118,11 +126,11 @@ class Cache:
 
     @property
     def layers(self) -> tuple[int, ...]:
-        return tuple(sorted(self.files.layers))
+        return tuple(sorted(self.view.layers))
 
     @property
     def lossless(self) -> bool:
-        return self.files.manifest.build.lossless
+        return self.view.manifest.build.lossless
 
     # the MoE layers ---------------------------------------------------------------------------
     def load(self, device: str | torch.device = "cpu", delta: DeltaMode | str = DeltaMode.TIER,
@@ -142,24 +150,24 @@ class Cache:
             raise InputError("delta='all' needs a --lossless cache (this one keeps only the tier's planes)",
                              "use delta='tier', or build with --lossless")
         sel = self.layers if opts.layers is None else opts.layers
-        missing = [x for x in sel if x not in self.files.layers]
+        missing = [x for x in sel if x not in self.view.layers]
         if missing:
             raise InputError(f"the cache has no layer {missing[0]}", f"its layers are {list(self.layers)}")
         pack_fe = None
-        if opts.delta == DeltaMode.TIER and any(tier_experts(self.delta_index, x) for x in sel):
-            pack_fe = self.files.manifest.file(L.Role.PACK)
+        if opts.delta == DeltaMode.TIER and any(self.view.tier_experts(x) for x in sel):
+            pack_fe = self.view.manifest.file(L.Role.PACK)
             if pack_fe is None:
                 raise VerificationError("the delta index names tier experts, cache.json lists no delta pack",
                                         "run moet-cache build again")
         pack = read_pack_header(self.root, pack_fe) if pack_fe is not None else None
-        jobs = [layer_job(self.files.layers[x], opts.delta, self.delta_index, pack) for x in sel]
+        jobs = [layer_job(self.view.layers[x], opts.delta, self.view.tier_experts(x), pack) for x in sel]
         return self._run_layers(jobs, opts, progress or NullProgress(), pack_fe, cancel)
 
     def _finish(self, opts: LoadOptions) -> Finish:
         def finish(job: Job, t: dict[str, torch.Tensor], stream: object) -> dict[str, torch.Tensor]:
             assert job.layer is not None
-            return assemble_layer(self.files.layers[job.layer], t, opts.delta,
-                                  tier_experts(self.delta_index, job.layer), opts.expand, stream)
+            return assemble_layer(self.view.layers[job.layer], t, opts.delta,
+                                  self.view.tier_experts(job.layer), opts.expand, stream)
         return finish
 
     def _run_layers(self, jobs: list[Job], opts: LoadOptions, progress: Progress,
@@ -177,9 +185,9 @@ class Cache:
     def dense_entries(self) -> list[TensorEntry]:
         """Every dense tensor the cache holds (from the dense part manifests, digests checked)."""
         out: list[TensorEntry] = []
-        dense_files = {f.path for f in self.files.manifest.files if f.role == L.Role.DENSE}
+        dense_files = {f.path for f in self.view.manifest.files if f.role == L.Role.DENSE}
         try:
-            parts = self.files.dense_parts  # read through the view: each checked against cache.json once
+            parts = self.view.dense_parts  # read through the view: each checked against cache.json once
         except ListedFileError as e:  # a damaged cache: refused like one (exit 1)
             raise VerificationError(e.message, e.hint) from None
         for part in parts:
@@ -217,8 +225,8 @@ def open_cache(path: str | os.PathLike[str], check_source: bool = True) -> Cache
     report, view = boot_view(root, check_source=check_source)
     if report.state in (CORRUPT, INCOMPLETE, STALE) or view is None:
         raise _refuse(report, root)
-    # the boot check read and checked the delta index through the view (a damaged one is corrupt)
-    return Cache(root, view, report, view.delta_index)
+    view.delta_index  # read now, on this thread: the boot check read and checked it (a damaged one is corrupt)
+    return Cache(view, report)
 
 
 __all__ = ["Cache", "LoadedLayer", "open_cache"]

@@ -15,7 +15,7 @@ from .. import layout as L
 from ..enums import DeltaMode
 from ..errors import VerificationError
 from ..fsutil import resolve_inside
-from ..manifest import DeltaIndex, FileEntry, LayerManifest, TensorEntry
+from ..manifest import FileEntry, LayerManifest, TensorEntry
 from ..stheader import Header, read_header
 
 
@@ -59,11 +59,6 @@ class Job:
         return sum(r.nbytes for r in self.reads)
 
 
-def tier_experts(index: DeltaIndex | None, layer: int) -> tuple[int, ...]:
-    """The experts whose delta planes the tier pack holds for this layer (none without an index)."""
-    return tuple((index.experts_of(layer) if index else None) or ())
-
-
 def read_cache_header(path: Path, rel: str) -> Header:
     """A cache safetensors file's header: every tensor's dtype, shape and absolute byte range, strictly
     checked (stheader.read_header; a bad file is a VerificationError)."""
@@ -79,9 +74,9 @@ def read_pack_header(root: Path, fe: FileEntry) -> Header:
     return head
 
 
-def layer_job(lm: LayerManifest, delta: DeltaMode, index: DeltaIndex | None, pack: Header | None) -> Job:
-    """Layer lm's reads for delta mode `delta`; `pack` is the tier pack's header (needed only when the
-    index gives this layer tier experts and delta is "tier")."""
+def layer_job(lm: LayerManifest, delta: DeltaMode, experts: tuple[int, ...], pack: Header | None) -> Job:
+    """Layer lm's reads for delta mode `delta`; `experts`: the tier's experts of this layer (the delta
+    index's); `pack`: the tier pack's header (needed only when delta is "tier" and experts is not empty)."""
     roles = {f.path: f.role for f in lm.files}
     reads = [Read.of(t, lm.layer) for t in lm.tensors if roles[t.file] == L.Role.BASE]
     geo = lm.geometry()
@@ -98,7 +93,6 @@ def layer_job(lm: LayerManifest, delta: DeltaMode, index: DeltaIndex | None, pac
         if sum(r.name in (L.W13_DELTA, L.W2_DELTA) for r in reads) != 2:
             raise VerificationError(f"layer {lm.layer} lists no delta planes", "run moet-cache build again")
     elif delta == DeltaMode.TIER:
-        experts = tier_experts(index, lm.layer)
         if experts:
             for spec in geo.delta_specs(len(experts)):
                 name = L.pack_tensor(lm.layer, spec.name)
@@ -127,4 +121,4 @@ def dense_jobs(entries: list[TensorEntry], job_bytes: int) -> list[Job]:
     return jobs
 
 
-__all__ = ["Read", "Job", "tier_experts", "read_cache_header", "read_pack_header", "layer_job", "dense_jobs"]
+__all__ = ["Read", "Job", "read_cache_header", "read_pack_header", "layer_job", "dense_jobs"]
