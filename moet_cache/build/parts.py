@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import shutil
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from .. import layout as L
@@ -73,13 +75,25 @@ class Counters:
 
     def __init__(self, progress: Progress, cancel: CancelToken | None) -> None:
         self.progress, self.cancel = progress, cancel
+        self._stop = CancelToken()  # set by the build itself when one of its threads failed
         self.read_bytes = 0
         self.hashed = (0, 0.0)  # (bytes, seconds) of written files re-read and hashed
         self._lock = threading.Lock()
 
     def check(self) -> None:
+        self._stop.check()
         if self.cancel is not None:
             self.cancel.check()
+
+    @contextmanager
+    def stopping_on_error(self) -> Iterator[None]:
+        """On an exception in the body, the other threads stop at their next report (their own error,
+        an Interrupted, is never seen: the body's exception is the one raised)."""
+        try:
+            yield
+        except BaseException:
+            self._stop.cancel("stopped: another part of the build failed")
+            raise
 
     def advance(self, nbytes: int, read: bool = True) -> None:
         """Count source bytes read (or reused: read=False) and report progress."""

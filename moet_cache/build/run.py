@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import closing
 from functools import partial
 from pathlib import Path
 
@@ -22,7 +23,7 @@ from ..errors import InputError
 from ..fsutil import check_free_space
 from ..manifest import BuildParams, CacheManifest, CacheModel, FileEntry, LayerRef, ManifestError
 from ..progress import NullProgress, Progress
-from ..tiering import check_profile, load_profile
+from ..tiering import RoutingProfile, check_profile, load_profile
 from ..units import parse_budget
 from ..verifier import speed_sample
 from ..version import __version__
@@ -43,17 +44,10 @@ def build_cache(src: str | os.PathLike[str], cache: str | os.PathLike[str], opti
     """
     t0 = time.perf_counter()
     opts = options or BuildOptions()
-    root, src_path = Path(cache), Path(src)
-    if root.exists() and not root.is_dir():
-        raise InputError(f"{root} exists and is not a folder")
-    if root.resolve() == src_path.resolve() or src_path.resolve() in root.resolve().parents:
-        raise InputError("the cache folder must not be the checkpoint folder or inside it")
-    root.mkdir(parents=True, exist_ok=True)
-    with changing(root, opts.wait) as commits, open_checkpoint(src_path) as ckpt:
+    root = _cache_folder(Path(src), Path(cache))
+    with changing(root, opts.wait) as commits, open_checkpoint(Path(src)) as ckpt:
         plan = make_plan(ckpt, opts)
-        profile = load_profile(opts.profile) if opts.profile else None
-        if profile:
-            check_profile(profile, {layer: ckpt.model.n_routed_experts for layer in plan.served})
+        profile = _profile(plan)
         budget = parse_budget(opts.delta_budget, plan.total_delta_bytes, what="delta budget")
         params = plan.build_params(budget, profile.digest if profile else None)
         done = _already_complete(root, plan, params)
@@ -63,18 +57,16 @@ def build_cache(src: str | os.PathLike[str], cache: str | os.PathLike[str], opti
         _check_space(root, plan, budget)
         counters = Counters(progress or NullProgress(), cancel)
         counters.progress.start(plan.planed_bytes + plan.dense_bytes, "build")
-        reader = SourceReader(ckpt)
-        try:
+        with closing(SourceReader(ckpt)) as reader:
             files = copy_aux(ckpt.root, root)
             # The dense copy (disk-bound) runs on its own thread beside the layers (CPU-bound).
             with ThreadPoolExecutor(max_workers=1, thread_name_prefix="moet-dense") as dense_pool:
                 dense = [dense_pool.submit(copy_dense, plan, root, reader, counters, shard)
                          for shard in sorted(plan.dense_by_shard)]
-                layers = build_layers(plan, root, reader, counters)
+                with counters.stopping_on_error():  # a failed layer stops the dense copy at its next chunk
+                    layers = build_layers(plan, root, reader, counters)
                 files += [fe for part in dense for fe in part.result()]
             files += build_tier(plan, root, reader, layers.done, budget, profile, cancel)
-        finally:
-            reader.close()
         files.append(source_map(ckpt, root, plan.omitted))
         files = served_config(root, files, {layer: lm for layer, (lm, _) in layers.done.items()})
         manifest = _manifest(plan, params, layers, files)
@@ -82,6 +74,24 @@ def build_cache(src: str | os.PathLike[str], cache: str | os.PathLike[str], opti
         commits.commit(manifest, partial(sweep, root), speed_sample(*counters.hashed))
         counters.progress.finish()
         return _result(root, plan, manifest, layers, counters.read_bytes, budget, t0)
+
+
+def _cache_folder(src: Path, root: Path) -> Path:
+    if root.exists() and not root.is_dir():
+        raise InputError(f"{root} exists and is not a folder")
+    if root.resolve() == src.resolve() or src.resolve() in root.resolve().parents:
+        raise InputError("the cache folder must not be the checkpoint folder or inside it")
+    root.mkdir(parents=True, exist_ok=True)
+    return root
+
+
+def _profile(plan: BuildPlan) -> RoutingProfile | None:
+    """The routing profile the tier is weighted by, checked against the served layers."""
+    if not plan.opts.profile:
+        return None
+    profile = load_profile(plan.opts.profile)
+    check_profile(profile, {layer: plan.ckpt.model.n_routed_experts for layer in plan.served})
+    return profile
 
 
 def _manifest(plan: BuildPlan, params: BuildParams, layers: LayerResults, files: list[FileEntry]) -> CacheManifest:

@@ -22,7 +22,7 @@ from ..stheader import read_header
 from ..stwriter import SafetensorsWriter, TensorSpec
 from ..tiering import Candidate, RoutingProfile, choose_tier
 from ..window import bounded_window
-from .parts import key_of, read_entry, reusable_part, write_record_entry
+from .parts import key_of, read_entry, reusable_part, write_record_entry, written_entries
 from .plan import BuildPlan
 
 TIER_PART = "delta/tier.part.json"
@@ -104,7 +104,7 @@ def write_delta_pack(root: Path, layers: dict[int, LayerManifest], chosen: dict[
                         cancel.check()
                     w.write(L.pack_tensor(layer, which), chunk)
         written = w.commit()
-    pack_fe = FileEntry(L.PACK, written.size, written.xxh3, L.Role.PACK)
+    pack_fe = written_entries(L.PACK, written, L.Role.PACK)[0]
     used = sum(layers[layer].expert_delta_bytes * len(ex) for layer, ex in chosen.items())
     index = DeltaIndex(L.PACK, budget, used, weighted, tuple(sorted(chosen.items())))
     index_fe = write_record_entry(root, L.DELTA_INDEX, index, L.Role.DELTA_INDEX)
