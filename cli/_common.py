@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
+import os
 import platform
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from typer.core import TyperArgument, TyperCommand
+
+if TYPE_CHECKING:
+    from moet_cache.commit import KillHook
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout, on every exit.")]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No summaries, progress or notes (errors and warnings still print).")]
@@ -39,6 +43,13 @@ class MoetCommand(TyperCommand):
                 name = p.metavar or (p.name or "ARG").upper()
                 pieces.append(name if p.required and p.nargs == 1 else f"[{name}...]" if p.nargs != 1 else f"[{name}]")
         return pieces
+
+
+def kill_hook() -> KillHook | None:
+    """The fault tests' hook (MOET_CACHE_TEST_KILL_AT, moet_cache.commit.KillHook) for the commands that change
+    files; None outside tests. Read here, never by the library."""
+    from moet_cache.commit import KillHook
+    return KillHook.from_env(os.environ)
 
 
 def _dist_version(name: str) -> str | None:

@@ -11,7 +11,7 @@ import typer
 from moet_cache.tiering import DEFAULT_DELTA_BUDGET
 from moet_cache.units import fmt_bytes
 
-from ._common import JsonOpt, QuietOpt
+from ._common import JsonOpt, QuietOpt, kill_hook
 from ._output import Output
 from ._progress import cancel_token, progress_for
 
@@ -19,11 +19,21 @@ from ._progress import cancel_token, progress_for
 SPLIT_DEVICE_ENV = "MOET_CACHE_SPLIT_DEVICE"
 
 
+#: The environment variable for BuildTuning.host_kernel (read here, never by the library).
+KERNELS_ENV = "MOET_CACHE_KERNELS"
+
+
 def split_device_from_env() -> str:
     """MOET_CACHE_SPLIT_DEVICE: auto, cpu, torch-cpu or cuda; unset or any other value is auto."""
     from moet_cache.build.options import SPLIT_DEVICES
     want = os.environ.get(SPLIT_DEVICE_ENV, "auto")
     return want if want in SPLIT_DEVICES else "auto"
+
+
+def host_kernel_from_env() -> str:
+    """MOET_CACHE_KERNELS=numpy: the numpy kernels (A/B runs); unset or any other value: the fastest built."""
+    from moet_cache.planes import KERNEL, HostKernel
+    return HostKernel.NUMPY if os.environ.get(KERNELS_ENV) == HostKernel.NUMPY else KERNEL
 
 
 def build(
@@ -43,7 +53,8 @@ def build(
     out = Output(json_, quiet)
     opts = BuildOptions(delta_budget=delta_budget, profile=str(profile) if profile else None,
                         lossless=lossless, layers=layers, include_mtp=include_mtp, wait=wait,
-                        tuning=BuildTuning(split_device=split_device_from_env()))
+                        tuning=BuildTuning(split_device=split_device_from_env(), host_kernel=host_kernel_from_env()),
+                        kill_at=kill_hook())
     r = build_cache(src, cache, opts, progress_for(out), cancel_token())
     if out.json_mode:
         out.json({"command": "build", **r.__dict__})
@@ -69,7 +80,7 @@ def retier(
     """Choose a new FP4 delta tier for a --lossless cache, without the source."""
     from moet_cache import retier_cache  # here, not at the top: it imports torch (seconds)
     out = Output(json_, quiet)
-    r = retier_cache(cache, delta_budget, str(profile) if profile else None, wait, cancel_token())
+    r = retier_cache(cache, delta_budget, str(profile) if profile else None, wait, cancel_token(), kill_hook())
     if out.json_mode:
         out.json({"command": "retier", **r.__dict__})
     else:

@@ -9,7 +9,7 @@ import typer
 
 from moet_cache.units import fmt_bytes
 
-from ._common import JsonOpt, QuietOpt
+from ._common import JsonOpt, QuietOpt, kill_hook
 from ._output import Output
 from ._progress import cancel_token, progress_for
 
@@ -24,7 +24,7 @@ def export(
     shard); the shard files are not byte-identical (their headers are moet-cache's). Resumes when rerun."""
     from moet_cache import export_checkpoint  # here, not at the top: it imports torch (seconds)
     out = Output(json_, quiet)
-    r = export_checkpoint(cache, out_dir, progress_for(out), cancel_token())
+    r = export_checkpoint(cache, out_dir, progress_for(out), cancel_token(), kill_hook())
     if out.json_mode:
         out.json({"command": "export", **r.__dict__})
     else:

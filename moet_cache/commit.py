@@ -9,8 +9,10 @@ commit, record, restore.
    commit record back only if the boot check then proves every listed file is the one last verified;
    otherwise the cache stays uncommitted and the same command resumes it.
 
-`kill_point(window)` marks each window between the steps: with MOET_CACHE_TEST_KILL_AT naming it the
-process signals itself there (tests and the fault campaign only; docs/GUARANTEES.md, section 1).
+Each window between the steps is a `Window`; a `KillHook` aimed at one makes the process signal itself
+there (tests and the fault campaign only; docs/GUARANTEES.md, section 1). The hook is an argument of the
+commands that change files (BuildOptions.kill_at, retier_cache, export_checkpoint, `changing`); only the
+CLI reads it from the environment, through `KillHook.from_env`: the one reader of MOET_CACHE_TEST_KILL_AT.
 """
 
 from __future__ import annotations
@@ -18,8 +20,9 @@ from __future__ import annotations
 import os
 import signal
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 from .enums import StrEnum
@@ -54,22 +57,36 @@ EXPORT_WINDOWS = tuple(w.value for w in Window if w.value.startswith("export-"))
 _SIGNALS = {"KILL": signal.SIGKILL, "TERM": signal.SIGTERM, "INT": signal.SIGINT}
 
 
-def kill_point(window: Window) -> None:
-    """Test hook: MOET_CACHE_TEST_KILL_AT=WINDOW[:SIGNAL] sends SIGNAL (KILL, TERM or INT; default KILL)
-    to this process each time it reaches WINDOW. Unset (always, outside tests): does nothing."""
-    spec = os.environ.get(KILL_ENV)
-    if not spec:
-        return
-    name, _, sig = spec.partition(":")
-    if name == window:
-        os.kill(os.getpid(), _SIGNALS.get(sig or "KILL", signal.SIGKILL))
+@dataclass(frozen=True)
+class KillHook:
+    """Test hook: send `signal` to this process each time it reaches the window named `window`."""
+
+    window: str                        # a Window's name (any other name never fires, as before)
+    signal: int = signal.SIGKILL
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str]) -> KillHook | None:
+        """MOET_CACHE_TEST_KILL_AT=WINDOW[:SIGNAL] (KILL, TERM or INT; default KILL) in `environ`; None when
+        unset (always, outside tests). The CLI calls this once per command; the library never reads it."""
+        spec = environ.get(KILL_ENV)
+        if not spec:
+            return None
+        name, _, sig = spec.partition(":")
+        return cls(name, _SIGNALS.get(sig or "KILL", signal.SIGKILL))
+
+
+def kill_point(hook: KillHook | None, window: Window) -> None:
+    """`window` is reached: the hook fires when it names this window; without a hook, nothing happens."""
+    if hook is not None and hook.window == window:
+        os.kill(os.getpid(), hook.signal)
 
 
 class Committer:
     """The commit protocol of one cache, for one command run under the cache's lock."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, kill_at: KillHook | None = None) -> None:
         self.root = root
+        self.kill_at = kill_at
         commit = root / COMMIT_RECORD
         try:
             self.previous: bytes | None = read_all(commit, 1 << 20) if commit.is_file() else None
@@ -82,7 +99,7 @@ class Committer:
         if commit.exists():
             commit.unlink()
             fsync_dir(self.root)
-        kill_point(Window.UNCOMMITTED)
+        kill_point(self.kill_at, Window.UNCOMMITTED)
 
     def commit(self, manifest: CacheManifest, before_commit: Callable[[CacheManifest], None] | None = None,
                hash_rate: float | None = None) -> str:
@@ -90,17 +107,17 @@ class Committer:
         a second this machine hashed cache files at, for the boot check's estimate of a --full); returns
         the digest."""
         from .verifier import VerifiedBy, record_verified_state
-        kill_point(Window.PARTS_WRITTEN)
+        kill_point(self.kill_at, Window.PARTS_WRITTEN)
         mdata = write_record(self.root / CACHE_MANIFEST, manifest)
         digest = xxh3_hex(mdata)
-        kill_point(Window.MANIFEST_WRITTEN)
+        kill_point(self.kill_at, Window.MANIFEST_WRITTEN)
         if before_commit is not None:
             before_commit(manifest)
-        kill_point(Window.SWEPT)
+        kill_point(self.kill_at, Window.SWEPT)
         write_record(self.root / COMMIT_RECORD, CommitRecord(CACHE_MANIFEST, len(mdata), digest, utc_now()))
-        kill_point(Window.COMMITTED)
+        kill_point(self.kill_at, Window.COMMITTED)
         record_verified_state(self.root, manifest, digest, by=VerifiedBy.BUILD, bytes_per_second=hash_rate)
-        kill_point(Window.RECORDED)
+        kill_point(self.kill_at, Window.RECORDED)
         return digest
 
     def restore(self) -> None:
@@ -134,11 +151,11 @@ def utc_now() -> str:
 
 
 @contextmanager
-def changing(root: Path, wait: bool = False) -> Iterator[Committer]:
+def changing(root: Path, wait: bool = False, kill_at: KillHook | None = None) -> Iterator[Committer]:
     """The frame of every command that changes a cache (build, retier): the cache's lock, no links in the
     folders it writes, and the committer, whose guard restores what it can prove on any exception."""
     with CacheLock(root, wait=wait):
         refuse_links(root, L.WRITTEN_DIRS)
-        commits = Committer(root)
+        commits = Committer(root, kill_at)
         with commits.guard():
             yield commits

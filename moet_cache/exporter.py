@@ -13,7 +13,7 @@ import numpy as np
 
 from . import layout as L
 from .checkpoint import INDEX_NAME
-from .commit import Window, kill_point
+from .commit import KillHook, Window, kill_point
 from .families import Family
 from .formats import FORMATS, LAYOUT_FORMAT, ExpertFormat, SourceLayout, TensorKind, source_scales
 from .geometry import names_of
@@ -178,7 +178,8 @@ def _prepare_out(out: Path, cache_digest: str) -> dict[str, str]:
 
 @cache_read_errors
 def export_checkpoint(root: str | os.PathLike[str], out: str | os.PathLike[str],
-                      progress: Progress | None = None, cancel: CancelToken | None = None) -> ExportResult:
+                      progress: Progress | None = None, cancel: CancelToken | None = None,
+                      kill_at: KillHook | None = None) -> ExportResult:
     """Write the source's shards, index and aux files again from a --lossless cache.
 
     Every tensor comes out exact (its bytes, dtype, shape, shard and the shard's metadata); the shard
@@ -242,19 +243,19 @@ def export_checkpoint(root: str | os.PathLike[str], out: str | os.PathLike[str],
                                                 f"{spec.nbytes}", "run moet-cache verify --full; rebuild the cache")
                     w.write(spec.name, data)
                     progress.advance(data.nbytes)
-                kill_point(Window.EXPORT_SHARD_TEMP)
+                kill_point(kill_at, Window.EXPORT_SHARD_TEMP)
                 written = w.commit()
             done[name] = written.xxh3
             written_bytes += written.size
             atomic_write_json(out / PROGRESS_RECORD, {"format": "moet-cache-export-progress", "format_version": 1,
                                                       "cache_xxh3": cf.manifest_xxh3, "shards": done})
-            kill_point(Window.EXPORT_SHARD_WRITTEN)
+            kill_point(kill_at, Window.EXPORT_SHARD_WRITTEN)
     finally:
         reader.close()
     if len(shards) > 1 or shards and shards[0].get("name") != "model.safetensors":
         index = {"metadata": smap.get("index_metadata") or {}, "weight_map": dict(sorted(weight_map.items()))}
         atomic_write_bytes(out / INDEX_NAME, json.dumps(index, indent=1).encode())
-        kill_point(Window.EXPORT_INDEX_WRITTEN)
+        kill_point(kill_at, Window.EXPORT_INDEX_WRITTEN)
     source_config = any(f.role == L.Role.SOURCE_CONFIG for f, _ in cf.files)
     for f, _ in cf.files:
         served = source_config and f.role == L.Role.AUX and f.path == f"{L.AUX_DIR}/config.json"

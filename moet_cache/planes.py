@@ -312,8 +312,6 @@ try:  # the optional C extension (setup.py builds it where a C compiler is prese
     from . import _kernels
 except ImportError:  # pragma: no cover - depends on the install
     _kernels = None
-if __import__("os").environ.get("MOET_CACHE_KERNELS") == "numpy":  # force the numpy path (A/B runs)
-    _kernels = None
 
 
 class HostKernel(StrEnum):
@@ -325,6 +323,7 @@ class HostKernel(StrEnum):
 
 
 #: Which path split_and_measure takes by default: "c" (moet_cache._kernels, where it is built) or "numpy".
+#: A build asks for its own (BuildTuning.host_kernel; the CLI's MOET_CACHE_KERNELS=numpy).
 KERNEL = HostKernel.C if _kernels is not None else HostKernel.NUMPY
 
 

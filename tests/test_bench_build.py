@@ -51,9 +51,10 @@ def test_the_split_stays_on_the_host_kernels_when_they_are_built(monkeypatch: py
 
     from moet_cache.build import options as B
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # as on a GPU machine
-    monkeypatch.setattr(B, "KERNEL", "c")
-    assert B.BuildTuning().device() is None
-    monkeypatch.setattr(B, "KERNEL", "numpy")  # no C compiler at install: the GPU, as before
-    assert B.BuildTuning().device() == "cuda"
-    monkeypatch.setattr(B, "KERNEL", "c")
+    assert B.plane_device("auto", B.HostKernel.C) is None
+    assert B.plane_device("auto", B.HostKernel.NUMPY) == "cuda"  # no C compiler at install: the GPU, as before
+    assert B.plane_device("cuda", B.HostKernel.C) == "cuda"
+    # BuildTuning takes the C kernels where they are built; numpy when asked for (MOET_CACHE_KERNELS=numpy)
+    assert B.BuildTuning().device() == (None if B.KERNEL == "c" else "cuda")
+    assert B.BuildTuning(host_kernel="numpy").device() == "cuda"
     assert B.BuildTuning(split_device="cuda").device() == "cuda"

@@ -214,3 +214,27 @@ def test_the_split_device_comes_from_the_environment_in_the_cli_only(monkeypatch
     import moet_cache.build as build_pkg
     for f in Path(build_pkg.__file__).parent.glob("*.py"):  # the library takes it as BuildTuning.split_device
         assert "environ" not in f.read_text(), f
+
+
+def test_the_kernels_and_the_kill_hook_come_from_the_environment_in_the_cli_only(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from moet_cache import planes
+    from moet_cache.cli._common import kill_hook
+    from moet_cache.cli.build import host_kernel_from_env
+    from moet_cache.commit import KillHook
+    monkeypatch.setenv("MOET_CACHE_KERNELS", "numpy")
+    assert host_kernel_from_env() == "numpy"
+    monkeypatch.delenv("MOET_CACHE_KERNELS")
+    assert host_kernel_from_env() == planes.KERNEL
+    monkeypatch.setenv("MOET_CACHE_TEST_KILL_AT", "swept:TERM")
+    assert kill_hook() == KillHook("swept", signal.SIGTERM)
+    monkeypatch.setenv("MOET_CACHE_TEST_KILL_AT", "committed")
+    assert kill_hook() == KillHook("committed", signal.SIGKILL)
+    monkeypatch.delenv("MOET_CACHE_TEST_KILL_AT")
+    assert kill_hook() is None
+    # the library reads no environment variable: serving only hands its own to the vLLM it starts
+    import moet_cache
+    lib = Path(moet_cache.__file__).parent
+    for f in [*lib.glob("*.py"), *lib.glob("build/*.py"), *lib.glob("load/*.py")]:
+        if f.name != "serving.py":
+            assert "os.environ" not in f.read_text() and "getenv" not in f.read_text(), f

@@ -24,11 +24,11 @@ import torch
 from .. import layout as L
 from ..checkpoint import PROJECTIONS, RawExpert, SourceReader
 from ..errors import InputError
-from ..formats import E4M3_16, LAYOUT_FORMAT, ExpertFormat, e4m3_shift, e8m0_to_e4m3, stored_scales
+from ..formats import E4M3_16, LAYOUT_FORMAT, ExpertFormat, TensorKind, e4m3_shift, e8m0_to_e4m3, stored_scales
 from ..geometry import LayerGeometry, is_w13
 from ..manifest import FileEntry, LayerManifest, ManifestError, load_record, write_record
-from ..planes import code_histogram_torch, error_and_energy_torch, fit_table, split_and_measure_e4m3, \
-    split_planes_torch
+from ..planes import HostKernel, code_histogram_torch, error_and_energy_torch, fit_table, \
+    split_and_measure_e4m3, split_planes_torch
 from ..stwriter import SafetensorsWriter
 from ..window import bounded_window
 from .parts import Counters, file_matches, read_entry, written_entries
@@ -69,13 +69,14 @@ def measure_scales(x: RawExpert) -> tuple[np.ndarray, float]:
     return e8m0_to_e4m3(x.scale_bytes, shift), float(4.0 ** shift)
 
 
-def plane_work(read: Future[list[RawExpert]], device: str | None = None, device_min_bytes: int = 0) -> list[_Planes]:
+def plane_work(read: Future[list[RawExpert]], device: str | None = None, device_min_bytes: int = 0,
+               kernel: HostKernel | None = None) -> list[_Planes]:
     """Split and measure one expert's three projections once they are read (on a plane worker)."""
     out = []
     for x in read.result():
         scale_bytes, factor = measure_scales(x)
         if device is None or (device != "cpu" and x.codes.nbytes < device_min_bytes):
-            base, delta, table, er, eg = split_and_measure_e4m3(x.codes, scale_bytes)
+            base, delta, table, er, eg = split_and_measure_e4m3(x.codes, scale_bytes, kernel=kernel)
         else:  # the same maths in torch on the device; the planes and table are bit-identical
             codes = torch.from_numpy(x.codes).to(device)
             tbase, tdelta = split_planes_torch(codes)
@@ -141,12 +142,12 @@ class _LayerFiles:
             bw.write(L.W13_SCALE if w13 else L.W2_SCALE, stored_scales(x.scale_bytes, fmt.scale_form, self.geo.form(proj)))
             self.scale2[e, j], self.tables[e, j] = g, w.table
             if x.global_scale is not None:
-                self.raw_scalars.setdefault((proj, "global_scale"), []).append(x.global_scale.reshape(-1))
+                self.raw_scalars.setdefault((proj, TensorKind.GLOBAL_SCALE), []).append(x.global_scale.reshape(-1))
             if self.inputs:
                 if x.input_scale is None:
                     raise InputError(f"layer {layer} expert {e} {proj} has no input scale, expert 0 has")
                 self.iscale[e, j] = fmt.multiply(x.input_scale)
-                self.raw_scalars.setdefault((proj, "input_scale"), []).append(x.input_scale.reshape(-1))
+                self.raw_scalars.setdefault((proj, TensorKind.INPUT_SCALE), []).append(x.input_scale.reshape(-1))
             n = x.codes.nbytes + x.scale_bytes.nbytes + (4 if x.global_scale is not None else 0) \
                 + (4 if x.input_scale is not None else 0)
             reader.release(x.codes)  # split and measured: the buffer reads another expert
@@ -215,7 +216,7 @@ def build_layer(plan: BuildPlan, root: Path, reader: SourceReader, counters: Cou
             ThreadPoolExecutor(max_workers=tuning.read_threads, thread_name_prefix="moet-read") as reads:
         def submit(e: int) -> Future[list[_Planes]]:
             return pool.submit(plane_work, reads.submit(read_expert, reader, layer, e, fmt), device,
-                               tuning.device_min_bytes)
+                               tuning.device_min_bytes, tuning.kernel())
         for e, work in enumerate(bounded_window(submit, range(out.geo.n_experts), window, counters.cancel)):
             out.add(e, work, reader, counters)
         out.finish()

@@ -6,13 +6,24 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..commit import KillHook
+from ..enums import StrEnum
 from ..errors import InputError
 from ..machine import usable_cores
-from ..planes import KERNEL
+from ..planes import KERNEL, HostKernel
 from ..tiering import DEFAULT_DELTA_BUDGET
 
-#: Where the split runs (BuildTuning.split_device); the CLI takes it from MOET_CACHE_SPLIT_DEVICE.
-SPLIT_DEVICES = ("auto", "cpu", "torch-cpu", "cuda")
+
+class SplitDevice(StrEnum):
+    """Where the split runs (BuildTuning.split_device); the CLI takes it from MOET_CACHE_SPLIT_DEVICE."""
+
+    AUTO = "auto"
+    CPU = "cpu"
+    TORCH_CPU = "torch-cpu"
+    CUDA = "cuda"
+
+
+SPLIT_DEVICES = SplitDevice.names()
 
 
 @dataclass(frozen=True)
@@ -24,6 +35,9 @@ class BuildTuning:
       path's maths without a GPU), cuda (the GPU). On the H200 machine (4 GiB, 16 cores) a build took
       5.4 s with the C kernels on 8 threads and 10.0 s with the GPU split, whose per-tensor copies and
       syncs cost more than the kernel saves (benchmarks/NOTES.md).
+    host_kernel: the host kernels of a host split (planes.HostKernel): c where moet_cache._kernels is
+      built (the default there), numpy (the default without it; the CLI's MOET_CACHE_KERNELS=numpy asks for
+      it on A/B runs). With numpy, `auto` splits on the GPU where there is one, as without the C kernels.
     plane_workers: threads for the split; None: the cores this process may use, at most 8.
     read_threads: source reads in flight beside the plane workers (the disk wants a queue).
     read_ahead_bytes: source bytes read ahead of the writer at most (bounded memory).
@@ -31,7 +45,8 @@ class BuildTuning:
     device_min_bytes: smaller tensors stay on the host on a GPU split (~20 launches and 3 syncs cost more).
     """
 
-    split_device: str = "auto"
+    split_device: SplitDevice | str = SplitDevice.AUTO
+    host_kernel: HostKernel | str = KERNEL
     plane_workers: int | None = None
     read_threads: int = 2
     read_ahead_bytes: int = 256 << 20
@@ -41,6 +56,8 @@ class BuildTuning:
     def __post_init__(self) -> None:
         if self.split_device not in SPLIT_DEVICES:
             raise InputError(f"unknown split device {self.split_device!r}", f"use one of {', '.join(SPLIT_DEVICES)}")
+        if self.host_kernel not in HostKernel.names():
+            raise InputError(f"unknown host kernel {self.host_kernel!r}", f"use one of {', '.join(HostKernel.names())}")
         for name in ("read_threads", "read_ahead_bytes", "dense_chunk_bytes"):
             if getattr(self, name) < 1:
                 raise InputError(f"build tuning: {name} must be at least 1")
@@ -51,7 +68,11 @@ class BuildTuning:
         return self.plane_workers or plane_workers()
 
     def device(self) -> str | None:
-        return plane_device(self.split_device)
+        return plane_device(self.split_device, self.kernel())
+
+    def kernel(self) -> HostKernel:
+        """The host kernels a host split runs: the C ones only where asked for and built."""
+        return HostKernel.C if self.host_kernel == HostKernel.C and KERNEL == HostKernel.C else HostKernel.NUMPY
 
     def read_window(self, workers: int, expert_bytes: int) -> int:
         return read_window(workers, expert_bytes, self.read_ahead_bytes)
@@ -62,13 +83,13 @@ def plane_workers() -> int:
     return min(8, usable_cores())
 
 
-def plane_device(want: str = "auto") -> str | None:
+def plane_device(want: str = SplitDevice.AUTO, kernel: HostKernel = KERNEL) -> str | None:
     """Where the split runs: None for the host kernels (C, or numpy), else a torch device (BuildTuning)."""
-    if want == "cpu":
+    if want == SplitDevice.CPU:
         return None
-    if want == "torch-cpu":
+    if want == SplitDevice.TORCH_CPU:
         return "cpu"
-    if want == "cuda" or (KERNEL != "c" and torch.cuda.is_available()):
+    if want == SplitDevice.CUDA or (kernel != HostKernel.C and torch.cuda.is_available()):
         return "cuda"
     return None
 
@@ -88,6 +109,7 @@ class BuildOptions:
     include_mtp: bool = False
     wait: bool = False
     tuning: BuildTuning = field(default_factory=BuildTuning)
+    kill_at: KillHook | None = None   # tests only: signal this process at a commit window (moet_cache.commit)
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from ..checkpoint import PROJECTIONS, Checkpoint
 from ..errors import InputError
-from ..formats import E4M3_16, ExpertFormat
+from ..formats import E4M3_16, ExpertFormat, TensorKind
 from ..geometry import LayerGeometry
 from ..manifest import FORMAT_VERSION, BuildParams, LayerKind, SourceFingerprint
 from ..modelconfig import parse_layer_selection
@@ -77,9 +77,9 @@ class BuildPlan:
         return key_of({"v": FORMAT_VERSION, "src": self.fingerprint.to_dict(), "shard": shard,
                        "names": self.dense_by_shard[shard]})
 
-    def scalar_kinds(self, layer: int) -> tuple[str, ...]:
+    def scalar_kinds(self, layer: int) -> tuple[TensorKind, ...]:
         kinds = self.formats[layer].scalar_kinds
-        return kinds if self.input_scales[layer] else tuple(k for k in kinds if k != "input_scale")
+        return kinds if self.input_scales[layer] else tuple(k for k in kinds if k != TensorKind.INPUT_SCALE)
 
     def layer_specs(self, layer: int, geo: LayerGeometry) -> tuple[list[TensorSpec], list[TensorSpec]]:
         """The base file's tensors and the --lossless delta file's (planes, then the source's scalars)."""

@@ -10,7 +10,7 @@ from pathlib import Path
 from .. import layout as L
 from ..cacheview import CacheView, file_matches, open_uncommitted_view, open_view
 from ..cancel import CancelToken
-from ..commit import changing, utc_now
+from ..commit import KillHook, changing, utc_now
 from ..errors import InputError
 from ..manifest import COMMIT_RECORD, ManifestError
 from ..tiering import check_profile, choose_tier, load_profile
@@ -21,7 +21,8 @@ from .tier import TIER_PART, TIER_ROLES, file_deltas, tier_candidates, tier_key,
 
 
 def retier_cache(cache: str | os.PathLike[str], delta_budget: str, profile: str | None = None,
-                 wait: bool = False, cancel: CancelToken | None = None) -> RetierResult:
+                 wait: bool = False, cancel: CancelToken | None = None,
+                 kill_at: KillHook | None = None) -> RetierResult:
     """Choose a new delta tier for a --lossless cache, without the source; recommits the cache.
 
     The same commit protocol as a build (moet_cache.commit): interrupted with Ctrl-C, SIGTERM or `cancel`
@@ -29,7 +30,7 @@ def retier_cache(cache: str | os.PathLike[str], delta_budget: str, profile: str 
     the cache uncommitted, and the same command resumes it (from cache.json, re-hashing the files it keeps).
     """
     root = Path(cache)
-    with changing(root, wait) as commits:
+    with changing(root, wait, kill_at) as commits:
         cf = _retier_source(root)
         m = cf.manifest
         total = sum(lm.n_experts * lm.expert_delta_bytes for lm in cf.layers.values())

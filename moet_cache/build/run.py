@@ -45,7 +45,7 @@ def build_cache(src: str | os.PathLike[str], cache: str | os.PathLike[str], opti
     t0 = time.perf_counter()
     opts = options or BuildOptions()
     root = _cache_folder(Path(src), Path(cache))
-    with changing(root, opts.wait) as commits, open_checkpoint(Path(src)) as ckpt:
+    with changing(root, opts.wait, opts.kill_at) as commits, open_checkpoint(Path(src)) as ckpt:
         plan = make_plan(ckpt, opts)
         profile = _profile(plan)
         budget = parse_budget(opts.delta_budget, plan.total_delta_bytes, what="delta budget")

@@ -17,7 +17,7 @@ from ..cancel import CancelToken
 from ..checkpoint import SourceReader
 from ..errors import VerificationError
 from ..manifest import DeltaIndex, FileEntry, LayerManifest, PartManifest
-from ..planes import split_planes
+from ..planes import HostKernel, split_planes
 from ..stheader import read_header
 from ..stwriter import SafetensorsWriter, TensorSpec
 from ..tiering import Candidate, RoutingProfile, choose_tier
@@ -68,7 +68,8 @@ def file_deltas(sources: dict[int, Path]) -> DeltaReader:
     return read
 
 
-def source_deltas(reader: SourceReader, workers: int, cancel: CancelToken | None = None) -> DeltaReader:
+def source_deltas(reader: SourceReader, workers: int, cancel: CancelToken | None = None,
+                  kernel: HostKernel | None = None) -> DeltaReader:
     """A DeltaReader that splits the experts' planes again from the source (the same planes, bit for bit),
     read and split on worker threads a few experts ahead of the pack's writer."""
     def read(layer: int, which: str, experts: tuple[int, ...]) -> Iterator[np.ndarray]:
@@ -76,7 +77,7 @@ def source_deltas(reader: SourceReader, workers: int, cancel: CancelToken | None
 
         def delta(item: tuple[int, str]) -> np.ndarray:
             x = reader.read_expert(layer, *item)
-            out = split_planes(x.codes)[1]
+            out = split_planes(x.codes, kernel=kernel)[1]
             reader.release(x.codes)
             return out
         with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="moet-tier") as pool:
@@ -131,7 +132,7 @@ def build_tier(plan: BuildPlan, root: Path, reader: SourceReader, layers: dict[i
         return [*part.files, read_entry(root, TIER_PART, L.Role.PART)]
     chosen = choose_tier(tier_candidates(layer_mans, profile), budget)
     deltas = file_deltas({layer: root / L.delta_file(layer) for layer in layer_mans}) if plan.opts.lossless \
-        else source_deltas(reader, plan.opts.tuning.workers(), cancel)
+        else source_deltas(reader, plan.opts.tuning.workers(), cancel, plan.opts.tuning.kernel())
     return write_tier(root, layer_mans, chosen, deltas, budget, profile, key, cancel)
 
 
