@@ -26,12 +26,12 @@ from ..checkpoint import PROJECTIONS, RawExpert, SourceReader
 from ..errors import InputError
 from ..formats import E4M3_16, LAYOUT_FORMAT, ExpertFormat, TensorKind, e4m3_shift, e8m0_to_e4m3, stored_scales
 from ..geometry import LayerGeometry, is_w13
-from ..manifest import FileEntry, LayerManifest, ManifestError, load_record, write_record
+from ..manifest import FileEntry, LayerManifest, write_record
 from ..planes import HostKernel, code_histogram_torch, error_and_energy_torch, fit_table, \
     split_and_measure_e4m3, split_planes_torch
 from ..stwriter import SafetensorsWriter
 from ..window import bounded_window
-from .parts import Counters, file_matches, read_entry, written_entries
+from .parts import Counters, read_entry, reusable, written_entries
 from .plan import BuildPlan
 
 _T = TypeVar("_T")
@@ -225,17 +225,7 @@ def build_layer(plan: BuildPlan, root: Path, reader: SourceReader, counters: Cou
 
 def reusable_layer(plan: BuildPlan, root: Path, layer: int) -> LayerManifest | None:
     """The manifest a killed build wrote for this layer, if it has this build's key and its files match."""
-    rel = L.layer_manifest(layer)
-    path = root / rel
-    if not path.is_file():
-        return None
-    try:
-        lm = load_record(path, LayerManifest.parse, rel)
-    except ManifestError:
-        return None
-    if lm.build_key != plan.layer_key(layer) or not all(file_matches(root, f) for f in lm.files):
-        return None
-    return lm
+    return reusable(root, L.layer_manifest(layer), plan.layer_key(layer), LayerManifest.parse)
 
 
 @dataclass

@@ -6,9 +6,10 @@ from __future__ import annotations
 import json
 import shutil
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any, Protocol, TypeVar
 
 from .. import layout as L
 from ..cancel import CancelToken
@@ -19,6 +20,15 @@ from ..manifest import (CACHE_MANIFEST, COMMIT_RECORD, VERIFIED_STATE, CacheMani
                         ManifestError, PartManifest, TensorEntry, load_record, write_record)
 from ..progress import Progress
 from ..stwriter import WrittenFile
+
+
+class _Reusable(Protocol):
+    build_key: str
+    files: tuple[FileEntry, ...]
+
+
+_R = TypeVar("_R", bound=_Reusable)
+
 
 def key_of(obj: object) -> str:
     """A build key: the digest of what a part's bytes depend on (JSON, sorted keys)."""
@@ -54,18 +64,23 @@ def written_entries(rel: str, written: WrittenFile, role: str) -> tuple[FileEntr
     return fe, [TensorEntry(t.name, rel, t.dtype, t.shape, t.begin, t.end, t.xxh3) for t in written.tensors]
 
 
-def reusable_part(root: Path, rel: str, key: str) -> PartManifest | None:
-    """The part record at `rel` if a killed build finished it for this very key and its files still match."""
+def reusable(root: Path, rel: str, key: str, parser: Callable[[Any, str], _R]) -> _R | None:
+    """The record at `rel` (a part record or a layer manifest) if a killed build finished it for this very
+    key and every file it lists still matches (size and digest, re-hashed); else None: redo it."""
     path = root / rel
     if not path.is_file():
         return None
     try:
-        part = load_record(path, PartManifest.parse, rel)
+        record = load_record(path, parser, rel)
     except ManifestError:
         return None
-    if part.build_key != key or not part.files or not all(file_matches(root, f) for f in part.files):
+    if record.build_key != key or not record.files or not all(file_matches(root, f) for f in record.files):
         return None
-    return part
+    return record
+
+
+def reusable_part(root: Path, rel: str, key: str) -> PartManifest | None:
+    return reusable(root, rel, key, PartManifest.parse)
 
 
 class Counters:
