@@ -48,6 +48,17 @@ class Pipeline:
         stream.synchronize()
         return result
 
+    def _bounds(self) -> tuple[int, int]:
+        """(jobs submitted at most, bytes of submitted jobs at most). CPU: the budget bounds bytes read but
+        not yet yielded. GPU: the pinned slots bound the staging bytes, the workers the jobs on the device;
+        without hashing the workers share each job's windows and the job threads only wait on them."""
+        workers = self.opts.workers
+        if self.staging is None:
+            return 2 * workers, self.opts.max_inflight
+        if self.staging.share_windows(workers):
+            return self.opts.tuning.gpu_jobs_in_flight, 1 << 62
+        return 2 * workers, 1 << 62
+
     def run(self, jobs: Sequence[Job], progress: Progress, what: str,
             before_yield: Callable[[Job], None] | None = None,
             cancel: CancelToken | None = None) -> Iterator[tuple[Job, dict[str, torch.Tensor]]]:
@@ -55,29 +66,21 @@ class Pipeline:
         `cancel` stops it between jobs (Interrupted; the wait below wakes every 0.25 s to look)."""
         pending = deque(jobs)
         running: dict[Future[dict[str, torch.Tensor]], Job] = {}
-        inflight = 0
-        # CPU: the budget bounds bytes read but not yet yielded. GPU: the pinned slots bound
-        # the staging bytes; jobs on the device are bounded by the workers.
-        budget = self.opts.max_inflight if self.staging is None else 1 << 62
-        workers = self.opts.workers
-        pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="moet-load")
-        max_jobs = 2 * workers
-        if self.staging is not None and self.staging.share_windows(workers):
-            max_jobs = self.opts.tuning.gpu_jobs_in_flight  # the job threads only wait on shared windows
+        pool = ThreadPoolExecutor(max_workers=self.opts.workers, thread_name_prefix="moet-load")
+        max_jobs, budget = self._bounds()
         progress.start(sum(j.nbytes for j in jobs), what)
         try:
             while pending or running:
                 check_cancel(cancel)
-                while pending and len(running) < max_jobs and \
-                        (not running or inflight + pending[0].nbytes <= budget):
+                # a job always starts when none runs, however big; else only within both bounds
+                while pending and (not running or (len(running) < max_jobs and
+                                                   sum(j.nbytes for j in running.values()) + pending[0].nbytes <= budget)):
                     job = pending.popleft()
-                    inflight += job.nbytes
                     running[pool.submit(self.run_job, job)] = job
                 done, _ = wait(list(running), timeout=0.25, return_when=FIRST_COMPLETED)
                 for fut in done:
                     job = running.pop(fut)
                     tensors = fut.result()  # a worker's error ends the load here
-                    inflight -= job.nbytes
                     if before_yield is not None:
                         before_yield(job)
                     progress.advance(job.nbytes)
@@ -85,17 +88,21 @@ class Pipeline:
                         progress.layer_done(job.layer)
                     yield job, tensors
         finally:
-            # Error, Ctrl-C or an abandoned generator: stop every worker, drop what they hold.
-            self.files.stop.set()
-            for fut in running:
-                fut.cancel()
-            pool.shutdown(wait=True, cancel_futures=True)
-            running.clear()
-            if self.staging is not None:
-                self.staging.close()  # the workers are gone: wait for every copy out of staging
-                self.staging = None
-            self.files.close()
+            self._stop(pool, running)
             progress.finish()
+
+    def _stop(self, pool: ThreadPoolExecutor, running: dict[Future[dict[str, torch.Tensor]], Job]) -> None:
+        """Error, Ctrl-C, cancel or an abandoned generator (or the end): stop every worker at its next
+        read, wait for them, drop what they hold, wait for every copy out of staging, close the files."""
+        self.files.stop.set()
+        for fut in running:
+            fut.cancel()
+        pool.shutdown(wait=True, cancel_futures=True)
+        running.clear()
+        if self.staging is not None:
+            self.staging.close()
+            self.staging = None
+        self.files.close()
 
 
 __all__ = ["Finish", "Pipeline"]
