@@ -338,6 +338,17 @@ def test_tuning_is_an_argument_not_a_module_knob(tiered) -> None:
             Tuning(**bad)  # type: ignore[arg-type]
 
 
+def test_staging_shape_follows_the_options() -> None:
+    """GPU staging (slot bytes, slot count) from workers, max_inflight and the tuning: no CUDA needed."""
+    from moet_cache.load.staging import staging_shape
+    gpu = torch.device("cuda", 0)
+    assert staging_shape(LoadOptions(gpu, 4, 2 << 30)) == (32 << 20, 8)             # 2 slots a worker
+    assert staging_shape(LoadOptions(gpu, 4, 2 << 30, tuning=Tuning(gpu_slot=16 << 20, gpu_slots_per_worker=3))) \
+        == (16 << 20, 12)
+    assert staging_shape(LoadOptions(gpu, 3, 1 << 20)) == (1 << 20, 6)               # at least 1 MiB, 2 a worker
+    assert staging_shape(LoadOptions(gpu, 2, 64 << 20)) == (16 << 20, 4)             # never more than the budget
+
+
 def test_a_digest_problem_carries_the_layer_number(lossless) -> None:
     """The layer of a failed read is a field of the read, never parsed back from its message."""
     lm = open_cache(lossless[1]).files.layers[2]

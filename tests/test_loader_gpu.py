@@ -72,3 +72,16 @@ def test_gpu_abandoned_load_stops_its_workers(built) -> None:
     it.close()  # the generator's finally: stop, shut both pools down, drain the staging
     assert not [t.name for t in threading.enumerate() if t.name.startswith(("moet-load", "moet-window"))]
     assert len(list(cache.load(device="cuda:0", verify="boot"))) == len(cache.layers)
+
+
+def test_gpu_staging_shape_from_the_tuning(built) -> None:
+    """Another staging shape (small slots, three a worker) through the options gives the same tensors."""
+    from moet_cache.loader import Tuning
+    cache = open_cache(built[1])
+    cpu = {x.index: x.tensors for x in cache.load(device="cpu")}
+    small = Tuning(gpu_slot=1 << 20, gpu_slots_per_worker=3, gpu_jobs_in_flight=1)
+    for verify in ("none", "hash"):
+        for x in cache.load(device="cuda:0", verify=verify, workers=2, tuning=small):
+            for name, t in x.tensors.items():
+                assert torch.equal(t.cpu().view(torch.uint8), cpu[x.index][name].view(torch.uint8)), (x.index, name)
+    cache.release()
