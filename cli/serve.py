@@ -10,6 +10,7 @@ from rich.text import Text
 
 from moet_cache import serving
 from moet_cache.units import GIB
+from moet_cache.verifier import State
 
 from ._common import JsonOpt, QuietOpt
 from ._output import Output
@@ -35,7 +36,7 @@ def serve(
         out.warn(w)
     for n in cmd.notes:
         out.info(f"note: {n}")
-    pre = serving.preflight_plan(cmd) if cmd.boot_state != "corrupt" else None
+    pre = serving.preflight_plan(cmd) if cmd.boot_state != State.CORRUPT else None
     if pre is not None:
         for w in pre.warnings:
             out.warn(f"plan: {w}")

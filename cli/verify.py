@@ -9,7 +9,7 @@ import typer
 
 from moet_cache import boot_check, full_verify, verify_against
 from moet_cache.units import fmt_bytes
-from moet_cache.verifier import VerifyReport
+from moet_cache.verifier import Check, State, VerifyReport
 
 from ._common import JsonOpt, QuietOpt
 from ._errors import EXIT_OK, EXIT_PROBLEM
@@ -55,9 +55,9 @@ def show_report(out: Output, r: VerifyReport, cache: Path) -> None:
         out.print(f"  {p.kind}: {p.describe()}")
     if len(r.problems) > MAX_LISTED:
         out.print(f"  ... and {len(r.problems) - MAX_LISTED} more (use --json for all)")
-    if r.details and r.mode == "against":
+    if r.details and r.mode == Check.AGAINST:
         out.print("  checked: " + ", ".join(f"{v} {k.replace('_', ' ')}" for k, v in r.details.items()))
-    if r.state == "unverified":
+    if r.state == State.UNVERIFIED:
         out.info(unverified_hint(r))
     elif not r.complete:
         out.info("hint: run `moet-cache build SRC CACHE` again to finish or repair the cache")

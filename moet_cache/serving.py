@@ -27,7 +27,7 @@ from .errors import EnvironmentProblem, InputError, MissingDependencyError, Veri
 
 if TYPE_CHECKING:
     from .cacheview import CacheView
-    from .verifier import VerifyReport
+    from .verifier import State, VerifyReport
 
 VLLM_PIN = "0.34.0"
 TORCH_PIN = "2.14.0"          # vLLM 0.34.0's own pin (its wheel requires torch==2.14.0)
@@ -417,7 +417,7 @@ class ServeCommand:
     env_added: tuple[tuple[str, str], ...]
     cache: str
     preset: str
-    boot_state: str
+    boot_state: State
     vllm: str | None                    # path of the vllm executable, None when not installed
     vllm_version: str | None            # the version whose parser checked the flags
     flags_checked: bool
