@@ -170,6 +170,23 @@ def test_lock_keeps_a_second_build_out(ckpt_modelopt: Path, tmp_path: Path) -> N
     assert not (cache / "COMMIT.json").exists()
 
 
+def test_a_boot_check_probing_the_lock_does_not_fail_a_build(tmp_path: Path) -> None:
+    # verify's probe (fsutil.lock_is_held) takes a shared lock for an instant; a build starting in that
+    # instant used to fail "another process is building" (tests/faults/test_concurrency.py, under load)
+    import fcntl
+    import threading
+    from moet_cache.fsutil import lock_is_held
+    cache = tmp_path / "cache"
+    with CacheLock(cache):
+        assert lock_is_held(cache)
+    fd = os.open(cache / ".lock", os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_SH)  # a probe caught in the act
+    threading.Timer(0.03, lambda: (fcntl.flock(fd, fcntl.LOCK_UN), os.close(fd))).start()
+    with CacheLock(cache):
+        pass
+    assert not lock_is_held(cache)
+
+
 def test_free_space_is_checked_first(ckpt_modelopt: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import collections
     import shutil as sh
