@@ -19,7 +19,7 @@ import os
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
+from typing import Iterator, Sequence
 
 import torch
 
@@ -212,7 +212,7 @@ class Cache:
         if opts.verify == VerifyMode.BOOT:
             _boot_gate(self.root)
         jobs = dense_jobs(self.dense_entries(), opts.tuning.dense_job)
-        keep: Callable[[Job, dict[str, torch.Tensor], object], dict[str, torch.Tensor]] = lambda j, t, s: t
+        keep: Finish = lambda j, t, s: t  # dense tensors are handed out as read
         pipe = Pipeline(self.root, dataclasses.replace(opts, max_inflight=max(opts.max_inflight, DENSE_MIN_INFLIGHT)),
                         keep, self._pinned)
         for _, tensors in pipe.run(jobs, progress or NullProgress(), "load dense", cancel=cancel):
@@ -225,8 +225,7 @@ def open_cache(path: str | os.PathLike[str], check_source: bool = True) -> Cache
     report, view = boot_view(root, check_source=check_source)
     if report.state in (CORRUPT, INCOMPLETE, STALE) or view is None:
         raise _refuse(report, root)
-    view.delta_index  # read now, on this thread: the boot check read and checked it (a damaged one is corrupt)
-    return Cache(view, report)
+    return Cache(view, report)  # the boot check read the delta index through the view (a damaged one is corrupt)
 
 
 __all__ = ["Cache", "LoadedLayer", "open_cache"]
