@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     from .build import BuildOptions, BuildResult, BuildTuning, RetierResult, build_cache, retier_cache
     from .exporter import ExportResult, export_checkpoint
     from .inspection import CacheInfo, inspect_cache
-    from .loader import Cache, LoadedLayer, open_cache
+    from .load import Cache, LoadedLayer, open_cache
     from .synthetic import SyntheticSpec, V4Spec, make_checkpoint, make_v4_checkpoint, small_spec, small_v4_spec
     from .verifier import VerifyReport, boot_check, full_verify, verify_against
 
@@ -24,7 +24,7 @@ _LAZY = {
     "build": ("BuildOptions", "BuildResult", "BuildTuning", "RetierResult", "build_cache", "retier_cache"),
     "exporter": ("ExportResult", "export_checkpoint"),
     "inspection": ("CacheInfo", "inspect_cache"),
-    "loader": ("Cache", "LoadedLayer", "open_cache"),
+    "load": ("Cache", "LoadedLayer", "open_cache"),
     "synthetic": ("SyntheticSpec", "make_checkpoint", "small_spec", "V4Spec", "make_v4_checkpoint", "small_v4_spec"),
     "verifier": ("VerifyReport", "boot_check", "full_verify", "verify_against"),
 }
