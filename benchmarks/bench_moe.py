@@ -190,10 +190,20 @@ class Humming:
         return run
 
 
-def sweep_configs(T: int) -> list:
-    """Candidates timed by --sweep: the pairs kernels up to T = 16, the grouped ones from T = 4."""
-    from moet_cache.runtime.launch import Config, Grouped, Pairs
+def sweep_configs(T: int, triton: bool) -> list:
+    """Candidates timed by --sweep: the tensor-core plane kernels at every T; with `triton`, also the
+    Triton pairs kernels up to T = 16 and the Triton grouped ones from T = 4."""
+    from moet_cache.runtime.launch import Config, Grouped, Mma, Pairs
     out = []
+    if T <= 16:
+        out += [Config.only(Mma(*m)) for m in ((1, 2, 2, True), (1, 4, 4, True), (1, 8, 8, True), (1, 4, 8, True),
+                                               (1, 2, 4, True), (1, 4, 4), (2, 4, 4), (2, 2, 2))]
+    elif T <= 256:
+        out += [Config.only(Mma(*m)) for m in ((2, 2, 2), (2, 4, 4), (4, 1, 1), (4, 2, 2), (8, 1, 1))]
+    else:
+        out += [Config.only(Mma(*m)) for m in ((4, 1, 1), (8, 1, 1), (8, 2, 2))]
+    if not triton:
+        return out
     if T <= 16:
         out += [Config.only(Pairs(bn, bkw, wp)) for bn, bkw, wp in
                 ((32, 16, 2), (64, 16, 4), (64, 8, 2), (128, 16, 4), (128, 16, 8))]
@@ -243,7 +253,7 @@ def speed(args: argparse.Namespace) -> list[dict]:
         x = (torch.randn((T, H), device="cuda") * 0.5).to(torch.bfloat16)
         res: list[Result] = []
         if args.sweep:
-            for cfg in sweep_configs(T):
+            for cfg in sweep_configs(T, args.sweep_triton):
                 try:
                     r = bench_planes(f"sweep {cfg}", none8, x, w, ids, cfg)
                     print(f"  T={T} {r.us:9.1f} us {r.gbps:7.0f} GB/s  {cfg}", flush=True)
@@ -252,6 +262,8 @@ def speed(args: argparse.Namespace) -> list[dict]:
         res.append(bench_planes("planes e8m0 base-only", none8, x, w, ids))
         res.append(bench_planes("planes e8m0 tier10%", planes8, x, w, ids))
         res.append(bench_planes("planes e4m3 base-only", none4, x, w, ids))
+        from moet_cache.runtime.launch import Config
+        res.append(bench_planes("planes e8m0 base, Triton", none8, x, w, ids, Config(mma_max=0)))
         hit = len(set(ids.reshape(-1).tolist()))
         try:
             us, note = timed(lambda: bf16(x, w, ids))
@@ -335,6 +347,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", default="1,4,16,64,256,4096", type=lambda s: [int(v) for v in s.split(",")])
     ap.add_argument("--sweep", action="store_true", help="also time the block-size candidates (planes)")
+    ap.add_argument("--sweep-triton", action="store_true", help="with --sweep: the Triton kernels' candidates too")
     ap.add_argument("--fidelity", action="store_true", help="only the fidelity figures (CPU is enough)")
     ap.add_argument("--skew", type=float, default=1.0, help="fidelity: sigma of the lognormal expert popularity")
     ap.add_argument("--json", type=Path, help="write every figure here")

@@ -8,6 +8,7 @@ import torch
 
 from .align import align_pairs
 from .dequant import LayerPlanes
+from .mma_moe import Mma
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,8 @@ class Config:
     """Which kernels and blocks for P = T * top_k pairs; the defaults are the H200 sweep's best
     (benchmarks/bench_moe.py --sweep, docs/RUNTIME.md)."""
 
+    mma_max: int = 96         # P up to this: `mma` (tensor cores, mma_moe.cu) where it runs, else Triton
+    mma: Mma = Mma(1, 4, 4, direct=True)
     tiny_max: int = 12        # P up to this: `tiny`
     pairs_max: int = 96       # then up to this: `pairs`
     large_from: int = 2048    # from this: `large`; between: `mid`
@@ -44,7 +47,10 @@ class Config:
     mid: Grouped = Grouped(16, 64, 16, 4, 2, True)
     large: Grouped = Grouped(128, 128, 4, 8, 3, False)
 
-    def pick(self, P: int) -> Pairs | Grouped:
+    def pick(self, P: int, mma_runs: bool = True) -> Pairs | Grouped | Mma:
+        """The kernels for P pairs; `mma_runs`: whether the tensor-core kernels run this layer here."""
+        if mma_runs and P <= self.mma_max:
+            return self.mma
         if P <= self.tiny_max:
             return self.tiny
         if P <= self.pairs_max:
@@ -52,11 +58,13 @@ class Config:
         return self.large if P >= self.large_from else self.mid
 
     @classmethod
-    def only(cls, block: Pairs | Grouped) -> "Config":
+    def only(cls, block: Pairs | Grouped | Mma) -> "Config":
         """Always these kernels and blocks (tests, sweeps)."""
+        if isinstance(block, Mma):
+            return cls(mma_max=1 << 62, mma=block)
         if isinstance(block, Pairs):
-            return cls(tiny_max=0, pairs_max=1 << 62, pairs=block)
-        return cls(tiny_max=0, pairs_max=0, large_from=1 << 62, mid=block)
+            return cls(mma_max=0, tiny_max=0, pairs_max=1 << 62, pairs=block)
+        return cls(mma_max=0, tiny_max=0, pairs_max=0, large_from=1 << 62, mid=block)
 
 
 DEFAULT = Config()
@@ -78,6 +86,7 @@ def _words(t: torch.Tensor) -> torch.Tensor:
 def fused_moe_cuda(x: torch.Tensor, planes: LayerPlanes, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                    swiglu_limit: float | None, config: Config = DEFAULT) -> torch.Tensor:
     """[T, H] in x's dtype; works on CUDA tensors (and CPU ones under TRITON_INTERPRET=1)."""
+    from . import mma_moe
     from . import triton_moe as k
 
     T, H, I, E = x.shape[0], planes.hidden, planes.inter, planes.num_experts
@@ -88,6 +97,12 @@ def fused_moe_cuda(x: torch.Tensor, planes: LayerPlanes, topk_weights: torch.Ten
         raise ValueError(f"hidden {H} and intermediate {I} must be multiples of 16")
     dev = x.device
     x = x.contiguous()
+    P = T * top_k
+    c = config.pick(P)
+    if isinstance(c, Mma):
+        if mma_moe.supported(planes, dev, c):
+            return mma_moe.fused_moe_mma(x, planes, topk_weights, topk_ids, swiglu_limit, c).sum(1).to(x.dtype)
+        c = config.pick(P, mma_runs=False)
     ids = topk_ids.reshape(-1).to(torch.int32).contiguous()
     wts = topk_weights.reshape(-1).contiguous()
     tier = torch.full((E,), -1, dtype=torch.int32, device=dev)
@@ -104,10 +119,8 @@ def fused_moe_cuda(x: torch.Tensor, planes: LayerPlanes, topk_weights: torch.Ten
     s2_2 = planes.w2_scale_2.contiguous()
     t13, t2 = planes.w13_table.contiguous(), planes.w2_table.contiguous()
     limit = 0.0 if swiglu_limit is None else float(swiglu_limit)
-    P = T * top_k
     act = torch.empty((P, I), dtype=x.dtype, device=dev)
     out = torch.empty((P, H), dtype=torch.float32, device=dev)
-    c = config.pick(P)
     if isinstance(c, Pairs):
         bn13, bkw13 = _fit(I, c.bn), _fit(H // 16, c.bkw)
         k.w13_pairs_kernel[(P, I // bn13)](

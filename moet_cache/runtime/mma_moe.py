@@ -1,0 +1,104 @@
+"""The tensor-core plane kernels (mma_moe.cu): compiled by NVRTC at first use, launched on the pairs
+sorted by expert (align.py). CUDA only, compute capability 8.0 and up (mma.sync bf16)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from importlib.resources import files
+from typing import Any
+
+import torch
+
+from .align import align_pairs
+from .dequant import LayerPlanes
+
+#: words (16 codes each) one warp reads per row and step; K per warp must be a multiple of it
+STEP_WORDS = 8
+
+
+@dataclass(frozen=True)
+class Mma:
+    """A CTA: blocks of 8 * nt pairs of one expert x 16 output rows (w13: and their 16 up rows); ks13 /
+    ks2 warps split K per tile. `direct` (nt 1): one pair a block, straight from topk_ids, no sorting:
+    an expert routed twice is read twice, and no align kernels run (decode)."""
+
+    nt: int
+    ks13: int
+    ks2: int
+    direct: bool = False
+    prefetch: bool = True  # plane loads ask the L2 for 256 bytes (mma_moe.cu, MOET_L2_PREFETCH)
+
+    def __post_init__(self) -> None:
+        if self.direct and self.nt != 1:
+            raise ValueError("direct blocks hold one pair: nt must be 1")
+
+
+def supported(planes: LayerPlanes, device: torch.device, block: Mma) -> bool:
+    """Whether these kernels run this layer here: sm_80+, and K splits into whole steps per warp."""
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 0):
+        return False
+    H, I = planes.hidden, planes.inter
+    return (H % (16 * STEP_WORDS * block.ks13) == 0 and I % (16 * STEP_WORDS * block.ks2) == 0
+            and I % 16 == 0 and H % 16 == 0)
+
+
+@lru_cache(maxsize=None)
+def _source() -> str:
+    return files(__package__).joinpath("mma_moe.cu").read_text()
+
+
+@lru_cache(maxsize=None)
+def _kernel(tiles: int, nt: int, ks: int, e8: bool, xnat: bool, prefetch: bool, device: int) -> Any:
+    """The kernel for these template arguments, compiled by NVRTC and loaded once a process and device
+    (a loaded module belongs to one device's context)."""
+    capability = torch.cuda.get_device_capability(device)
+    name = f"moe_mma<{tiles}, {nt}, {ks}, {str(e8).lower()}, {str(xnat).lower()}>"
+    return torch.cuda._compile_kernel(_source(), name, compute_capability=f"{capability[0]}{capability[1]}",
+                                      nvcc_options=["-std=c++17", f"-DMOET_L2_PREFETCH={int(prefetch)}"])
+
+
+def k_permuted(x: torch.Tensor) -> torch.Tensor:
+    """bf16 [T, K] with position 2q + s + 8h of each 16 holding element q + 4s + 8h (mma_moe.cu)."""
+    T, K = x.shape
+    return x.to(torch.bfloat16).view(T, K // 16, 2, 2, 4).transpose(-1, -2).reshape(T, K).contiguous()
+
+
+def fused_moe_mma(x: torch.Tensor, planes: LayerPlanes, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                  swiglu_limit: float | None, block: Mma) -> torch.Tensor:
+    """[T, top_k, H] float32 per pair (already weighted), for T > 0."""
+    T, H, I, E = x.shape[0], planes.hidden, planes.inter, planes.num_experts
+    top_k = topk_ids.shape[1]
+    P, dev = T * top_k, x.device
+    ids = topk_ids.reshape(-1).to(torch.int32).contiguous()
+    if block.direct:
+        grid_x, sorted_pairs, block_expert = P, ids, ids  # the two are not read
+    else:
+        blocks = align_pairs(topk_ids, E, 8 * block.nt)
+        grid_x, sorted_pairs, block_expert = blocks.max_blocks, blocks.sorted_pairs, blocks.block_expert
+    wts = topk_weights.reshape(-1).float().contiguous()
+    tier = planes.delta_experts.to(torch.int64).contiguous()  # sorted (the format keeps them so)
+    n_tier = tier.numel()
+    b13, b2 = planes.w13_base.contiguous(), planes.w2_base.contiguous()
+    d13 = planes.w13_delta.contiguous() if n_tier else b13  # never read without a tier row
+    d2 = planes.w2_delta.contiguous() if n_tier else b2
+    s13, s2 = planes.w13_scale.contiguous().view(torch.uint8), planes.w2_scale.contiguous().view(torch.uint8)
+    e8_13 = planes.w13_scale.dtype == torch.float8_e8m0fnu
+    e8_2 = planes.w2_scale.dtype == torch.float8_e8m0fnu
+    xnat = block.nt == 1  # one token column: natural x costs two loads more a step, not a permuting copy
+    xin = x.to(torch.bfloat16).contiguous() if xnat else k_permuted(x)
+    act = torch.empty((P, I), dtype=torch.bfloat16, device=dev)
+    out = torch.empty((P, H), dtype=torch.float32, device=dev)
+    limit = 0.0 if swiglu_limit is None else float(swiglu_limit)
+    with torch.cuda.device(dev):  # the compile loads into, and the launch uses, dev's context
+        k13 = _kernel(2, block.nt, block.ks13, e8_13, xnat, block.prefetch, dev.index)
+        k13(grid=(grid_x, I // 16, 1), block=(64 * block.ks13, 1, 1),
+            args=[xin, ids, sorted_pairs, block_expert, tier, n_tier, b13, d13, s13,
+                  planes.w13_scale_2.float().contiguous(), planes.w13_table.float().contiguous(), wts, act,
+                  top_k, H, I, limit, int(swiglu_limit is not None), int(block.direct)])
+        k2 = _kernel(1, block.nt, block.ks2, e8_2, False, block.prefetch, dev.index)
+        k2(grid=(grid_x, H // 16, 1), block=(32 * block.ks2, 1, 1),
+           args=[act, ids, sorted_pairs, block_expert, tier, n_tier, b2, d2, s2,
+                 planes.w2_scale_2.float().contiguous(), planes.w2_table.float().contiguous(), wts, out,
+                 top_k, I, H, 0.0, 0, int(block.direct)])
+    return out.view(T, top_k, H)

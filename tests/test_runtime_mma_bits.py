@@ -1,0 +1,150 @@
+"""The bit arithmetic of the tensor-core kernels (moet_cache/runtime/mma_moe.cu), emulated on the CPU
+op by op: PRMT table lookups, the tier's exact E2M1, the scale bytes as bf16, and the K permutation
+against the mma.sync m16n8k16 fragment layout of the PTX ISA. The kernels themselves run only on a
+GPU (tests/test_runtime_gpu.py); this proves the algebra they rest on in CI."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from moet_cache.runtime.dequant import E2M1
+from moet_cache.runtime.mma_moe import k_permuted
+
+M32 = 0xFFFFFFFF
+
+
+def prmt(a: int, b: int, s: int) -> int:
+    """PTX prmt.b32 (default mode): byte i of the result is byte s[4i..4i+2] of {b, a}, or with
+    s[4i+3] set that byte's sign bit replicated."""
+    pool = (a & M32) | ((b & M32) << 32)
+    out = 0
+    for i in range(4):
+        sel = (s >> (4 * i)) & 15
+        byte = (pool >> (8 * (sel & 7))) & 0xFF
+        if sel & 8:
+            byte = 0xFF if byte & 0x80 else 0
+        out |= byte << (8 * i)
+    return out
+
+
+def bf16_bits(v: float) -> int:
+    return int(torch.tensor([v], dtype=torch.bfloat16).view(torch.int16).item()) & 0xFFFF
+
+
+def bf16_value(bits: int) -> float:
+    return torch.tensor([bits if bits < 0x8000 else bits - 0x10000], dtype=torch.int16).view(torch.bfloat16).item()
+
+
+def bmul2(a: int, b: int) -> int:
+    """fma.rn.bf16x2 a * b + (-0), per half."""
+    lo = bf16_bits(bf16_value(a & 0xFFFF) * bf16_value(b & 0xFFFF))
+    hi = bf16_bits(bf16_value(a >> 16) * bf16_value(b >> 16))
+    return lo | hi << 16
+
+
+def base_regs(ws: int, tlo: int, thi: int) -> tuple[int, int]:
+    """mma_moe.cu base_regs: the word already shifted by 2q."""
+    sel = ((ws & 0x03030303) * 0x22 + 0x10101010) & M32
+    return prmt(tlo, thi, sel), prmt(tlo, thi, sel >> 16)
+
+
+def tier_regs(wb: int, wd: int, sc: int) -> tuple[int, int]:
+    """mma_moe.cu tier_regs: base and delta words already shifted by 2q."""
+    mb = wb & 0x03030303
+    sel = ((wd & 0x03030303) * 0x22 + 0x10101010) & M32
+    m7, m6 = (mb << 7) & M32, (mb << 6) & M32
+    out = []
+    for s_, big_sel in ((sel, 0x9988), (sel >> 16, 0xBBAA)):
+        small, large = prmt(0x3F000000, 0x3FC03F80, s_), prmt(0x40404000, 0x40C04080, s_)
+        big, neg = prmt(m7, 0, big_sel), prmt(m6, 0, big_sel)
+        out.append(bmul2((large & big) | (small & ~big & M32) | (neg & 0x80008000), sc))
+    return out[0], out[1]
+
+
+def scale_pair(byte: int, e8: bool) -> int:
+    if e8:
+        return (byte * 0x00800080) & M32
+    e, m = (byte >> 3) & 15, byte & 7
+    if e:
+        bits = ((e + 120) << 7) | (m << 4)
+    else:
+        bits = bf16_bits(m * 0.001953125)
+    bits |= (byte & 128) << 8
+    return bits | bits << 16
+
+
+def test_base_regs_are_the_table_for_every_code() -> None:
+    table = [0.8125, 3.25, -0.75, -3.5]
+    tlo = bf16_bits(table[0]) | bf16_bits(table[1]) << 16
+    thi = bf16_bits(table[2]) | bf16_bits(table[3]) << 16
+    rng = random.Random(5)
+    for _ in range(2000):
+        w, q = rng.getrandbits(32), rng.randrange(4)
+        lo, hi = base_regs(w >> (2 * q), tlo, thi)
+        # lo: codes q, q + 4 of the word; hi: codes q + 8, q + 12 (low half first)
+        for reg, (ca, cb) in ((lo, (q, q + 4)), (hi, (q + 8, q + 12))):
+            assert bf16_value(reg & 0xFFFF) == bf16_value(bf16_bits(table[(w >> (2 * ca)) & 3]))
+            assert bf16_value(reg >> 16) == bf16_value(bf16_bits(table[(w >> (2 * cb)) & 3]))
+
+
+def test_tier_regs_are_exact_e2m1_times_the_scale() -> None:
+    rng = random.Random(6)
+    for byte, e8 in ((127, True), (120, True), (133, True), (0x38, False), (0x3B, False), (0x05, False)):
+        sc = scale_pair(byte, e8)
+        s = bf16_value(sc & 0xFFFF)
+        for _ in range(600):
+            wb, wd, q = rng.getrandbits(32), rng.getrandbits(32), rng.randrange(4)
+            lo, hi = tier_regs(wb >> (2 * q), wd >> (2 * q), sc)
+            for reg, (ca, cb) in ((lo, (q, q + 4)), (hi, (q + 8, q + 12))):
+                code_a = ((wb >> (2 * ca)) & 3) << 2 | (wd >> (2 * ca)) & 3
+                code_b = ((wb >> (2 * cb)) & 3) << 2 | (wd >> (2 * cb)) & 3
+                assert bf16_value(reg & 0xFFFF) == E2M1[code_a] * s, (code_a, byte)
+                assert bf16_value(reg >> 16) == E2M1[code_b] * s, (code_b, byte)
+
+
+def test_scale_pairs_are_the_scale_values() -> None:
+    for byte in range(1, 255):  # e8m0 0 (2^-127) is taken as 0 by the kernel; 255 is NaN
+        want = torch.tensor([byte], dtype=torch.uint8).view(torch.float8_e8m0fnu).float().item()
+        sp = scale_pair(byte, True)
+        assert bf16_value(sp & 0xFFFF) == want and sp >> 16 == sp & 0xFFFF
+    for byte in range(256):
+        want = torch.tensor([byte], dtype=torch.uint8).view(torch.float8_e4m3fn).float().item()
+        if want != want:  # NaN codes
+            continue
+        sp = scale_pair(byte, False)
+        assert bf16_value(sp & 0xFFFF) == want, byte
+
+
+def test_fragments_and_k_permutation_give_w_times_x() -> None:
+    """One m16n8k16 step as the kernel feeds it: A from one word of each of 16 rows (thread g, q:
+    rows g, g + 8; registers a0..a3 by base_regs of the words shifted by 2q), B from the K-permuted
+    activations (b0: u32 q, b1: u32 4 + q of the 16), C by the PTX ISA's fragment layout. The
+    product must equal W @ x in natural order."""
+    g0 = torch.Generator().manual_seed(3)
+    table = [0.75, 3.0, -1.0, -2.5]  # exact in bf16
+    tlo = bf16_bits(table[0]) | bf16_bits(table[1]) << 16
+    thi = bf16_bits(table[2]) | bf16_bits(table[3]) << 16
+    words = torch.randint(0, 1 << 31, (16,), generator=g0).tolist()
+    codes = torch.tensor([[(w >> (2 * j)) & 3 for j in range(16)] for w in words])
+    W = torch.tensor(table)[codes]                                       # [16 rows, 16 k] natural order
+    x = torch.randn((8, 16), generator=g0).to(torch.bfloat16)            # 8 tokens
+    xp = k_permuted(x).view(torch.int16).to(torch.int64) & 0xFFFF        # [8, 16] bf16 bits, permuted
+    xu32 = [[int(xp[n, 2 * i]) | int(xp[n, 2 * i + 1]) << 16 for i in range(8)] for n in range(8)]
+    C = torch.zeros((16, 8), dtype=torch.float64)
+    for lane in range(32):
+        g, q = lane >> 2, lane & 3
+        a0, a2 = base_regs(words[g] >> (2 * q), tlo, thi)
+        a1, a3 = base_regs(words[g + 8] >> (2 * q), tlo, thi)
+        a = [a0, a1, a2, a3]
+        # A fragment (PTX ISA, m16n8k16 .bf16): a0 (row g, cols 2q, 2q+1), a1 (row g+8, same),
+        # a2 (row g, cols 2q+8, 2q+9), a3 (row g+8, same); low half = the lower column
+        for reg, (row, col) in zip(a, ((g, 2 * q), (g + 8, 2 * q), (g, 2 * q + 8), (g + 8, 2 * q + 8))):
+            A_lo, A_hi = bf16_value(reg & 0xFFFF), bf16_value(reg >> 16)
+            # B fragment: b0 (k 2q, 2q+1; token g), b1 (k 2q+8, 2q+9): here for every token column n
+            for n in range(8):
+                b = xu32[n][q] if col < 8 else xu32[n][4 + q]
+                C[row, n] += A_lo * bf16_value(b & 0xFFFF) + A_hi * bf16_value(b >> 16)
+    want = W.double() @ x.double().T
+    assert torch.allclose(C, want, atol=1e-9)
