@@ -58,11 +58,13 @@ def test_wheel_carries_every_schema_byte_for_byte(wheel: zipfile.ZipFile) -> Non
 
 
 def test_wheel_carries_every_module(wheel: zipfile.ZipFile) -> None:
-    """Every .py of moet_cache/, cli/ and manifests/ lands where pyproject maps it; no top-level `cli`."""
+    """Every .py (and .cu) of moet_cache/, cli/ and manifests/ lands where pyproject maps it; no top-level
+    `cli`."""
     names = set(wheel.namelist())
     want = set()
     for folder, target in PACKAGE_DIRS.items():
-        for p in (REPO / folder).rglob("*.py"):
+        # the CUDA sources are read at run time (NVRTC compiles them at first use)
+        for p in [*(REPO / folder).rglob("*.py"), *(REPO / folder).rglob("*.cu")]:
             want.add(f"{target}/{p.relative_to(REPO / folder).as_posix()}")
     missing = sorted(want - names)
     assert not missing, f"the wheel leaves out {missing}: see [tool.setuptools] packages in pyproject.toml"
