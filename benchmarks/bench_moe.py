@@ -263,7 +263,7 @@ def speed(args: argparse.Namespace) -> list[dict]:
         res.append(bench_planes("planes e8m0 tier10%", planes8, x, w, ids))
         res.append(bench_planes("planes e4m3 base-only", none4, x, w, ids))
         from moet_cache.runtime.launch import Config
-        res.append(bench_planes("planes e8m0 base, Triton", none8, x, w, ids, Config(mma_max=0)))
+        res.append(bench_planes("planes e8m0 base, Triton", none8, x, w, ids, Config(mma=False)))
         hit = len(set(ids.reshape(-1).tolist()))
         try:
             us, note = timed(lambda: bf16(x, w, ids))

@@ -34,14 +34,18 @@ class Grouped:
 
 @dataclass(frozen=True)
 class Config:
-    """Which kernels and blocks for P = T * top_k pairs; the defaults are the H200 sweep's best
-    (benchmarks/bench_moe.py --sweep, docs/RUNTIME.md)."""
+    """Which kernels and blocks for P = T * top_k pairs; the defaults are the H200 measurements' best
+    (benchmarks/bench_moe.py --sweep, docs/RUNTIME.md). Below `large_from` the tensor-core plane
+    kernels (mma_moe.cu) run where they can (`mma`); the Triton kernels run the rest, and everything
+    where mma_moe cannot run (no sm_80, dims that do not split)."""
 
-    mma_max: int = 96         # P up to this: `mma` (tensor cores, mma_moe.cu) where it runs, else Triton
-    mma: Mma = Mma(1, 4, 4, direct=True)
-    tiny_max: int = 12        # P up to this: `tiny`
-    pairs_max: int = 96       # then up to this: `pairs`
-    large_from: int = 2048    # from this: `large`; between: `mid`
+    mma: bool = True
+    tiny_max: int = 12        # P up to this: `mma_tiny` / Triton `tiny`
+    pairs_max: int = 96       # then up to this: `mma_decode` / Triton `pairs`
+    large_from: int = 2048    # from this: Triton `large`; between: `mma_mid` / Triton `mid`
+    mma_tiny: Mma = Mma(1, 4, 4, direct=True)
+    mma_decode: Mma = Mma(1, 2, 2, direct=True)
+    mma_mid: Mma = Mma(2, 2, 2)
     tiny: Pairs = Pairs(32, 16, 2)
     pairs: Pairs = Pairs(64, 8, 2)
     mid: Grouped = Grouped(16, 64, 16, 4, 2, True)
@@ -49,8 +53,8 @@ class Config:
 
     def pick(self, P: int, mma_runs: bool = True) -> Pairs | Grouped | Mma:
         """The kernels for P pairs; `mma_runs`: whether the tensor-core kernels run this layer here."""
-        if mma_runs and P <= self.mma_max:
-            return self.mma
+        if self.mma and mma_runs and P < self.large_from:
+            return self.mma_tiny if P <= self.tiny_max else self.mma_decode if P <= self.pairs_max else self.mma_mid
         if P <= self.tiny_max:
             return self.tiny
         if P <= self.pairs_max:
@@ -61,10 +65,10 @@ class Config:
     def only(cls, block: Pairs | Grouped | Mma) -> "Config":
         """Always these kernels and blocks (tests, sweeps)."""
         if isinstance(block, Mma):
-            return cls(mma_max=1 << 62, mma=block)
+            return cls(large_from=1 << 62, mma_tiny=block, mma_decode=block, mma_mid=block)
         if isinstance(block, Pairs):
-            return cls(mma_max=0, tiny_max=0, pairs_max=1 << 62, pairs=block)
-        return cls(mma_max=0, tiny_max=0, pairs_max=0, large_from=1 << 62, mid=block)
+            return cls(mma=False, tiny_max=0, pairs_max=1 << 62, pairs=block)
+        return cls(mma=False, tiny_max=0, pairs_max=0, large_from=1 << 62, mid=block)
 
 
 DEFAULT = Config()
