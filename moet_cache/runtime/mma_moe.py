@@ -38,6 +38,8 @@ def supported(planes: LayerPlanes, device: torch.device, block: Mma) -> bool:
     """Whether these kernels run this layer here: sm_80+, and K splits into whole steps per warp."""
     if device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 0):
         return False
+    if not hasattr(torch.cuda, "_compile_kernel"):  # torch's NVRTC wrapper (torch 2.8+): else Triton runs
+        return False
     H, I = planes.hidden, planes.inter
     return (H % (16 * STEP_WORDS * block.ks13) == 0 and I % (16 * STEP_WORDS * block.ks2) == 0
             and I % 16 == 0 and H % 16 == 0)
