@@ -174,8 +174,12 @@ def read_cached(paths: list[Path]) -> tuple[float, int]:
 _BUILD_CHILD = """
 import json, sys, time
 from moet_cache import BuildOptions, build_cache
+from moet_cache.build.options import BuildTuning
+from moet_cache.cli.build import host_kernel_from_env, split_device_from_env
 t0 = time.perf_counter()
-r = build_cache(sys.argv[1], sys.argv[2], BuildOptions(delta_budget=sys.argv[3]))
+# the environment as `moet-cache build` reads it (MOET_CACHE_SPLIT_DEVICE, MOET_CACHE_KERNELS: A/B runs)
+tuning = BuildTuning(split_device=split_device_from_env(), host_kernel=host_kernel_from_env())
+r = build_cache(sys.argv[1], sys.argv[2], BuildOptions(delta_budget=sys.argv[3], tuning=tuning))
 print(json.dumps({"seconds": time.perf_counter() - t0, "source_bytes": r.source_bytes,
                   "cache_bytes": r.cache_bytes}))
 """
