@@ -220,14 +220,16 @@ DEV void k_loop(float (&acc)[NT][4], const u32* const (&wrow)[2], const u32* con
   }
 }
 
-// The delta row of expert e: its index in the sorted delta_experts (the format keeps them sorted), or -1.
-DEV int tier_row_of(const long long* delta_experts, int n_tier, int e) {
-  int lo = 0, hi = n_tier;
-  while (lo < hi) {
-    int mid = (lo + hi) >> 1;
-    if (delta_experts[mid] < e) lo = mid + 1; else hi = mid;
+// The delta row of expert e: its index in delta_experts, or -1. The warp compares 32 entries a round,
+// the loads independent of each other (a binary search would chain five dependent loads before the
+// CTA's first weight load: measurable at decode, where every CTA is short).
+DEV int tier_row_of(const long long* delta_experts, int n_tier, int e, int lane) {
+  for (int i0 = 0; i0 < n_tier; i0 += 32) {
+    int i = i0 + lane;
+    unsigned hit = __ballot_sync(0xffffffffu, i < n_tier && delta_experts[i] == e);
+    if (hit) return i0 + __ffs(hit) - 1;
   }
-  return lo < n_tier && delta_experts[lo] == e ? lo : -1;
+  return -1;
 }
 
 // One CTA: a block of up to 8 * NT pairs of one expert x 16 output rows of each of TILES tiles (w13:
@@ -247,8 +249,8 @@ moe_mma(const u16* __restrict__ xin, const int* __restrict__ topk_ids, const int
   constexpr int BM = 8 * NT, W = TILES * KS;
   const int e = direct ? topk_ids[blockIdx.x] : block_expert[blockIdx.x];
   if (e < 0) return;
-  const int tr = tier_row_of(delta_experts, n_tier, e);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+  const int tr = tier_row_of(delta_experts, n_tier, e, lane);
   const int tile = warp / KS, part = warp % KS;
   const int Kw = K >> 4, sk = E8 ? (K >> 5) : (K >> 4);
   const int n0 = blockIdx.y * 16;

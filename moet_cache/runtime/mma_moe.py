@@ -79,7 +79,7 @@ def fused_moe_mma(x: torch.Tensor, planes: LayerPlanes, topk_weights: torch.Tens
         blocks = align_pairs(topk_ids, E, 8 * block.nt)
         grid_x, sorted_pairs, block_expert = blocks.max_blocks, blocks.sorted_pairs, blocks.block_expert
     wts = topk_weights.reshape(-1).float().contiguous()
-    tier = planes.delta_experts.to(torch.int64).contiguous()  # sorted (the format keeps them so)
+    tier = planes.delta_experts.to(torch.int64).contiguous()
     n_tier = tier.numel()
     b13, b2 = planes.w13_base.contiguous(), planes.w2_base.contiguous()
     d13 = planes.w13_delta.contiguous() if n_tier else b13  # never read without a tier row
