@@ -14,7 +14,7 @@ from typing import Any, Protocol, TypeVar
 from .. import layout as L
 from ..cancel import CancelToken
 from ..fsutil import atomic_write_bytes, fsync_dir
-from ..cacheview import file_matches
+from ..cacheview import file_matches, read_listed_record
 from ..hashing import xxh3_hex
 from ..manifest import (CACHE_MANIFEST, COMMIT_RECORD, VERIFIED_STATE, CacheManifest, FileEntry, LayerManifest,
                         ManifestError, PartManifest, TensorEntry, load_record, write_record)
@@ -127,8 +127,9 @@ def sweep(root: Path, manifest: CacheManifest) -> None:
     """Remove what an earlier (killed) build or retier left that this cache does not list: unlisted files
     in our folders, the staging folder, temp files of atomic writes (the caller holds the lock)."""
     keep = {f.path for f in manifest.files} | {r.manifest for r in manifest.layers}
-    for layer in manifest.layers:
-        lm = load_record(root / layer.manifest, LayerManifest.parse)
+    for layer in manifest.layers:  # checked against cache.json's entry, as every reader of a cache does
+        entry = FileEntry(layer.manifest, layer.size, layer.xxh3, L.Role.LAYER_MANIFEST)
+        lm = read_listed_record(root, entry, LayerManifest.parse)
         keep.update(f.path for f in lm.files)
     for folder in (L.LAYERS_DIR, L.DENSE_DIR, "delta", L.AUX_DIR):
         d = root / folder
