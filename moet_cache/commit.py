@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -30,7 +29,7 @@ from .errors import EnvironmentProblem, InputError
 from . import layout as L
 from .fsutil import CacheLock, atomic_write_bytes, fsync_dir, read_all, refuse_links
 from .hashing import xxh3_hex
-from .manifest import CACHE_MANIFEST, COMMIT_RECORD, CacheManifest, CommitRecord, write_record
+from .manifest import CACHE_MANIFEST, COMMIT_RECORD, CacheManifest, CommitRecord, utc_now, write_record
 
 KILL_ENV = "MOET_CACHE_TEST_KILL_AT"
 
@@ -143,11 +142,6 @@ class Committer:
         except BaseException:
             self.restore()
             raise
-
-
-def utc_now() -> str:
-    """The one timestamp format of the cache's records (created, committed_at, verified_at): UTC, seconds, Z."""
-    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
 
 @contextmanager

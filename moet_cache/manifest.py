@@ -8,6 +8,7 @@ manifests/ describe the same documents; tests check that what we write validates
 from __future__ import annotations
 
 import re
+import time
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,12 @@ from .families import FAMILY_CLASSES, Family
 from .fsutil import atomic_write_json, read_json_file, safe_relpath
 from .modelconfig import ModelConfig
 from .stheader import DTYPES as _DTYPE_TABLE
+
+
+def utc_now() -> str:
+    """The one timestamp format of the cache's records (created, committed_at, verified_at): UTC, seconds, Z."""
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
 
 FORMAT_VERSION = 1
 CACHE_MANIFEST = "cache.json"

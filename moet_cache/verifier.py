@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from . import layout as L
-from .commit import utc_now
+from .manifest import utc_now
 from .enums import StrEnum, TensorKind
 from .cacheview import CacheView, ListedFileError, entry_digest, open_view, read_committed_manifest
 from .errors import InputError, VerificationError

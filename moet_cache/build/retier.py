@@ -10,9 +10,9 @@ from pathlib import Path
 from .. import layout as L
 from ..cacheview import CacheView, file_matches, open_uncommitted_view, open_view
 from ..cancel import CancelToken
-from ..commit import KillHook, changing, utc_now
+from ..commit import KillHook, changing
 from ..errors import InputError
-from ..manifest import COMMIT_RECORD, ManifestError
+from ..manifest import COMMIT_RECORD, ManifestError, utc_now
 from ..tiering import check_profile, choose_tier, load_profile
 from ..units import parse_budget
 from .options import RetierResult

@@ -18,10 +18,10 @@ from .. import layout as L
 from ..cacheview import read_committed_manifest, read_delta_index
 from ..cancel import CancelToken
 from ..checkpoint import SourceReader, open_checkpoint
-from ..commit import changing, utc_now
+from ..commit import changing
 from ..errors import InputError
 from ..fsutil import check_free_space
-from ..manifest import BuildParams, CacheManifest, CacheModel, FileEntry, LayerRef, ManifestError
+from ..manifest import BuildParams, CacheManifest, CacheModel, FileEntry, LayerRef, ManifestError, utc_now
 from ..progress import NullProgress, Progress
 from ..tiering import RoutingProfile, check_profile, load_profile
 from ..units import parse_budget
