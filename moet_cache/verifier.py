@@ -418,6 +418,140 @@ def cache_read_errors(fn: Any) -> Any:
     return wrapper
 
 
+def _against_listed(cf: CacheView) -> list[Problem]:
+    """What --against needs the cache to list: its source map and model config, both readable."""
+    problems: list[Problem] = []
+    if cf.manifest.file(L.Role.SOURCE_MAP) is None:
+        problems.append(Problem(ProblemKind.COVERAGE, CACHE_MANIFEST,
+                                "the cache lists no source map (source-map.json)"))
+    if not any(f.role == L.Role.AUX and f.path.rsplit("/", 1)[-1] == "config.json" for f, _ in cf.files):
+        problems.append(Problem(ProblemKind.COVERAGE, CACHE_MANIFEST,
+                                f"the cache lists no model config ({L.AUX_DIR}/config.json)"))
+    try:
+        cf.delta_index, cf.source_map  # noqa: B018 - read (and checked) now, so damage is reported here
+    except ListedFileError as e:
+        problems.append(Problem(ProblemKind.DIGEST, e.path, e.message))
+    return problems
+
+
+def _differs(got: Any, want: Any) -> bool:
+    """Whether two arrays (or scalars) differ in any byte."""
+    import numpy as np
+    a, b = (np.ascontiguousarray(np.asarray(v).reshape(-1)).view(np.uint8) for v in (got, want))
+    return not np.array_equal(a, b)
+
+
+@dataclass
+class _LayerAgainst:
+    """One served layer's cache files, open, and what comparing an expert's projection needs of them."""
+
+    layer: int
+    lm: Any              # LayerManifest
+    base_path: str
+    base: Any            # safe_open of the base file
+    all_path: str | None
+    all: Any             # safe_open of the lossless delta file, or None
+    pack: Any            # safe_open of the tier pack, or None
+    tier: list[int]
+    checked: dict[str, int]
+    names: frozenset[str] = frozenset()  # the base file's tensor names
+
+    def expert(self, ck: Any, e: int, want_fmt: Any, progress: Progress) -> list[Problem]:
+        """Every projection of expert e against the source, in order; the first one's problems, or none."""
+        from .checkpoint import PROJECTIONS
+        for j, proj in enumerate(PROJECTIONS):
+            x = ck.read_raw_expert(self.layer, e, proj)
+            if want_fmt is not None and x.fmt is not want_fmt:
+                return [Problem(ProblemKind.MISMATCH, self.base_path, f"expert {e} {proj}: the source is "
+                                f"{x.fmt.name}, the cache was built from {want_fmt.name}", self.layer)]
+            problems = self.projection(e, j, proj, x)
+            progress.advance(x.codes.nbytes)
+            ck.release(x.codes)
+            if problems:
+                return problems
+        return []
+
+    def projection(self, e: int, j: int, proj: str, x: Any) -> list[Problem]:
+        """Expert e's projection `proj` (j-th) in the cache against the source's raw tensors x."""
+        import numpy as np
+
+        from .checkpoint import tensor_bytes
+        from .formats import stored_scales
+        from .geometry import is_w13, names_of
+        from .planes import code_histogram, fit_table, split_planes
+        problems: list[Problem] = []
+        name = f"expert {e} {proj}"
+
+        def mismatch(what: str, tensor: str, path: str = self.base_path) -> None:
+            problems.append(Problem(ProblemKind.MISMATCH, path, f"{name}: {what} differs from the source",
+                                    self.layer, tensor))
+        bf, base, delta = self.base, *split_planes(x.codes)
+        base_name, delta_name, scale_name = names_of(proj)
+        rows, w13 = self.lm.geometry().rows(proj), is_w13(proj)
+        at = (e, j) if w13 else (e,)
+        if _differs(tensor_bytes(bf.get_slice(base_name)[e])[rows], base):
+            mismatch("base plane", base_name)
+        try:
+            want_scale = stored_scales(x.scale_bytes, x.fmt.scale_form, self.lm.scale_form(scale_name))
+        except InputError:
+            want_scale = None
+        if want_scale is None or _differs(tensor_bytes(bf.get_slice(scale_name)[e])[rows], want_scale):
+            mismatch("block scales", scale_name)
+        s2 = L.W13_SCALE_2 if w13 else L.W2_SCALE_2
+        if _differs(bf.get_tensor(s2)[at].numpy(), np.float32(x.scale_2)):
+            mismatch("global scale", s2)
+        tname = L.W13_TABLE if w13 else L.W2_TABLE
+        if _differs(bf.get_tensor(tname)[at].numpy(), fit_table(code_histogram(x.codes))):
+            mismatch("table (recomputed from the source's codes)", tname)
+        iname = L.W13_INPUT_SCALE if w13 else L.W2_INPUT_SCALE
+        if (x.input_scale is None) != (iname not in self.names):
+            mismatch("presence of an input scale", iname)
+        elif x.input_scale is not None and _differs(bf.get_tensor(iname)[at].numpy(),
+                                                    np.float32(x.fmt.multiply(x.input_scale))):
+            mismatch("input scale", iname)
+        self.checked["scales"] += 1 + (x.global_scale is not None) + (x.input_scale is not None)
+        self.checked["tables"] += 1
+        deltas = []
+        if self.all is not None:
+            deltas.append((self.all_path, delta_name, tensor_bytes(self.all.get_slice(delta_name)[e])[rows]))
+            for kind, t in ((TensorKind.GLOBAL_SCALE, x.global_scale), (TensorKind.INPUT_SCALE, x.input_scale)):
+                raw = L.source_scalar(proj, kind)
+                if t is not None and _differs(tensor_bytes(self.all.get_slice(raw)[e]), t):
+                    mismatch(f"source {kind.replace('_', ' ')}", raw, self.all_path)
+        if e in self.tier:
+            which = L.pack_tensor(self.layer, delta_name)
+            deltas.append((L.PACK, which, tensor_bytes(self.pack.get_slice(which)[self.tier.index(e)])[rows]))
+        for path, tensor, got in deltas:
+            self.checked["delta_planes"] += 1
+            if _differs(got, delta):
+                problems.append(Problem(ProblemKind.MISMATCH, path, f"{name}: delta plane differs from the source",
+                                        self.layer, tensor))
+        return problems
+
+
+def _layer_against(root: Path, cf: CacheView, layer: int, ck: Any, pack: Any, checked: dict[str, int],
+                   progress: Progress, cancel: CancelToken | None) -> list[Problem]:
+    """Every expert of one served layer against the source; the first problems found, or none."""
+    from safetensors import safe_open
+
+    from .formats import FORMATS
+    lm = cf.layers[layer]
+    base_fe = next(f for f in lm.files if f.role == L.Role.BASE)
+    all_fe = next((f for f in lm.files if f.role == L.Role.DELTA_ALL), None)
+    want_fmt = FORMATS.get(lm.source_format) if lm.source_format else None
+    with safe_open(str(resolve_inside(root, base_fe.path)), framework="pt") as bf:
+        allf = safe_open(str(resolve_inside(root, all_fe.path)), framework="pt") if all_fe else None
+        la = _LayerAgainst(layer, lm, base_fe.path, bf, all_fe.path if all_fe else None, allf, pack,
+                           list(cf.tier_experts(layer)), checked, frozenset(bf.keys()))
+        for e in range(lm.n_experts):
+            check_cancel(cancel)
+            problems = la.expert(ck, e, want_fmt, progress)
+            checked["experts"] += 1  # the expert that failed counts as checked, as it always did
+            if problems:
+                return problems
+    return []
+
+
 @cache_read_errors
 def verify_against(root: str | os.PathLike[str], src: str | os.PathLike[str],
                    progress: Progress | None = None, cancel: CancelToken | None = None) -> VerifyReport:
@@ -425,127 +559,34 @@ def verify_against(root: str | os.PathLike[str], src: str | os.PathLike[str],
     source gives (planes and scales bit for bit, tables recomputed from the source's codes); every dense
     tensor is there and equal; names the first mismatch. A cache the boot check finds incomplete or
     corrupt is reported as such (exit 1), as is one without its model config or source map."""
-    # numpy, torch and safetensors are imported here, not at the top: the boot check (every start of
+    # numpy, torch and safetensors are imported inside, not at the top: the boot check (every start of
     # `moet-cache verify`) needs none of them, and torch alone costs seconds of import time.
-    import numpy as np
     from safetensors import safe_open
 
-    from .checkpoint import PROJECTIONS, open_checkpoint, tensor_bytes
-    from .formats import FORMATS, stored_scales
-    from .geometry import is_w13, names_of
-    from .planes import code_histogram, fit_table, split_planes
+    from .checkpoint import open_checkpoint
     t0 = time.perf_counter()
     root = Path(root)
     progress = progress or NullProgress()
     boot, cf = boot_view(root, check_source=False)
     if not boot.complete or cf is None:
         return VerifyReport(Check.AGAINST, boot.state, boot.problems, boot.files_checked, seconds=time.perf_counter() - t0)
-    problems: list[Problem] = []
-    smap_fe = cf.manifest.file(L.Role.SOURCE_MAP)
-    if smap_fe is None:
-        problems.append(Problem(ProblemKind.COVERAGE, CACHE_MANIFEST,
-                                "the cache lists no source map (source-map.json)"))
-    if not any(f.role == L.Role.AUX and f.path.rsplit("/", 1)[-1] == "config.json" for f, _ in cf.files):
-        problems.append(Problem(ProblemKind.COVERAGE, CACHE_MANIFEST,
-                                f"the cache lists no model config ({L.AUX_DIR}/config.json)"))
-    try:
-        index, smap = cf.delta_index, cf.source_map
-    except ListedFileError as e:
-        problems.append(Problem(ProblemKind.DIGEST, e.path, e.message))
+    problems = _against_listed(cf)
     if problems:
         return VerifyReport(Check.AGAINST, CORRUPT, tuple(problems), len(cf.files), seconds=time.perf_counter() - t0)
     checked = {"experts": 0, "delta_planes": 0, "scales": 0, "tables": 0, "dense_tensors": 0}
-
-    def differs(got: Any, want: Any) -> bool:
-        a, b = (np.ascontiguousarray(np.asarray(v).reshape(-1)).view(np.uint8) for v in (got, want))
-        return not np.array_equal(a, b)
-
     with open_checkpoint(src) as ck:
         if ck.layout != cf.manifest.source_layout:
             return VerifyReport(Check.AGAINST, CORRUPT, (Problem(ProblemKind.MISMATCH, CACHE_MANIFEST,
                                 f"the source is {ck.layout}, the cache was built from {cf.manifest.source_layout}"),),
                                 len(cf.files), seconds=time.perf_counter() - t0)
-        pack = safe_open(str(resolve_inside(root, L.PACK)), framework="pt") if index else None
+        pack = safe_open(str(resolve_inside(root, L.PACK)), framework="pt") if cf.delta_index else None
         progress.start(sum(lm.source_bytes for lm in cf.layers.values()), "verify --against")
-        for layer, lm in sorted(cf.layers.items()):
-            base_fe = next(f for f in lm.files if f.role == L.Role.BASE)
-            all_fe = next((f for f in lm.files if f.role == L.Role.DELTA_ALL), None)
-            tier = list(cf.tier_experts(layer))
-            with safe_open(str(resolve_inside(root, base_fe.path)), framework="pt") as bf:
-                allf = safe_open(str(resolve_inside(root, all_fe.path)), framework="pt") if all_fe else None
-                geo = lm.geometry()
-                want_fmt = FORMATS.get(lm.source_format) if lm.source_format else None
-                names = set(bf.keys())
-                for e in range(lm.n_experts):
-                    check_cancel(cancel)
-                    for j, proj in enumerate(PROJECTIONS):
-                        x = ck.read_raw_expert(layer, e, proj)
-                        name = f"expert {e} {proj}"
-                        if want_fmt is not None and x.fmt is not want_fmt:
-                            problems.append(Problem(ProblemKind.MISMATCH, base_fe.path,
-                                                    f"{name}: the source is {x.fmt.name}, "
-                                                    f"the cache was built from {want_fmt.name}", layer))
-                            break
-
-                        def mismatch(what: str, tensor: str, path: str = base_fe.path) -> None:
-                            problems.append(Problem(ProblemKind.MISMATCH, path,
-                                                    f"{name}: {what} differs from the source", layer, tensor))
-                        base, delta = split_planes(x.codes)
-                        base_name, delta_name, scale_name = names_of(proj)
-                        rows = geo.rows(proj)
-                        w13 = is_w13(proj)
-                        at = (e, j) if w13 else (e,)
-                        got_base = tensor_bytes(bf.get_slice(base_name)[e])[rows]
-                        got_scale = tensor_bytes(bf.get_slice(scale_name)[e])[rows]
-                        if differs(got_base, base):
-                            mismatch("base plane", base_name)
-                        try:
-                            want_scale = stored_scales(x.scale_bytes, x.fmt.scale_form, lm.scale_form(scale_name))
-                        except InputError:
-                            want_scale = None
-                        if want_scale is None or differs(got_scale, want_scale):
-                            mismatch("block scales", scale_name)
-                        s2 = L.W13_SCALE_2 if w13 else L.W2_SCALE_2
-                        if differs(bf.get_tensor(s2)[at].numpy(), np.float32(x.scale_2)):
-                            mismatch("global scale", s2)
-                        tname = L.W13_TABLE if w13 else L.W2_TABLE
-                        if differs(bf.get_tensor(tname)[at].numpy(), fit_table(code_histogram(x.codes))):
-                            mismatch("table (recomputed from the source's codes)", tname)
-                        iname = L.W13_INPUT_SCALE if w13 else L.W2_INPUT_SCALE
-                        if (x.input_scale is None) != (iname not in names):
-                            mismatch("presence of an input scale", iname)
-                        elif x.input_scale is not None and differs(bf.get_tensor(iname)[at].numpy(),
-                                                                   np.float32(x.fmt.multiply(x.input_scale))):
-                            mismatch("input scale", iname)
-                        checked["scales"] += 1 + (x.global_scale is not None) + (x.input_scale is not None)
-                        checked["tables"] += 1
-                        deltas = []
-                        if allf is not None:
-                            deltas.append((all_fe.path, delta_name, tensor_bytes(allf.get_slice(delta_name)[e])[rows]))
-                            for kind, t in ((TensorKind.GLOBAL_SCALE, x.global_scale),
-                                            (TensorKind.INPUT_SCALE, x.input_scale)):
-                                raw = L.source_scalar(proj, kind)
-                                if t is not None and differs(tensor_bytes(allf.get_slice(raw)[e]), t):
-                                    mismatch(f"source {kind.replace('_', ' ')}", raw, all_fe.path)
-                        if e in tier:
-                            which = L.pack_tensor(layer, delta_name)
-                            deltas.append((L.PACK, which, tensor_bytes(pack.get_slice(which)[tier.index(e)])[rows]))
-                        for path, tname, got in deltas:
-                            checked["delta_planes"] += 1
-                            if differs(got, delta):
-                                problems.append(Problem(ProblemKind.MISMATCH, path,
-                                                        f"{name}: delta plane differs from the source", layer, tname))
-                        progress.advance(x.codes.nbytes)
-                        ck.release(x.codes)
-                        if problems:
-                            break
-                    checked["experts"] += 1
-                    if problems:
-                        break
+        for layer in sorted(cf.layers):
+            problems = _layer_against(root, cf, layer, ck, pack, checked, progress, cancel)
             if problems:
                 break
         if not problems:
-            problems += _dense_against(root, cf, ck, checked, smap)
+            problems = _dense_against(root, cf, ck, checked, cf.source_map)
     progress.finish()
     return VerifyReport(Check.AGAINST, CORRUPT if problems else VERIFIED, tuple(problems[:1]), len(cf.files),
                         seconds=time.perf_counter() - t0, details=checked)
