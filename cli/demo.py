@@ -29,7 +29,7 @@ def demo(
     json_: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
-    """Make a synthetic DeepSeek-V4-Flash checkpoint (or V3 with --layout), build its cache, verify it three ways, inspect it."""
+    """Make a synthetic DeepSeek-V4-Flash checkpoint (or V3 with --layout), build its cache, verify it three ways, inspect it, plan it on a GPU."""
     from moet_cache import BuildOptions, boot_check, build_cache, full_verify, inspect_cache, make_checkpoint, \
         small_spec, verify_against
     from moet_cache.synthetic import make_v4_checkpoint, small_v4_spec
@@ -51,10 +51,16 @@ def demo(
         full = full_verify(cache)
         against = verify_against(cache, src)
         info = inspect_cache(cache)
+        # what `moet-cache plan CACHE --gpu rtx-pro-6000` says: exact bytes from the cache's manifests
+        from moet_cache import vram
+
+        from .plan import plan_document, show_plan
+        plan = vram.plan_for(cache, vram.PlanSettings(), None)
         ok = boot.ok and full.ok and against.ok
         doc = {"command": "demo", "ok": ok, "checkpoint": str(src), "cache": str(cache),
                "kept": workdir is not None, "build": built.__dict__, "boot_check": boot.state,
                "verify_full": full.state, "verify_against": against.state, "inspect": info.__dict__,
+               "plan": plan_document(plan),
                "seconds": time.perf_counter() - t0}
         if out.json_mode:
             out.json(doc, EXIT_OK if ok else EXIT_PROBLEM)
@@ -65,6 +71,7 @@ def demo(
             out.print(f"verify --against source: {against.state_text} ({against.details})")
             from .inspect_cmd import inspect as show
             show(cache, json_=False, quiet=quiet)
+            show_plan(out, plan)
             out.print(f"[{'green' if ok else 'red'}]demo {'passed' if ok else 'FAILED'}[/] in {doc['seconds']:.1f} s"
                       + ("" if workdir else " (temporary files removed; pass --workdir to keep them)"))
     raise typer.Exit(EXIT_OK if ok else EXIT_PROBLEM)

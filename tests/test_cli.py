@@ -37,6 +37,10 @@ def test_demo_json_through_a_process(tmp_path: Path) -> None:
     doc = json.loads(r.stdout)
     assert doc["ok"] and doc["boot_check"] == doc["verify_full"] == doc["verify_against"] == "verified"
     assert doc["build"]["tier_experts"] > 0 and len(doc["inspect"]["layers"]) == 3
+    plan = doc["plan"]  # planned from the cache's exact bytes on the default card
+    assert plan["exact"] and plan["fits"] and plan["gpu"]["name"] == "rtx-pro-6000"
+    # the planes' tensor bytes; inspect counts the base files, their safetensors headers too
+    assert 0.99 * doc["inspect"]["base_bytes"] < plan["terms_bytes"]["base_planes"] <= doc["inspect"]["base_bytes"]
     assert (tmp_path / "cache/COMMIT.json").exists()
 
 
