@@ -95,30 +95,25 @@ DEV int perm_col(int n) {
   return (n & ~15) | ((o & 3) << 1) | ((o >> 2) & 1) | (o & 8);
 }
 
-// One step's weights: STEP words of each of the thread's R rows (+ the tier's delta words), and the
-// block-scale bytes of those words.
-template <int R, bool E8, bool TIER>
+// One step's weights: 8 words (STEP_WORDS in mma_moe.py) of each of the thread's R rows (+ the tier's
+// delta words), and the block-scale bytes of those words.
+template <int R>
 struct Step {
   U4 w[R][2], d[R][2];
   u32 s[R][2];
 };
 
-// A plane load: 16 bytes, read once (no L1 allocation); MOET_L2_PREFETCH asks the L2 for the
-// 256-byte segment around it (the next steps of the row).
+// A plane load: 16 bytes, read once (no L1 allocation), the L2 asked for the 256-byte segment around
+// it (the next steps of the row). The hint measured neither faster nor slower (docs/RUNTIME.md).
 DEV U4 load_words(const u32* p) {
   U4 v;
-#if MOET_L2_PREFETCH
   asm("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0,%1,%2,%3}, [%4];"
       : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-#else
-  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
-      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-#endif
   return v;
 }
 
 template <int R, bool E8, bool TIER>
-DEV void load_step(Step<R, E8, TIER>& st, const u32* const (&wrow)[R], const u32* const (&drow)[R],
+DEV void load_step(Step<R>& st, const u32* const (&wrow)[R], const u32* const (&drow)[R],
                    const u8* const (&srow)[R], int k0) {
 #pragma unroll
   for (int r = 0; r < R; ++r) {
@@ -157,9 +152,9 @@ DEV void b_frag(const u16* xr, int k, int q, u32& b0, u32& b1) {
   }
 }
 
-// acc[ntile] += one step (STEP words) of the thread's two rows (g, g + 8) against the block's tokens.
+// acc[ntile] += one step (8 words) of the thread's two rows (g, g + 8) against the block's tokens.
 template <int NT, bool E8, bool TIER, bool XNAT>
-DEV void compute_step(float (&acc)[NT][4], const Step<2, E8, TIER>& st, u32 tlo, u32 thi,
+DEV void compute_step(float (&acc)[NT][4], const Step<2>& st, u32 tlo, u32 thi,
                       const u16* const (&xrow)[NT], int q, int k0) {
   const int q2 = 2 * q;
   u32 tl[2], th[2], sc[2];
@@ -202,20 +197,20 @@ template <int NT, bool E8, bool TIER, bool XNAT>
 DEV void k_loop(float (&acc)[NT][4], const u32* const (&wrow)[2], const u32* const (&drow)[2],
                 const u8* const (&srow)[2], u32 tlo, u32 thi, const u16* const (&xrow)[NT], int q, int kb,
                 int ke) {
-  Step<2, E8, TIER> a, b;
+  Step<2> a, b;
   if (TIER || NT > 2) {
     for (int k0 = kb; k0 < ke; k0 += 8) {
-      load_step(a, wrow, drow, srow, k0);
+      load_step<2, E8, TIER>(a, wrow, drow, srow, k0);
       compute_step<NT, E8, TIER, XNAT>(acc, a, tlo, thi, xrow, q, k0);
     }
     return;
   }
-  load_step(a, wrow, drow, srow, kb);
+  load_step<2, E8, TIER>(a, wrow, drow, srow, kb);
   for (int k0 = kb; k0 < ke; k0 += 16) {
-    if (k0 + 8 < ke) load_step(b, wrow, drow, srow, k0 + 8);
+    if (k0 + 8 < ke) load_step<2, E8, TIER>(b, wrow, drow, srow, k0 + 8);
     compute_step<NT, E8, TIER, XNAT>(acc, a, tlo, thi, xrow, q, k0);
     if (k0 + 8 >= ke) break;
-    if (k0 + 16 < ke) load_step(a, wrow, drow, srow, k0 + 16);
+    if (k0 + 16 < ke) load_step<2, E8, TIER>(a, wrow, drow, srow, k0 + 16);
     compute_step<NT, E8, TIER, XNAT>(acc, b, tlo, thi, xrow, q, k0 + 8);
   }
 }

@@ -1,5 +1,6 @@
-"""The tensor-core plane kernels (mma_moe.cu): compiled by NVRTC at first use, launched on the pairs
-sorted by expert (align.py). CUDA only, compute capability 8.0 and up (mma.sync bf16)."""
+"""The tensor-core plane kernels (mma_moe.cu): compiled by NVRTC at first use, launched on one pair a
+block straight from topk_ids (`direct`, decode) or on the pairs sorted by expert (align.py). CUDA only,
+compute capability 8.0 and up (mma.sync bf16)."""
 
 from __future__ import annotations
 
@@ -27,7 +28,6 @@ class Mma:
     ks13: int
     ks2: int
     direct: bool = False
-    prefetch: bool = True  # plane loads ask the L2 for 256 bytes (mma_moe.cu, MOET_L2_PREFETCH)
 
     def __post_init__(self) -> None:
         if self.direct and self.nt != 1:
@@ -41,8 +41,7 @@ def supported(planes: LayerPlanes, device: torch.device, block: Mma) -> bool:
     if not hasattr(torch.cuda, "_compile_kernel"):  # torch's NVRTC wrapper (torch 2.8+): else Triton runs
         return False
     H, I = planes.hidden, planes.inter
-    return (H % (16 * STEP_WORDS * block.ks13) == 0 and I % (16 * STEP_WORDS * block.ks2) == 0
-            and I % 16 == 0 and H % 16 == 0)
+    return H % (16 * STEP_WORDS * block.ks13) == 0 and I % (16 * STEP_WORDS * block.ks2) == 0
 
 
 @lru_cache(maxsize=None)
@@ -51,13 +50,13 @@ def _source() -> str:
 
 
 @lru_cache(maxsize=None)
-def _kernel(tiles: int, nt: int, ks: int, e8: bool, xnat: bool, prefetch: bool, device: int) -> Any:
+def _kernel(tiles: int, nt: int, ks: int, e8: bool, xnat: bool, device: int) -> Any:
     """The kernel for these template arguments, compiled by NVRTC and loaded once a process and device
     (a loaded module belongs to one device's context)."""
     capability = torch.cuda.get_device_capability(device)
     name = f"moe_mma<{tiles}, {nt}, {ks}, {str(e8).lower()}, {str(xnat).lower()}>"
     return torch.cuda._compile_kernel(_source(), name, compute_capability=f"{capability[0]}{capability[1]}",
-                                      nvcc_options=["-std=c++17", f"-DMOET_L2_PREFETCH={int(prefetch)}"])
+                                      nvcc_options=["-std=c++17"])
 
 
 def k_permuted(x: torch.Tensor) -> torch.Tensor:
@@ -93,12 +92,12 @@ def fused_moe_mma(x: torch.Tensor, planes: LayerPlanes, topk_weights: torch.Tens
     out = torch.empty((P, H), dtype=torch.float32, device=dev)
     limit = 0.0 if swiglu_limit is None else float(swiglu_limit)
     with torch.cuda.device(dev):  # the compile loads into, and the launch uses, dev's context
-        k13 = _kernel(2, block.nt, block.ks13, e8_13, xnat, block.prefetch, dev.index)
+        k13 = _kernel(2, block.nt, block.ks13, e8_13, xnat, dev.index)
         k13(grid=(grid_x, I // 16, 1), block=(64 * block.ks13, 1, 1),
             args=[xin, ids, sorted_pairs, block_expert, tier, n_tier, b13, d13, s13,
                   planes.w13_scale_2.float().contiguous(), planes.w13_table.float().contiguous(), wts, act,
                   top_k, H, I, limit, int(swiglu_limit is not None), int(block.direct)])
-        k2 = _kernel(1, block.nt, block.ks2, e8_2, False, block.prefetch, dev.index)
+        k2 = _kernel(1, block.nt, block.ks2, e8_2, False, dev.index)
         k2(grid=(grid_x, H // 16, 1), block=(32 * block.ks2, 1, 1),
            args=[act, ids, sorted_pairs, block_expert, tier, n_tier, b2, d2, s2,
                  planes.w2_scale_2.float().contiguous(), planes.w2_table.float().contiguous(), wts, out,
