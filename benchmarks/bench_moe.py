@@ -216,6 +216,7 @@ def sweep_configs(T: int, triton: bool) -> list:
 
 
 def speed(args: argparse.Namespace) -> list[dict]:
+    from moet_cache.runtime.launch import Config
     from moet_cache.runtime.synthetic_layer import random_layer
 
     torch.manual_seed(0)
@@ -262,7 +263,6 @@ def speed(args: argparse.Namespace) -> list[dict]:
         res.append(bench_planes("planes e8m0 base-only", none8, x, w, ids))
         res.append(bench_planes("planes e8m0 tier10%", planes8, x, w, ids))
         res.append(bench_planes("planes e4m3 base-only", none4, x, w, ids))
-        from moet_cache.runtime.launch import Config
         res.append(bench_planes("planes e8m0 base, Triton", none8, x, w, ids, Config(mma=False)))
         hit = len(set(ids.reshape(-1).tolist()))
         try:

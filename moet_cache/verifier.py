@@ -441,12 +441,13 @@ def _differs(got: Any, want: Any) -> bool:
     return not np.array_equal(a, b)
 
 
-@dataclass
+@dataclass(frozen=True)
 class _LayerAgainst:
     """One served layer's cache files, open, and what comparing an expert's projection needs of them."""
 
     layer: int
     lm: Any              # LayerManifest
+    geo: Any             # its LayerGeometry, once a layer
     base_path: str
     base: Any            # safe_open of the base file
     all_path: str | None
@@ -487,7 +488,7 @@ class _LayerAgainst:
                                     self.layer, tensor))
         bf, base, delta = self.base, *split_planes(x.codes)
         base_name, delta_name, scale_name = names_of(proj)
-        rows, w13 = self.lm.geometry().rows(proj), is_w13(proj)
+        rows, w13 = self.geo.rows(proj), is_w13(proj)
         at = (e, j) if w13 else (e,)
         if _differs(tensor_bytes(bf.get_slice(base_name)[e])[rows], base):
             mismatch("base plane", base_name)
@@ -541,8 +542,8 @@ def _layer_against(root: Path, cf: CacheView, layer: int, ck: Any, pack: Any, ch
     want_fmt = FORMATS.get(lm.source_format) if lm.source_format else None
     with safe_open(str(resolve_inside(root, base_fe.path)), framework="pt") as bf:
         allf = safe_open(str(resolve_inside(root, all_fe.path)), framework="pt") if all_fe else None
-        la = _LayerAgainst(layer, lm, base_fe.path, bf, all_fe.path if all_fe else None, allf, pack,
-                           list(cf.tier_experts(layer)), checked, frozenset(bf.keys()))
+        la = _LayerAgainst(layer, lm, lm.geometry(), base_fe.path, bf, all_fe.path if all_fe else None, allf,
+                           pack, list(cf.tier_experts(layer)), checked, frozenset(bf.keys()))
         for e in range(lm.n_experts):
             check_cancel(cancel)
             problems = la.expert(ck, e, want_fmt, progress)
