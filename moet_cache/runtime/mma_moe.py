@@ -45,8 +45,10 @@ def supported(planes: LayerPlanes, device: torch.device, block: Mma) -> bool:
 
 
 @lru_cache(maxsize=None)
-def _source() -> str:
-    return files(__package__).joinpath("mma_moe.cu").read_text()
+def kernel_source(name: str) -> str:
+    """A kernel file with the shared device helpers (mma_bits.cu) in front: NVRTC compiles one string."""
+    here = files(__package__)
+    return here.joinpath("mma_bits.cu").read_text() + "\n" + here.joinpath(name).read_text()
 
 
 @lru_cache(maxsize=None)
@@ -55,7 +57,7 @@ def _kernel(tiles: int, nt: int, ks: int, e8: bool, xnat: bool, device: int) -> 
     (a loaded module belongs to one device's context)."""
     capability = torch.cuda.get_device_capability(device)
     name = f"moe_mma<{tiles}, {nt}, {ks}, {str(e8).lower()}, {str(xnat).lower()}>"
-    return torch.cuda._compile_kernel(_source(), name, compute_capability=f"{capability[0]}{capability[1]}",
+    return torch.cuda._compile_kernel(kernel_source("mma_moe.cu"), name, compute_capability=f"{capability[0]}{capability[1]}",
                                       nvcc_options=["-std=c++17"])
 
 

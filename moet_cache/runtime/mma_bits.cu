@@ -1,0 +1,91 @@
+// Device helpers shared by the plane kernels (mma_moe.cu: decode and mid; mma_prefill.cu: prefill):
+// PTX wrappers, the table lookup by PRMT, the tier's exact E2M1, the block-scale bytes, and the tier
+// row of an expert. mma_moe.py prepends this file to each kernel file before NVRTC compiles it, so
+// each fact lives here once. The bit layouts are described at the top of mma_moe.cu and emulated on
+// the CPU by tests/test_runtime_mma_bits.py.
+
+typedef unsigned int u32;
+typedef unsigned short u16;
+typedef unsigned char u8;
+
+struct alignas(16) U4 { u32 x, y, z, w; };
+
+#define DEV __device__ __forceinline__
+
+DEV u32 prmt(u32 a, u32 b, u32 s) {
+  u32 d;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(s));
+  return d;
+}
+
+// a * b on bf16 pairs (exact for a power-of-two b); -0 as the addend keeps -0 products
+DEV u32 bmul2(u32 a, u32 b) {
+  u32 d;
+  asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(0x80008000u));
+  return d;
+}
+
+DEV u32 pack_bf16(float lo, float hi) {
+  u32 d;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+  return d;
+}
+
+DEV u16 to_bf16(float v) {
+  u16 d;
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(d) : "f"(v));
+  return d;
+}
+
+DEV void mma(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// A block-scale byte as a bf16 pair (both halves the same value).
+template <bool E8>
+DEV u32 scale_pair(u32 byte) {
+  if (E8) return byte * 0x00800080u;  // e8m0: 2^(b - 127) is bf16 bits b << 7 (b = 0, 2^-127, gives 0)
+  u32 e = (byte >> 3) & 15u, m = byte & 7u;
+  u32 bits = e ? (((e + 120u) << 7) | (m << 4)) : (__float_as_uint((float)m * 0.001953125f) >> 16);
+  bits |= (byte & 128u) << 8;
+  return bits | (bits << 16);
+}
+
+// The four base codes q, q + 4 (low half of the selector) and q + 8, q + 12 (high half) of a word,
+// shifted by 2q, as two register pairs of table values: one LOP3, one IMAD, one SHF, two PRMTs. The
+// multiply spreads each byte's code c into nibbles 2c, 2c + 1 (c <= 3: no carry between bytes).
+DEV void base_regs(u32 ws, u32 tlo, u32 thi, u32& lo, u32& hi) {
+  u32 sel = (ws & 0x03030303u) * 0x22u + 0x10101010u;
+  lo = prmt(tlo, thi, sel);
+  hi = prmt(tlo, thi, sel >> 16);
+}
+
+// The same four codes of a tier expert (base and delta words, both shifted by 2q) -> exact E2M1 x scale.
+DEV void tier_regs(u32 wb, u32 wd, u32 sc, u32& lo, u32& hi) {
+  u32 mb = wb & 0x03030303u;
+  u32 sel = (wd & 0x03030303u) * 0x22u + 0x10101010u;
+  u32 m7 = mb << 7, m6 = mb << 6;
+  // {0, 0.5, 1, 1.5} or {2, 3, 4, 6} by the base's bit 0, the sign from its bit 1 (sign-replicate)
+  u32 small0 = prmt(0x3F000000u, 0x3FC03F80u, sel), large0 = prmt(0x40404000u, 0x40C04080u, sel);
+  u32 small1 = prmt(0x3F000000u, 0x3FC03F80u, sel >> 16), large1 = prmt(0x40404000u, 0x40C04080u, sel >> 16);
+  u32 big0 = prmt(m7, 0u, 0x9988u), big1 = prmt(m7, 0u, 0xBBAAu);
+  u32 neg0 = prmt(m6, 0u, 0x9988u), neg1 = prmt(m6, 0u, 0xBBAAu);
+  lo = bmul2(((large0 & big0) | (small0 & ~big0)) | (neg0 & 0x80008000u), sc);
+  hi = bmul2(((large1 & big1) | (small1 & ~big1)) | (neg1 & 0x80008000u), sc);
+}
+
+// The delta row of expert e: its index in delta_experts, or -1. The warp compares 32 entries a round,
+// the loads independent of each other (a binary search would chain five dependent loads before the
+// CTA's first weight load: measurable at decode, where every CTA is short).
+DEV int tier_row_of(const long long* delta_experts, int n_tier, int e, int lane) {
+  for (int i0 = 0; i0 < n_tier; i0 += 32) {
+    int i = i0 + lane;
+    unsigned hit = __ballot_sync(0xffffffffu, i < n_tier && delta_experts[i] == e);
+    if (hit) return i0 + __ffs(hit) - 1;
+  }
+  return -1;
+}
+
