@@ -78,7 +78,8 @@ def copy_bandwidth() -> float:
 
 def routing(T: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator(device="cuda").manual_seed(seed)
-    ids = torch.rand((T, E), generator=g, device="cuda").topk(TOPK, dim=1).indices
+    # int32, as vLLM's router hands them to the experts (fused_topk / grouped_topk)
+    ids = torch.rand((T, E), generator=g, device="cuda").topk(TOPK, dim=1).indices.to(torch.int32)
     w = torch.softmax(torch.randn((T, TOPK), generator=g, device="cuda"), dim=1) * 1.5
     return w, ids
 

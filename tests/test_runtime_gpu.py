@@ -8,6 +8,7 @@ import torch
 
 from moet_cache.runtime import fused_moe
 from moet_cache.runtime.dequant import LayerPlanes
+from moet_cache.runtime import mma_moe
 from moet_cache.runtime.launch import DEFAULT, Config, Mma, fused_moe_cuda
 from moet_cache.runtime.reference import fused_moe_reference
 from moet_cache.runtime.synthetic_layer import random_layer
@@ -73,10 +74,11 @@ def test_both_regimes(layer: dict, T: int, mode: str) -> None:
 
 @pytest.mark.parametrize("T,block", [(1, Mma(1, 4, 4, True)), (3, Mma(1, 1, 1)), (7, Mma(2, 2, 2)),
                                      (16, Mma(1, 8, 8, True)), (64, Mma(4, 1, 1)), (300, Mma(8, 1, 1)),
-                                     (5, Mma(1, 2, 4)), (16, Mma(1, 2, 16, True))])
+                                     (5, Mma(1, 2, 4)), (16, Mma(1, 4, 8, True)), (16, Mma(1, 2, 1, True))])
 def test_tensor_core_blocks(layer: dict, T: int, block: Mma) -> None:
     """The tensor-core plane kernels (mma_moe.cu) at every block shape the sweep may pick, with the
     tier's experts routed (exact FP4) and the SwiGLU clamp."""
+    assert mma_moe.supported(LayerPlanes.from_tensors(layer), torch.device("cuda"), block)  # not a fallback
     g = torch.Generator(device="cuda").manual_seed(200 + T)
     x = torch.randn((T, H), generator=g, device="cuda").to(torch.bfloat16)
     w, ids = _routing(T, 200 + T, all_hot=T >= 64)

@@ -10,7 +10,6 @@ import random
 import torch
 
 from moet_cache.runtime.dequant import E2M1
-from moet_cache.runtime.mma_moe import k_permuted
 
 M32 = 0xFFFFFFFF
 
@@ -117,34 +116,41 @@ def test_scale_pairs_are_the_scale_values() -> None:
         assert bf16_value(sp & 0xFFFF) == want, byte
 
 
-def test_fragments_and_k_permutation_give_w_times_x() -> None:
-    """One m16n8k16 step as the kernel feeds it: A from one word of each of 16 rows (thread g, q:
-    rows g, g + 8; registers a0..a3 by base_regs of the words shifted by 2q), B from the K-permuted
-    activations (b0: u32 q, b1: u32 4 + q of the 16), C by the PTX ISA's fragment layout. The
-    product must equal W @ x in natural order."""
+def test_chunk_fragments_give_w_times_x() -> None:
+    """One chunk (256 codes of 16 rows) as the kernel feeds it to 64 m16n8k16 steps: thread (g, q)
+    loads words 4q .. 4q + 3 of rows g and g + 8 and, for sub-step (i, j), builds a0..a3 by base_regs
+    of word 4q + i shifted by 2j; B comes from the activations in natural order, b0 = PRMT of
+    elements j, j + 4 and b1 of j + 8, j + 12 of that word's 16 (the thread's two 16-byte loads). C
+    follows the PTX ISA fragment layout; the sum over the chunk must equal W @ x."""
     g0 = torch.Generator().manual_seed(3)
     table = [0.75, 3.0, -1.0, -2.5]  # exact in bf16
     tlo = bf16_bits(table[0]) | bf16_bits(table[1]) << 16
     thi = bf16_bits(table[2]) | bf16_bits(table[3]) << 16
-    words = torch.randint(0, 1 << 31, (16,), generator=g0).tolist()
-    codes = torch.tensor([[(w >> (2 * j)) & 3 for j in range(16)] for w in words])
-    W = torch.tensor(table)[codes]                                       # [16 rows, 16 k] natural order
-    x = torch.randn((8, 16), generator=g0).to(torch.bfloat16)            # 8 tokens
-    xp = k_permuted(x).view(torch.int16).to(torch.int64) & 0xFFFF        # [8, 16] bf16 bits, permuted
-    xu32 = [[int(xp[n, 2 * i]) | int(xp[n, 2 * i + 1]) << 16 for i in range(8)] for n in range(8)]
+    words = torch.randint(0, 1 << 31, (16, 16), generator=g0).tolist()       # [row, word of the chunk]
+    W = torch.tensor([[table[(w >> (2 * c)) & 3] for w in row for c in range(16)] for row in words])
+    x = torch.randn((8, 256), generator=g0).to(torch.bfloat16)                # 8 tokens, natural order
+    xb = x.view(torch.int16).to(torch.int64) & 0xFFFF
+    xu32 = [[int(xb[n, 2 * k]) | int(xb[n, 2 * k + 1]) << 16 for k in range(128)] for n in range(8)]
+
+    def b_regs(n: int, q: int, i: int, j: int) -> tuple[int, int]:
+        u = xu32[n][8 * (4 * q + i):8 * (4 * q + i) + 8]  # the word's 16 values: xa = u[0:4], xb = u[4:8]
+        sel = 0x7632 if j & 1 else 0x5410
+        return prmt(u[j >> 1], u[(j >> 1) + 2], sel), prmt(u[4 + (j >> 1)], u[4 + (j >> 1) + 2], sel)
+
     C = torch.zeros((16, 8), dtype=torch.float64)
-    for lane in range(32):
-        g, q = lane >> 2, lane & 3
-        a0, a2 = base_regs(words[g] >> (2 * q), tlo, thi)
-        a1, a3 = base_regs(words[g + 8] >> (2 * q), tlo, thi)
-        a = [a0, a1, a2, a3]
-        # A fragment (PTX ISA, m16n8k16 .bf16): a0 (row g, cols 2q, 2q+1), a1 (row g+8, same),
-        # a2 (row g, cols 2q+8, 2q+9), a3 (row g+8, same); low half = the lower column
-        for reg, (row, col) in zip(a, ((g, 2 * q), (g + 8, 2 * q), (g, 2 * q + 8), (g + 8, 2 * q + 8))):
-            A_lo, A_hi = bf16_value(reg & 0xFFFF), bf16_value(reg >> 16)
-            # B fragment: b0 (k 2q, 2q+1; token g), b1 (k 2q+8, 2q+9): here for every token column n
-            for n in range(8):
-                b = xu32[n][q] if col < 8 else xu32[n][4 + q]
-                C[row, n] += A_lo * bf16_value(b & 0xFFFF) + A_hi * bf16_value(b >> 16)
+    for i in range(4):
+        for j in range(4):
+            for lane in range(32):
+                g, q = lane >> 2, lane & 3
+                a0, a2 = base_regs(words[g][4 * q + i] >> (2 * j), tlo, thi)
+                a1, a3 = base_regs(words[g + 8][4 * q + i] >> (2 * j), tlo, thi)
+                # A fragment (PTX ISA, m16n8k16 .bf16): a0 (row g, cols 2q, 2q+1), a1 (row g+8, same),
+                # a2 (row g, cols 2q+8, 2q+9), a3 (row g+8, same); B: lane (n, q) holds b0 (k 2q, 2q+1)
+                # and b1 (k 2q+8, 2q+9) of token n. Column k pairs A's column k with B's row k.
+                for reg, row, h in ((a0, g, 0), (a1, g + 8, 0), (a2, g, 1), (a3, g + 8, 1)):
+                    for n in range(8):
+                        b = b_regs(n, q, i, j)[h]
+                        C[row, n] += bf16_value(reg & 0xFFFF) * bf16_value(b & 0xFFFF)
+                        C[row, n] += bf16_value(reg >> 16) * bf16_value(b >> 16)
     want = W.double() @ x.double().T
     assert torch.allclose(C, want, atol=1e-9)

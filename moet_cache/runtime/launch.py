@@ -43,9 +43,9 @@ class Config:
     tiny_max: int = 12        # P up to this: `mma_tiny` / Triton `tiny`
     pairs_max: int = 96       # then up to this: `mma_decode` / Triton `pairs`
     large_from: int = 2048    # from this: Triton `large`; between: `mma_mid` / Triton `mid`
-    mma_tiny: Mma = Mma(1, 4, 4, direct=True)
+    mma_tiny: Mma = Mma(1, 2, 2, direct=True)
     mma_decode: Mma = Mma(1, 2, 2, direct=True)
-    mma_mid: Mma = Mma(2, 2, 2)
+    mma_mid: Mma = Mma(1, 2, 2)
     tiny: Pairs = Pairs(32, 16, 2)
     pairs: Pairs = Pairs(64, 8, 2)
     mid: Grouped = Grouped(16, 64, 16, 4, 2, True)
@@ -105,7 +105,7 @@ def fused_moe_cuda(x: torch.Tensor, planes: LayerPlanes, topk_weights: torch.Ten
     c = config.pick(P)
     if isinstance(c, Mma):
         if mma_moe.supported(planes, dev, c):
-            return mma_moe.fused_moe_mma(x, planes, topk_weights, topk_ids, swiglu_limit, c).sum(1).to(x.dtype)
+            return mma_moe.fused_moe_mma(x, planes, topk_weights, topk_ids, swiglu_limit, c)
         c = config.pick(P, mma_runs=False)
     ids = topk_ids.reshape(-1).to(torch.int32).contiguous()
     wts = topk_weights.reshape(-1).contiguous()

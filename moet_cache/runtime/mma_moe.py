@@ -14,8 +14,9 @@ import torch
 from .align import align_pairs
 from .dequant import LayerPlanes
 
-#: words (16 codes each) one warp reads per row and step; K per warp must be a multiple of it
-STEP_WORDS = 8
+#: words (16 codes each) of a chunk, the unit of K a warp reads per row (mma_moe.cu); K per warp must be
+#: a multiple of it
+CHUNK_WORDS = 16
 
 
 @dataclass(frozen=True)
@@ -41,7 +42,7 @@ def supported(planes: LayerPlanes, device: torch.device, block: Mma) -> bool:
     if not hasattr(torch.cuda, "_compile_kernel"):  # torch's NVRTC wrapper (torch 2.8+): else Triton runs
         return False
     H, I = planes.hidden, planes.inter
-    return H % (16 * STEP_WORDS * block.ks13) == 0 and I % (16 * STEP_WORDS * block.ks2) == 0
+    return H % (16 * CHUNK_WORDS * block.ks13) == 0 and I % (16 * CHUNK_WORDS * block.ks2) == 0
 
 
 @lru_cache(maxsize=None)
@@ -52,24 +53,22 @@ def kernel_source(name: str) -> str:
 
 
 @lru_cache(maxsize=None)
-def _kernel(tiles: int, nt: int, ks: int, e8: bool, xnat: bool, device: int) -> Any:
-    """The kernel for these template arguments, compiled by NVRTC and loaded once a process and device
-    (a loaded module belongs to one device's context)."""
+def _kernel(name: str, device: int) -> Any:
+    """A kernel of mma_moe.cu by its instantiated name, compiled by NVRTC and loaded once a process
+    and device (a loaded module belongs to one device's context)."""
     capability = torch.cuda.get_device_capability(device)
-    name = f"moe_mma<{tiles}, {nt}, {ks}, {str(e8).lower()}, {str(xnat).lower()}>"
-    return torch.cuda._compile_kernel(kernel_source("mma_moe.cu"), name, compute_capability=f"{capability[0]}{capability[1]}",
+    return torch.cuda._compile_kernel(kernel_source("mma_moe.cu"), name,
+                                      compute_capability=f"{capability[0]}{capability[1]}",
                                       nvcc_options=["-std=c++17"])
 
 
-def k_permuted(x: torch.Tensor) -> torch.Tensor:
-    """bf16 [T, K] with position 2q + s + 8h of each 16 holding element q + 4s + 8h (mma_moe.cu)."""
-    T, K = x.shape
-    return x.to(torch.bfloat16).view(T, K // 16, 2, 2, 4).transpose(-1, -2).reshape(T, K).contiguous()
+#: moe_sum's output types (mma_moe.cu)
+_SUM_OUT = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 
 
 def fused_moe_mma(x: torch.Tensor, planes: LayerPlanes, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                   swiglu_limit: float | None, block: Mma) -> torch.Tensor:
-    """[T, top_k, H] float32 per pair (already weighted), for T > 0."""
+    """[T, H] in x's dtype (bf16, fp16 or fp32), for T > 0."""
     T, H, I, E = x.shape[0], planes.hidden, planes.inter, planes.num_experts
     top_k = topk_ids.shape[1]
     P, dev = T * top_k, x.device
@@ -88,20 +87,24 @@ def fused_moe_mma(x: torch.Tensor, planes: LayerPlanes, topk_weights: torch.Tens
     s13, s2 = planes.w13_scale.contiguous().view(torch.uint8), planes.w2_scale.contiguous().view(torch.uint8)
     e8_13 = planes.w13_scale.dtype == torch.float8_e8m0fnu
     e8_2 = planes.w2_scale.dtype == torch.float8_e8m0fnu
-    xnat = block.nt == 1  # one token column: natural x costs two loads more a step, not a permuting copy
-    xin = x.to(torch.bfloat16).contiguous() if xnat else k_permuted(x)
+    xin = x.to(torch.bfloat16).contiguous()
     act = torch.empty((P, I), dtype=torch.bfloat16, device=dev)
     out = torch.empty((P, H), dtype=torch.float32, device=dev)
     limit = 0.0 if swiglu_limit is None else float(swiglu_limit)
     with torch.cuda.device(dev):  # the compile loads into, and the launch uses, dev's context
-        k13 = _kernel(2, block.nt, block.ks13, e8_13, xnat, dev.index)
+        k13 = _kernel(f"moe_mma<2, {block.nt}, {block.ks13}, {str(e8_13).lower()}>", dev.index)
         k13(grid=(grid_x, I // 16, 1), block=(64 * block.ks13, 1, 1),
             args=[xin, ids, sorted_pairs, block_expert, tier, n_tier, b13, d13, s13,
                   planes.w13_scale_2.float().contiguous(), planes.w13_table.float().contiguous(), wts, act,
                   top_k, H, I, limit, int(swiglu_limit is not None), int(block.direct)])
-        k2 = _kernel(1, block.nt, block.ks2, e8_2, False, dev.index)
+        k2 = _kernel(f"moe_mma<1, {block.nt}, {block.ks2}, {str(e8_2).lower()}>", dev.index)
         k2(grid=(grid_x, H // 16, 1), block=(32 * block.ks2, 1, 1),
            args=[act, ids, sorted_pairs, block_expert, tier, n_tier, b2, d2, s2,
                  planes.w2_scale_2.float().contiguous(), planes.w2_table.float().contiguous(), wts, out,
                  top_k, I, H, 0.0, 0, int(block.direct)])
-    return out.view(T, top_k, H)
+        if x.dtype not in _SUM_OUT:
+            return out.view(T, top_k, H).sum(1).to(x.dtype)
+        y = torch.empty((T, H), dtype=x.dtype, device=dev)
+        _kernel(f"moe_sum<{_SUM_OUT[x.dtype]}>", dev.index)(grid=((H // 4 + 127) // 128, T, 1), block=(128, 1, 1),
+                                                  args=[out, y, top_k, H])
+    return y
