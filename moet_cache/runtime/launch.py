@@ -39,7 +39,8 @@ class Config:
     (benchmarks/bench_moe.py --sweep, docs/RUNTIME.md). Below `large_from` the tensor-core plane
     kernels (mma_moe.cu) run where they can (`mma`); the Triton kernels run the rest, and everything
     where mma_moe cannot run (no sm_80, dims that do not split). From `large_from` the prefill
-    tensor-core kernels (mma_prefill.cu, `prefill`) run where they can, else Triton `large`."""
+    tensor-core kernels (mma_prefill.cu) run where they can (`prefill_small` below `prefill_split` pairs,
+    about 48 pairs an expert at E 256, `prefill` from there), else Triton `large`."""
 
     mma: bool = True
     tiny_max: int = 12        # P up to this: `mma_tiny` / Triton `tiny`
@@ -53,12 +54,14 @@ class Config:
     mid: Grouped = Grouped(16, 64, 16, 4, 2, True)
     large: Grouped = Grouped(128, 128, 4, 8, 3, False)
     prefill: Prefill | None = Prefill()
+    prefill_small: Prefill | None = Prefill(4, 8, 4)  # below `prefill_split` pairs: fewer pairs an expert
+    prefill_split: int = 12288
 
     def pick(self, P: int, mma_runs: bool = True, prefill_runs: bool = True) -> Pairs | Grouped | Mma | Prefill:
         """The kernels for P pairs; `mma_runs` / `prefill_runs`: whether the tensor-core decode / prefill
         kernels run this layer here."""
         if self.prefill is not None and prefill_runs and P >= self.large_from:
-            return self.prefill
+            return self.prefill_small if self.prefill_small is not None and P < self.prefill_split else self.prefill
         if self.mma and mma_runs and P < self.large_from:
             return self.mma_tiny if P <= self.tiny_max else self.mma_decode if P <= self.pairs_max else self.mma_mid
         if P <= self.tiny_max:
@@ -71,7 +74,7 @@ class Config:
     def only(cls, block: Pairs | Grouped | Mma | Prefill) -> "Config":
         """Always these kernels and blocks (tests, sweeps); Prefill where it cannot run: Triton `large`."""
         if isinstance(block, Prefill):
-            return cls(mma=False, tiny_max=0, pairs_max=0, large_from=0, prefill=block)
+            return cls(mma=False, tiny_max=0, pairs_max=0, large_from=0, prefill=block, prefill_small=None)
         if isinstance(block, Mma):
             return cls(large_from=1 << 62, mma_tiny=block, mma_decode=block, mma_mid=block, prefill=None)
         if isinstance(block, Pairs):
