@@ -194,7 +194,7 @@ class Humming:
 def sweep_configs(T: int, triton: bool) -> list:
     """Candidates timed by --sweep: the tensor-core plane kernels at every T; with `triton`, also the
     Triton pairs kernels up to T = 16 and the Triton grouped ones from T = 4."""
-    from moet_cache.runtime.launch import Config, Grouped, Mma, Pairs
+    from moet_cache.runtime.launch import Config, Grouped, Mma, Pairs, Prefill
     out = []
     if T <= 16:
         out += [Config.only(Mma(*m)) for m in ((1, 2, 2, True), (1, 4, 4, True), (1, 8, 8, True), (1, 4, 8, True),
@@ -202,7 +202,9 @@ def sweep_configs(T: int, triton: bool) -> list:
     elif T <= 256:
         out += [Config.only(Mma(*m)) for m in ((2, 2, 2), (2, 4, 4), (4, 1, 1), (4, 2, 2), (8, 1, 1))]
     else:
-        out += [Config.only(Mma(*m)) for m in ((4, 1, 1), (8, 1, 1), (8, 2, 2))]
+        out += [Config.only(Mma(*m)) for m in ((4, 1, 1), (8, 1, 1))]
+        out += [Config.only(Prefill(*b)) for b in ((8, 8, 3), (8, 8, 4), (4, 8, 4), (8, 4, 4), (12, 4, 3),
+                                                   (16, 4, 3))]
     if not triton:
         return out
     if T <= 16:
@@ -264,7 +266,7 @@ def speed(args: argparse.Namespace) -> list[dict]:
         res.append(bench_planes("planes e8m0 base-only", none8, x, w, ids))
         res.append(bench_planes("planes e8m0 tier10%", planes8, x, w, ids))
         res.append(bench_planes("planes e4m3 base-only", none4, x, w, ids))
-        res.append(bench_planes("planes e8m0 base, Triton", none8, x, w, ids, Config(mma=False)))
+        res.append(bench_planes("planes e8m0 base, Triton", none8, x, w, ids, Config(mma=False, prefill=None)))
         hit = len(set(ids.reshape(-1).tolist()))
         try:
             us, note = timed(lambda: bf16(x, w, ids))

@@ -8,8 +8,8 @@ import torch
 
 from moet_cache.runtime import fused_moe
 from moet_cache.runtime.dequant import LayerPlanes
-from moet_cache.runtime import mma_moe
-from moet_cache.runtime.launch import DEFAULT, Config, Mma, fused_moe_cuda
+from moet_cache.runtime import mma_moe, mma_prefill
+from moet_cache.runtime.launch import DEFAULT, Config, Mma, Prefill, fused_moe_cuda
 from moet_cache.runtime.reference import fused_moe_reference
 from moet_cache.runtime.synthetic_layer import random_layer
 
@@ -112,6 +112,51 @@ def test_cuda_graph_capture(layer: dict, T: int) -> None:
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
         fused_moe(x, layer, w, ids)  # warm up (compile) outside the capture
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fused_moe(x, layer, w, ids)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, ref)
+
+
+@pytest.mark.parametrize("T,block,mode", [(300, Prefill(), "cold"), (300, Prefill(4, 8, 4), "tier"),
+                                          (300, Prefill(12, 4, 3), "plain"), (4096, Prefill(), "hot"),
+                                          (300, Prefill(), "full tier")])
+def test_prefill_kernels(layer: dict, T: int, block: Prefill, mode: str) -> None:
+    """The prefill tensor-core kernels (mma_prefill.cu), forced below their default range too: half the
+    experts without a pair ("cold"), every expert hot, tier experts routed, every expert in the tier,
+    the clamp on and off. Each must run on mma_prefill (not fall back to Triton)."""
+    g = torch.Generator(device="cuda").manual_seed(300 + T)
+    x = torch.randn((T, H), generator=g, device="cuda").to(torch.bfloat16)
+    w, ids = _routing(T, 300 + T, all_hot=mode == "hot")
+    if mode == "cold":
+        ids = ids % (E // 2)
+    t = layer
+    if mode == "full tier":
+        t = dict(layer, delta_experts=torch.arange(E, device="cuda"),
+                 w13_delta=torch.randint(0, 256, layer["w13_base"].shape, dtype=torch.uint8, device="cuda"),
+                 w2_delta=torch.randint(0, 256, layer["w2_base"].shape, dtype=torch.uint8, device="cuda"))
+    ids[0, :3] = t["delta_experts"][:3]
+    limit = None if mode == "plain" else 7.0
+    planes = LayerPlanes.from_tensors(t)
+    assert mma_prefill.supported(planes, x, ids.numel(), block)
+    got = fused_moe_cuda(x, planes, w, ids, limit, Config.only(block))
+    _check(got, _reference(x, t, w, ids, limit))
+
+
+def test_prefill_cuda_graph_capture(layer: dict) -> None:
+    """The prefill path (the default from P = 2048) has no host sync either."""
+    T = 512
+    assert isinstance(DEFAULT.pick(T * K), Prefill)
+    x = torch.randn((T, H), device="cuda").to(torch.bfloat16)
+    w, ids = _routing(T, 12)
+    ref = fused_moe(x, layer, w, ids)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fused_moe(x, layer, w, ids)
     torch.cuda.current_stream().wait_stream(s)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):

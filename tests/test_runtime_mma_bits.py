@@ -5,11 +5,13 @@ GPU (tests/test_runtime_gpu.py); this proves the algebra they rest on in CI."""
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import torch
 
 from moet_cache.runtime.dequant import E2M1
+from moet_cache.runtime.mma_prefill import k_permuted
 
 M32 = 0xFFFFFFFF
 
@@ -154,3 +156,112 @@ def test_chunk_fragments_give_w_times_x() -> None:
                         C[row, n] += bf16_value(reg >> 16) * bf16_value(b >> 16)
     want = W.double() @ x.double().T
     assert torch.allclose(C, want, atol=1e-9)
+
+
+def _prefill_stage_smem(xp: torch.Tensor, words: list[list[int]], scales: list[bytes], warps: int, nt: int) -> bytearray:
+    """One stage of mma_prefill.cu's shared memory as its cp.async copies write it: x rows (pairs, 16
+    chunks of 16 B, chunk c of row r at c ^ (r & 7)), then the words of each weight row (half h at
+    h ^ ((r >> 2) & 1)), the delta words (unused here), then 8 scale bytes a row."""
+    bm, rows = 8 * nt, 32 * warps
+    xb, wb = bm * 256, rows * 32
+    smem = bytearray(xb + 2 * wb + rows * 8)
+    xbytes = xp.contiguous().view(torch.int16).numpy().tobytes()  # [bm, 128] bf16, K-permuted
+    xc = bm * 16 // rows
+    for t in range(rows):  # thread t: x chunks t & 15 of rows (t >> 4) + 16 c, its own weight row t
+        for c in range(xc):
+            row, chunk = (t >> 4) + c * (rows // 16), t & 15
+            src = row * 256 + chunk * 16
+            dst = row * 256 + ((chunk ^ (row & 7)) << 4)
+            smem[dst:dst + 16] = xbytes[src:src + 16]
+        for h in range(2):
+            dst = xb + t * 32 + ((h ^ ((t >> 2) & 1)) << 4)
+            smem[dst:dst + 16] = b"".join(w.to_bytes(4, "little") for w in words[t][4 * h:4 * h + 4])
+        smem[xb + 2 * wb + t * 8:xb + 2 * wb + t * 8 + 8] = scales[t]
+    return smem
+
+
+def _ldmatrix_x4(smem: bytearray, addrs: list[int]) -> list[list[int]]:
+    """PTX ldmatrix .m8n8.x4 .b16: lane l gives the row address of row l % 8 of matrix l // 8; register
+    m of lane l holds elements 2 (l % 4), 2 (l % 4) + 1 of row l // 4 of matrix m."""
+    out = []
+    for lane in range(32):
+        regs = []
+        for m in range(4):
+            a = addrs[8 * m + (lane >> 2)] + 4 * (lane & 3)
+            regs.append(int.from_bytes(smem[a:a + 4], "little"))
+        out.append(regs)
+    return out
+
+
+def test_prefill_stage_layout_gives_w_times_x() -> None:
+    """One whole stage (K 128) of mma_prefill.cu's base-only compute, e8m0 scales, as its threads read
+    shared memory: the weight words through the half swizzle, the scale bytes, the tables pre-scaled,
+    A by base_regs, B by ldmatrix.x4 through the chunk swizzle (n-tiles 2p, 2p + 1), C by the PTX
+    fragment layout. Equals (table[code] * scale) @ x over the stage in natural K order."""
+    warps, nt = 2, 4  # a small CTA: the layouts do not depend on the size beyond the XC split
+    bm, rows = 8 * nt, 32 * warps
+    rng = random.Random(11)
+    table = [0.75, 3.0, -1.0, -2.5]
+    tlo = bf16_bits(table[0]) | bf16_bits(table[1]) << 16
+    thi = bf16_bits(table[2]) | bf16_bits(table[3]) << 16
+    words = [[rng.getrandbits(32) for _ in range(8)] for _ in range(rows)]
+    sbytes = [bytes([rng.randrange(124, 130) for _ in range(4)]) + bytes(4) for _ in range(rows)]
+    x = torch.randn((bm, 128), generator=torch.Generator().manual_seed(12)).to(torch.bfloat16)
+    smem = _prefill_stage_smem(k_permuted(x), words, sbytes, warps, nt)
+    xb, wb = bm * 256, rows * 32
+    C = torch.zeros((rows, bm), dtype=torch.float64)
+    for warp in range(warps):
+        for j in range(8):
+            a_frag = []
+            for lane in range(32):
+                g, q = lane >> 2, lane & 3
+                regs = {}
+                for i in range(2):
+                    for rr in range(2):
+                        lr = 32 * warp + 16 * i + g + 8 * rr
+                        off = xb + lr * 32 + (((j >> 2) ^ ((g >> 2) & 1)) << 4) + 4 * (j & 3)
+                        w = int.from_bytes(smem[off:off + 4], "little")
+                        sreg = int.from_bytes(smem[xb + 2 * wb + lr * 8:xb + 2 * wb + lr * 8 + 4], "little")
+                        byte = j >> 1
+                        sc = scale_pair(prmt(sreg, 0, 0x4440 | (byte & 3)), True)
+                        lo, hi = base_regs(w >> (2 * q), bmul2(tlo, sc), bmul2(thi, sc))
+                        regs[(i, rr)] = (lo, hi)
+                # a0 (row g, low), a1 (row g + 8, low), a2 (row g, high), a3 (row g + 8, high)
+                a_frag.append({i: (regs[(i, 0)][0], regs[(i, 1)][0], regs[(i, 0)][1], regs[(i, 1)][1])
+                               for i in range(2)})
+            for p in range(nt // 2):
+                addrs = []
+                for lane in range(32):
+                    xr = (lane & 7) + ((lane >> 4) << 3)
+                    x_chunk = (((lane >> 3) & 1) ^ (lane & 7)) << 4
+                    addrs.append(xr * 256 + (x_chunk ^ (32 * j)) + p * 16 * 256)
+                b = _ldmatrix_x4(smem, addrs)
+                for lane in range(32):
+                    g, q = lane >> 2, lane & 3
+                    for i in range(2):
+                        a0, a1, a2, a3 = a_frag[lane][i]
+                        # thread (g', q) holds B[k 2q, 2q + 1][n g'] (b0) and B[k 2q + 8, 2q + 9][n g'] (b1):
+                        # the k columns of thread (g, q)'s A registers against every column n
+                        for gn, half in itertools.product(range(8), range(2)):
+                            b0, b1 = b[4 * gn + q][2 * half:2 * half + 2]
+                            n = 16 * p + 8 * half + gn
+                            for reg_a, reg_b, row in ((a0, b0, g), (a2, b1, g), (a1, b0, g + 8), (a3, b1, g + 8)):
+                                lr = 32 * warp + 16 * i + row
+                                C[lr, n] += (bf16_value(reg_a & 0xFFFF) * bf16_value(reg_b & 0xFFFF)
+                                             + bf16_value(reg_a >> 16) * bf16_value(reg_b >> 16))
+    codes = torch.tensor([[(w >> (2 * c)) & 3 for w in row for c in range(16)] for row in words])
+    scale = torch.tensor([[2.0 ** (s[k // 32] - 127) for k in range(128)] for s in sbytes])
+    W = torch.tensor(table, dtype=torch.float64)[codes] * scale.double()
+    assert torch.allclose(C, W @ x.double().T, rtol=1e-9, atol=1e-9)
+
+
+def test_prefill_act_columns_are_the_k_permutation() -> None:
+    """w13's epilogue writes intermediate column n at perm_col(n); w2 reads it as K-permuted x."""
+    def perm_col(n: int) -> int:
+        o = n & 15
+        return (n & ~15) | ((o & 3) << 1) | ((o >> 2) & 1) | (o & 8)
+    x = torch.arange(64, dtype=torch.float32).view(1, 64)
+    placed = torch.zeros(64)
+    for n in range(64):
+        placed[perm_col(n)] = x[0, n]
+    assert torch.equal(placed.to(torch.bfloat16), k_permuted(x)[0])

@@ -9,6 +9,7 @@ import torch
 from .align import align_pairs
 from .dequant import LayerPlanes
 from .mma_moe import Mma
+from .mma_prefill import Prefill
 
 
 @dataclass(frozen=True)
@@ -37,7 +38,9 @@ class Config:
     """Which kernels and blocks for P = T * top_k pairs; the defaults are the H200 measurements' best
     (benchmarks/bench_moe.py --sweep, docs/RUNTIME.md). Below `large_from` the tensor-core plane
     kernels (mma_moe.cu) run where they can (`mma`); the Triton kernels run the rest, and everything
-    where mma_moe cannot run (no sm_80, dims that do not split)."""
+    where mma_moe cannot run (no sm_80, dims that do not split). From `large_from` the prefill
+    tensor-core kernels (mma_prefill.cu) run where they can (`prefill_small` below `prefill_split` pairs,
+    about 48 pairs an expert at E 256, `prefill` from there), else Triton `large`."""
 
     mma: bool = True
     tiny_max: int = 12        # P up to this: `mma_tiny` / Triton `tiny`
@@ -50,9 +53,15 @@ class Config:
     pairs: Pairs = Pairs(64, 8, 2)
     mid: Grouped = Grouped(16, 64, 16, 4, 2, True)
     large: Grouped = Grouped(128, 128, 4, 8, 3, False)
+    prefill: Prefill | None = Prefill()
+    prefill_small: Prefill | None = Prefill(4, 8, 4)  # below `prefill_split` pairs: fewer pairs an expert
+    prefill_split: int = 12288
 
-    def pick(self, P: int, mma_runs: bool = True) -> Pairs | Grouped | Mma:
-        """The kernels for P pairs; `mma_runs`: whether the tensor-core kernels run this layer here."""
+    def pick(self, P: int, mma_runs: bool = True, prefill_runs: bool = True) -> Pairs | Grouped | Mma | Prefill:
+        """The kernels for P pairs; `mma_runs` / `prefill_runs`: whether the tensor-core decode / prefill
+        kernels run this layer here."""
+        if self.prefill is not None and prefill_runs and P >= self.large_from:
+            return self.prefill_small if self.prefill_small is not None and P < self.prefill_split else self.prefill
         if self.mma and mma_runs and P < self.large_from:
             return self.mma_tiny if P <= self.tiny_max else self.mma_decode if P <= self.pairs_max else self.mma_mid
         if P <= self.tiny_max:
@@ -62,13 +71,15 @@ class Config:
         return self.large if P >= self.large_from else self.mid
 
     @classmethod
-    def only(cls, block: Pairs | Grouped | Mma) -> "Config":
-        """Always these kernels and blocks (tests, sweeps)."""
+    def only(cls, block: Pairs | Grouped | Mma | Prefill) -> "Config":
+        """Always these kernels and blocks (tests, sweeps); Prefill where it cannot run: Triton `large`."""
+        if isinstance(block, Prefill):
+            return cls(mma=False, tiny_max=0, pairs_max=0, large_from=0, prefill=block, prefill_small=None)
         if isinstance(block, Mma):
-            return cls(large_from=1 << 62, mma_tiny=block, mma_decode=block, mma_mid=block)
+            return cls(large_from=1 << 62, mma_tiny=block, mma_decode=block, mma_mid=block, prefill=None)
         if isinstance(block, Pairs):
-            return cls(mma=False, tiny_max=0, pairs_max=1 << 62, pairs=block)
-        return cls(mma=False, tiny_max=0, pairs_max=0, large_from=1 << 62, mid=block)
+            return cls(mma=False, tiny_max=0, pairs_max=1 << 62, pairs=block, prefill=None)
+        return cls(mma=False, tiny_max=0, pairs_max=0, large_from=1 << 62, mid=block, prefill=None)
 
 
 DEFAULT = Config()
@@ -90,7 +101,7 @@ def _words(t: torch.Tensor) -> torch.Tensor:
 def fused_moe_cuda(x: torch.Tensor, planes: LayerPlanes, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                    swiglu_limit: float | None, config: Config = DEFAULT) -> torch.Tensor:
     """[T, H] in x's dtype; works on CUDA tensors (and CPU ones under TRITON_INTERPRET=1)."""
-    from . import mma_moe
+    from . import mma_moe, mma_prefill
     from . import triton_moe as k
 
     T, H, I, E = x.shape[0], planes.hidden, planes.inter, planes.num_experts
@@ -103,10 +114,16 @@ def fused_moe_cuda(x: torch.Tensor, planes: LayerPlanes, topk_weights: torch.Ten
     x = x.contiguous()
     P = T * top_k
     c = config.pick(P)
+    if isinstance(c, Prefill):
+        if mma_prefill.supported(planes, x, P, c):
+            return mma_moe.sum_slots(
+                mma_prefill.fused_moe_prefill(x, planes, topk_weights, topk_ids, swiglu_limit, c), x.dtype)
+        c = config.pick(P, prefill_runs=False)
     if isinstance(c, Mma):
         if mma_moe.supported(planes, dev, c):
-            return mma_moe.fused_moe_mma(x, planes, topk_weights, topk_ids, swiglu_limit, c)
-        c = config.pick(P, mma_runs=False)
+            return mma_moe.sum_slots(mma_moe.fused_moe_mma(x, planes, topk_weights, topk_ids, swiglu_limit, c),
+                                     x.dtype)
+        c = config.pick(P, mma_runs=False, prefill_runs=False)
     ids = topk_ids.reshape(-1).to(torch.int32).contiguous()
     wts = topk_weights.reshape(-1).contiguous()
     tier = torch.full((E,), -1, dtype=torch.int32, device=dev)

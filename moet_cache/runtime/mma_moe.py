@@ -66,9 +66,22 @@ def _kernel(name: str, device: int) -> Any:
 _SUM_OUT = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 
 
+def sum_slots(part: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[T, top_k, H] float32 per pair (weighted) -> [T, H] in `dtype`: one kernel (moe_sum) for the sum
+    and the cast, where torch takes two (5 us of a 50 us decode layer)."""
+    T, top_k, H = part.shape
+    if dtype not in _SUM_OUT or H % 4:
+        return part.sum(1).to(dtype)
+    y = torch.empty((T, H), dtype=dtype, device=part.device)
+    with torch.cuda.device(part.device):
+        _kernel(f"moe_sum<{_SUM_OUT[dtype]}>", part.device.index)(
+            grid=((H // 4 + 127) // 128, T, 1), block=(128, 1, 1), args=[part.contiguous(), y, top_k, H])
+    return y
+
+
 def fused_moe_mma(x: torch.Tensor, planes: LayerPlanes, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                   swiglu_limit: float | None, block: Mma) -> torch.Tensor:
-    """[T, H] in x's dtype (bf16, fp16 or fp32), for T > 0."""
+    """[T, top_k, H] float32 per pair (already weighted), for T > 0."""
     T, H, I, E = x.shape[0], planes.hidden, planes.inter, planes.num_experts
     top_k = topk_ids.shape[1]
     P, dev = T * top_k, x.device
@@ -102,9 +115,4 @@ def fused_moe_mma(x: torch.Tensor, planes: LayerPlanes, topk_weights: torch.Tens
            args=[act, ids, sorted_pairs, block_expert, tier, n_tier, b2, d2, s2,
                  planes.w2_scale_2.float().contiguous(), planes.w2_table.float().contiguous(), wts, out,
                  top_k, I, H, 0.0, 0, int(block.direct)])
-        if x.dtype not in _SUM_OUT:
-            return out.view(T, top_k, H).sum(1).to(x.dtype)
-        y = torch.empty((T, H), dtype=x.dtype, device=dev)
-        _kernel(f"moe_sum<{_SUM_OUT[x.dtype]}>", dev.index)(grid=((H // 4 + 127) // 128, T, 1), block=(128, 1, 1),
-                                                  args=[out, y, top_k, H])
-    return y
+    return out.view(T, top_k, H)

@@ -1,0 +1,123 @@
+"""The prefill tensor-core plane kernels (mma_prefill.cu): many pairs an expert, the activations staged
+in shared memory by cp.async several stages deep and read by ldmatrix, the weights decoded in registers
+as in mma_moe.cu. Pairs sorted into blocks of one expert by align.py. CUDA only, sm_80+ (cp.async,
+ldmatrix, mma.sync bf16)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+import torch
+
+from .align import align_pairs
+from .dequant import LayerPlanes
+from .mma_moe import kernel_source
+
+#: K a pipeline stage (8 words of 16 codes a row)
+STAGE_K = 128
+
+
+
+def k_permuted(x: torch.Tensor) -> torch.Tensor:
+    """bf16 [T, K] with position 2q + s + 8h of each 16 holding element q + 4s + 8h (mma_prefill.cu)."""
+    T, K = x.shape
+    return x.to(torch.bfloat16).view(T, K // 16, 2, 2, 4).transpose(-1, -2).reshape(T, K).contiguous()
+
+@dataclass(frozen=True)
+class Prefill:
+    """A CTA: a block of 8 * nt pairs of one expert x 32 * warps weight rows (w13: 16 * warps gate rows
+    and the matching up rows; w2: 32 * warps down rows), `stages` cp.async stages of 128 K."""
+
+    nt: int = 8
+    warps: int = 8
+    stages: int = 3
+
+    def __post_init__(self) -> None:
+        if self.nt % 2 or self.nt < 2 or self.stages < 2 or (8 * self.nt * 16) % (32 * self.warps):
+            raise ValueError(f"unsupported prefill block {self}")
+
+    def smem_bytes(self) -> int:
+        """Dynamic shared memory: x (8 nt rows x 256 B), base and delta words (32 B a row), scales (8 B)."""
+        rows = 32 * self.warps
+        return self.stages * (8 * self.nt * 256 + rows * (2 * 32 + 8))
+
+
+def _aligned(*tensors: torch.Tensor) -> bool:
+    return all(t.data_ptr() % 16 == 0 for t in tensors)
+
+
+def supported(planes: LayerPlanes, x: torch.Tensor, P: int, block: Prefill) -> bool:
+    """Whether these kernels run this layer here: sm_80+, NVRTC, K a multiple of a stage, the rows split
+    into whole CTAs, 16-byte aligned planes (cp.async), activation offsets within int32, and the shared
+    memory the device allows. Host-side facts only (no sync)."""
+    dev = x.device
+    if dev.type != "cuda" or torch.cuda.get_device_capability(dev) < (8, 0):
+        return False
+    if not hasattr(torch.cuda, "_compile_kernel"):
+        return False
+    H, I = planes.hidden, planes.inter
+    if H % STAGE_K or I % STAGE_K or I % (16 * block.warps) or H % (32 * block.warps):
+        return False
+    if max(x.shape[0] * H, P * I) >= 1 << 31 or P // (8 * block.nt) + planes.num_experts > 65535:
+        return False  # int32 activation offsets; the blocks are gridDim.y
+    props = torch.cuda.get_device_properties(dev)
+    if block.smem_bytes() > getattr(props, "shared_memory_per_block_optin", 49152):
+        return False
+    tensors = [planes.w13_base, planes.w2_base, planes.w13_scale, planes.w2_scale]
+    if planes.delta_experts.numel():
+        tensors += [planes.w13_delta, planes.w2_delta]
+    return all(t.is_contiguous() for t in tensors) and _aligned(*tensors)
+
+
+@lru_cache(maxsize=None)
+def _kernel(tiles: int, nt: int, warps: int, stages: int, e8: bool, smem: int, device: int) -> Any:
+    """The kernel for these template arguments, compiled by NVRTC and loaded once a process and device,
+    its dynamic shared-memory limit raised to what it uses."""
+    capability = torch.cuda.get_device_capability(device)
+    name = f"moe_prefill<{tiles}, {nt}, {warps}, {stages}, {str(e8).lower()}>"
+    k = torch.cuda._compile_kernel(kernel_source("mma_prefill.cu"), name,
+                                   compute_capability=f"{capability[0]}{capability[1]}", nvcc_options=["-std=c++17"])
+    if hasattr(k, "set_shared_memory_config"):
+        k.set_shared_memory_config(smem)
+    elif smem >= 48 * 1024:  # older torch: the attribute set directly (CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES)
+        from torch.cuda._utils import _get_gpu_runtime_library
+        _get_gpu_runtime_library().cuFuncSetAttribute(k.func, 8, smem)
+    return k
+
+
+def fused_moe_prefill(x: torch.Tensor, planes: LayerPlanes, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                      swiglu_limit: float | None, block: Prefill) -> torch.Tensor:
+    """[T, top_k, H] float32 per pair (already weighted), for T > 0."""
+    T, H, I, E = x.shape[0], planes.hidden, planes.inter, planes.num_experts
+    top_k = topk_ids.shape[1]
+    P, dev = T * top_k, x.device
+    blocks = align_pairs(topk_ids, E, 8 * block.nt)
+    wts = topk_weights.reshape(-1).float().contiguous()
+    tier = planes.delta_experts.to(torch.int64).contiguous()
+    n_tier = tier.numel()
+    b13, b2 = planes.w13_base, planes.w2_base
+    d13 = planes.w13_delta if n_tier else b13  # never read without a tier row
+    d2 = planes.w2_delta if n_tier else b2
+    s13, s2 = planes.w13_scale.view(torch.uint8), planes.w2_scale.view(torch.uint8)
+    e8_13 = planes.w13_scale.dtype == torch.float8_e8m0fnu
+    e8_2 = planes.w2_scale.dtype == torch.float8_e8m0fnu
+    xin = k_permuted(x)  # the stored K order of the B operand (mma_prefill.cu)
+    act = torch.empty((P, I), dtype=torch.bfloat16, device=dev)
+    out = torch.empty((P, H), dtype=torch.float32, device=dev)
+    limit = 0.0 if swiglu_limit is None else float(swiglu_limit)
+    smem = block.smem_bytes()
+    threads = 32 * block.warps
+    with torch.cuda.device(dev):  # the compile loads into, and the launch uses, dev's context
+        k13 = _kernel(2, block.nt, block.warps, block.stages, e8_13, smem, dev.index)
+        k13(grid=(I // (16 * block.warps), blocks.max_blocks, 1), block=(threads, 1, 1), shared_mem=smem,
+            args=[xin, blocks.sorted_pairs, blocks.block_expert, tier, n_tier, b13, d13, s13,
+                  planes.w13_scale_2.float().contiguous(), planes.w13_table.float().contiguous(), wts, act,
+                  top_k, H, I, limit, int(swiglu_limit is not None)])
+        k2 = _kernel(1, block.nt, block.warps, block.stages, e8_2, smem, dev.index)
+        k2(grid=(H // (32 * block.warps), blocks.max_blocks, 1), block=(threads, 1, 1), shared_mem=smem,
+           args=[act, blocks.sorted_pairs, blocks.block_expert, tier, n_tier, b2, d2, s2,
+                 planes.w2_scale_2.float().contiguous(), planes.w2_table.float().contiguous(), wts, out,
+                 top_k, I, H, 0.0, 0])
+    return out.view(T, top_k, H)
