@@ -107,15 +107,21 @@ def test_cuda_graph_capture(layer: dict, T: int) -> None:
     """No host sync inside, in either regime: vLLM captures decode steps in CUDA graphs."""
     x = torch.randn((T, H), device="cuda").to(torch.bfloat16)
     w, ids = _routing(T, 11)
-    ref = fused_moe(x, layer, w, ids)
+    _replay_equals_eager(lambda: fused_moe(x, layer, w, ids))
+
+
+def _replay_equals_eager(step) -> None:
+    """`step` captured in a CUDA graph (warmed up, i.e. compiled, outside the capture) replays to
+    exactly what it computes eagerly."""
+    ref = step()
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
-        fused_moe(x, layer, w, ids)  # warm up (compile) outside the capture
+        step()
     torch.cuda.current_stream().wait_stream(s)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = fused_moe(x, layer, w, ids)
+        out = step()
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, ref)
@@ -152,15 +158,4 @@ def test_prefill_cuda_graph_capture(layer: dict) -> None:
     assert isinstance(DEFAULT.pick(T * K), Prefill)
     x = torch.randn((T, H), device="cuda").to(torch.bfloat16)
     w, ids = _routing(T, 12)
-    ref = fused_moe(x, layer, w, ids)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fused_moe(x, layer, w, ids)
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fused_moe(x, layer, w, ids)
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(out, ref)
+    _replay_equals_eager(lambda: fused_moe(x, layer, w, ids))

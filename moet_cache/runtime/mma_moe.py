@@ -62,6 +62,39 @@ def _kernel(name: str, device: int) -> Any:
                                       nvcc_options=["-std=c++17"])
 
 
+@dataclass(frozen=True)
+class Operands:
+    """One layer's tensors as the plane kernels take them (mma_moe.cu and mma_prefill.cu: w13 then w2),
+    with the routing weights flat in float32. Without a tier the base planes stand in for the delta
+    ones: no tier row means they are never read."""
+
+    weights: torch.Tensor   # float32 [P]
+    tier: torch.Tensor      # int64 [n]: delta_experts
+    base: tuple[torch.Tensor, torch.Tensor]
+    delta: tuple[torch.Tensor, torch.Tensor]
+    scale: tuple[torch.Tensor, torch.Tensor]    # the block-scale bytes (uint8)
+    e8m0: tuple[bool, bool]
+    scale_2: tuple[torch.Tensor, torch.Tensor]  # float32
+    table: tuple[torch.Tensor, torch.Tensor]    # float32
+
+    @classmethod
+    def of(cls, planes: LayerPlanes, topk_weights: torch.Tensor) -> "Operands":
+        tier = planes.delta_experts.to(torch.int64).contiguous()
+        base = (planes.w13_base.contiguous(), planes.w2_base.contiguous())
+        delta = (planes.w13_delta.contiguous(), planes.w2_delta.contiguous()) if tier.numel() else base
+        scales = (planes.w13_scale, planes.w2_scale)
+        return cls(topk_weights.reshape(-1).float().contiguous(), tier, base, delta,
+                   tuple(s.contiguous().view(torch.uint8) for s in scales),
+                   tuple(s.dtype == torch.float8_e8m0fnu for s in scales),
+                   (planes.w13_scale_2.float().contiguous(), planes.w2_scale_2.float().contiguous()),
+                   (planes.w13_table.float().contiguous(), planes.w2_table.float().contiguous()))
+
+    def layer_args(self, i: int) -> list[Any]:
+        """The kernel arguments from the tier to the table, of w13 (i 0) or w2 (i 1), then the weights."""
+        return [self.tier, self.tier.numel(), self.base[i], self.delta[i], self.scale[i], self.scale_2[i],
+                self.table[i], self.weights]
+
+
 #: moe_sum's output types (mma_moe.cu)
 _SUM_OUT = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 
@@ -91,28 +124,18 @@ def fused_moe_mma(x: torch.Tensor, planes: LayerPlanes, topk_weights: torch.Tens
     else:
         blocks = align_pairs(topk_ids, E, 8 * block.nt)
         grid_x, sorted_pairs, block_expert = blocks.max_blocks, blocks.sorted_pairs, blocks.block_expert
-    wts = topk_weights.reshape(-1).float().contiguous()
-    tier = planes.delta_experts.to(torch.int64).contiguous()
-    n_tier = tier.numel()
-    b13, b2 = planes.w13_base.contiguous(), planes.w2_base.contiguous()
-    d13 = planes.w13_delta.contiguous() if n_tier else b13  # never read without a tier row
-    d2 = planes.w2_delta.contiguous() if n_tier else b2
-    s13, s2 = planes.w13_scale.contiguous().view(torch.uint8), planes.w2_scale.contiguous().view(torch.uint8)
-    e8_13 = planes.w13_scale.dtype == torch.float8_e8m0fnu
-    e8_2 = planes.w2_scale.dtype == torch.float8_e8m0fnu
+    ops = Operands.of(planes, topk_weights)
     xin = x.to(torch.bfloat16).contiguous()
     act = torch.empty((P, I), dtype=torch.bfloat16, device=dev)
     out = torch.empty((P, H), dtype=torch.float32, device=dev)
     limit = 0.0 if swiglu_limit is None else float(swiglu_limit)
     with torch.cuda.device(dev):  # the compile loads into, and the launch uses, dev's context
-        k13 = _kernel(f"moe_mma<2, {block.nt}, {block.ks13}, {str(e8_13).lower()}>", dev.index)
+        k13 = _kernel(f"moe_mma<2, {block.nt}, {block.ks13}, {str(ops.e8m0[0]).lower()}>", dev.index)
         k13(grid=(grid_x, I // 16, 1), block=(64 * block.ks13, 1, 1),
-            args=[xin, ids, sorted_pairs, block_expert, tier, n_tier, b13, d13, s13,
-                  planes.w13_scale_2.float().contiguous(), planes.w13_table.float().contiguous(), wts, act,
+            args=[xin, ids, sorted_pairs, block_expert, *ops.layer_args(0), act,
                   top_k, H, I, limit, int(swiglu_limit is not None), int(block.direct)])
-        k2 = _kernel(f"moe_mma<1, {block.nt}, {block.ks2}, {str(e8_2).lower()}>", dev.index)
+        k2 = _kernel(f"moe_mma<1, {block.nt}, {block.ks2}, {str(ops.e8m0[1]).lower()}>", dev.index)
         k2(grid=(grid_x, H // 16, 1), block=(32 * block.ks2, 1, 1),
-           args=[act, ids, sorted_pairs, block_expert, tier, n_tier, b2, d2, s2,
-                 planes.w2_scale_2.float().contiguous(), planes.w2_table.float().contiguous(), wts, out,
+           args=[act, ids, sorted_pairs, block_expert, *ops.layer_args(1), out,
                  top_k, I, H, 0.0, 0, int(block.direct)])
     return out.view(T, top_k, H)

@@ -13,7 +13,7 @@ import torch
 
 from .align import align_pairs
 from .dequant import LayerPlanes
-from .mma_moe import kernel_source
+from .mma_moe import Operands, kernel_source
 
 #: K a pipeline stage (8 words of 16 codes a row)
 STAGE_K = 128
@@ -94,15 +94,7 @@ def fused_moe_prefill(x: torch.Tensor, planes: LayerPlanes, topk_weights: torch.
     top_k = topk_ids.shape[1]
     P, dev = T * top_k, x.device
     blocks = align_pairs(topk_ids, E, 8 * block.nt)
-    wts = topk_weights.reshape(-1).float().contiguous()
-    tier = planes.delta_experts.to(torch.int64).contiguous()
-    n_tier = tier.numel()
-    b13, b2 = planes.w13_base, planes.w2_base
-    d13 = planes.w13_delta if n_tier else b13  # never read without a tier row
-    d2 = planes.w2_delta if n_tier else b2
-    s13, s2 = planes.w13_scale.view(torch.uint8), planes.w2_scale.view(torch.uint8)
-    e8_13 = planes.w13_scale.dtype == torch.float8_e8m0fnu
-    e8_2 = planes.w2_scale.dtype == torch.float8_e8m0fnu
+    ops = Operands.of(planes, topk_weights)
     xin = k_permuted(x)  # the stored K order of the B operand (mma_prefill.cu)
     act = torch.empty((P, I), dtype=torch.bfloat16, device=dev)
     out = torch.empty((P, H), dtype=torch.float32, device=dev)
@@ -110,14 +102,12 @@ def fused_moe_prefill(x: torch.Tensor, planes: LayerPlanes, topk_weights: torch.
     smem = block.smem_bytes()
     threads = 32 * block.warps
     with torch.cuda.device(dev):  # the compile loads into, and the launch uses, dev's context
-        k13 = _kernel(2, block.nt, block.warps, block.stages, e8_13, smem, dev.index)
+        k13 = _kernel(2, block.nt, block.warps, block.stages, ops.e8m0[0], smem, dev.index)
         k13(grid=(I // (16 * block.warps), blocks.max_blocks, 1), block=(threads, 1, 1), shared_mem=smem,
-            args=[xin, blocks.sorted_pairs, blocks.block_expert, tier, n_tier, b13, d13, s13,
-                  planes.w13_scale_2.float().contiguous(), planes.w13_table.float().contiguous(), wts, act,
+            args=[xin, blocks.sorted_pairs, blocks.block_expert, *ops.layer_args(0), act,
                   top_k, H, I, limit, int(swiglu_limit is not None)])
-        k2 = _kernel(1, block.nt, block.warps, block.stages, e8_2, smem, dev.index)
+        k2 = _kernel(1, block.nt, block.warps, block.stages, ops.e8m0[1], smem, dev.index)
         k2(grid=(H // (32 * block.warps), blocks.max_blocks, 1), block=(threads, 1, 1), shared_mem=smem,
-           args=[act, blocks.sorted_pairs, blocks.block_expert, tier, n_tier, b2, d2, s2,
-                 planes.w2_scale_2.float().contiguous(), planes.w2_table.float().contiguous(), wts, out,
+           args=[act, blocks.sorted_pairs, blocks.block_expert, *ops.layer_args(1), out,
                  top_k, I, H, 0.0, 0])
     return out.view(T, top_k, H)
