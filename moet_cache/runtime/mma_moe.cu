@@ -25,12 +25,15 @@
 // {2, 3, 4, 6} by the delta bits, a select by the base's low bit and the sign from its high bit
 // (PRMT sign-replicate mode), then the block scale (exact: E2M1 x power of two or e4m3).
 //
-// Latency, not arithmetic, bounds decode: each warp keeps D chunks (D x 1 KB of its 16 rows) of loads
-// in flight, refilling a chunk's registers as soon as they are computed: D = 4 for one token column,
-// 2 for two, 1 for wider blocks (their activations and accumulators take the registers). The decode
-// kernels (NT <= 2) are held to 128 registers a thread (launch bounds) so a CTA of 8 warps runs two to
-// an SM; the activation loads are volatile so
-// ptxas does not hoist a whole chunk's worth of them into registers (it would spill at 128).
+// Loads in flight: each warp keeps D chunks (D x 1 KB of its 16 rows) in registers in flight,
+// refilling a chunk's registers as soon as they are computed: D = 4 for one token column, 2 for two, 1
+// for wider blocks (their activations and accumulators take the registers). The decode kernels
+// (NT <= 2) are held to 128 registers a thread (launch bounds), and the activation loads are volatile
+// so ptxas does not hoist a whole chunk's worth of them (it took up to 246 registers, and spills at
+// 128). A shared-memory ring filled by cp.async instead of the registers measured no faster on the
+// H200 (docs/RUNTIME.md).
+//
+// moe_sum, at the end, sums a pair's top-k slots and casts them to the activations' dtype.
 
 // The helpers (prmt, base_regs, tier_regs, scale_pair, mma, ...) are in mma_bits.cu.
 
