@@ -53,13 +53,17 @@ def kernel_source(name: str) -> str:
 
 
 @lru_cache(maxsize=None)
-def _kernel(name: str, device: int) -> Any:
-    """A kernel of mma_moe.cu by its instantiated name, compiled by NVRTC and loaded once a process
-    and device (a loaded module belongs to one device's context)."""
+def compiled(file: str, name: str, device: int) -> Any:
+    """A kernel of a kernel file by its instantiated name, compiled by NVRTC for the device's compute
+    capability and loaded once a process and device (a loaded module belongs to one device's context)."""
     capability = torch.cuda.get_device_capability(device)
-    return torch.cuda._compile_kernel(kernel_source("mma_moe.cu"), name,
+    return torch.cuda._compile_kernel(kernel_source(file), name,
                                       compute_capability=f"{capability[0]}{capability[1]}",
                                       nvcc_options=["-std=c++17"])
+
+
+def _kernel(name: str, device: int) -> Any:
+    return compiled("mma_moe.cu", name, device)
 
 
 @dataclass(frozen=True)

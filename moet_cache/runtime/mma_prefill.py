@@ -13,7 +13,7 @@ import torch
 
 from .align import align_pairs
 from .dequant import LayerPlanes
-from .mma_moe import Operands, kernel_source
+from .mma_moe import Operands, compiled
 
 #: K a pipeline stage (8 words of 16 codes a row)
 STAGE_K = 128
@@ -75,10 +75,8 @@ def supported(planes: LayerPlanes, x: torch.Tensor, P: int, block: Prefill) -> b
 def _kernel(tiles: int, nt: int, warps: int, stages: int, e8: bool, smem: int, device: int) -> Any:
     """The kernel for these template arguments, compiled by NVRTC and loaded once a process and device,
     its dynamic shared-memory limit raised to what it uses."""
-    capability = torch.cuda.get_device_capability(device)
     name = f"moe_prefill<{tiles}, {nt}, {warps}, {stages}, {str(e8).lower()}>"
-    k = torch.cuda._compile_kernel(kernel_source("mma_prefill.cu"), name,
-                                   compute_capability=f"{capability[0]}{capability[1]}", nvcc_options=["-std=c++17"])
+    k = compiled("mma_prefill.cu", name, device)
     if hasattr(k, "set_shared_memory_config"):
         k.set_shared_memory_config(smem)
     elif smem >= 48 * 1024:  # older torch: the attribute set directly (CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES)
