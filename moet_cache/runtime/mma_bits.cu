@@ -12,6 +12,9 @@ struct alignas(16) U4 { u32 x, y, z, w; };
 
 #define DEV __device__ __forceinline__
 
+// Word i (taken mod 4) of a 16-byte load.
+DEV u32 word_of(const U4& v, int i) { return (i & 3) == 0 ? v.x : (i & 3) == 1 ? v.y : (i & 3) == 2 ? v.z : v.w; }
+
 DEV u32 prmt(u32 a, u32 b, u32 s) {
   u32 d;
   asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(s));

@@ -72,8 +72,6 @@ DEV void load_chunk(Chunk& ch, const u32* const (&wrow)[2], const u8* const (&sr
   }
 }
 
-DEV u32 word_of(const U4& v, int i) { return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w; }
-
 // acc[t] += one chunk of the thread's rows against the block's token columns. `dl`: the tier's delta
 // words of the same chunk (TIER only). xrow[t]: token g of tile t (nullptr: no pair, zeros).
 template <int NT, bool E8, bool TIER>

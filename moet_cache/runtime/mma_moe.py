@@ -35,11 +35,16 @@ class Mma:
             raise ValueError("direct blocks hold one pair: nt must be 1")
 
 
+def runs_here(device: torch.device) -> bool:
+    """Whether the plane kernels (mma_moe.cu, mma_prefill.cu) can run on this device: CUDA sm_80+ (bf16
+    mma.sync, cp.async, ldmatrix) and torch's NVRTC wrapper (torch 2.8+); else Triton runs."""
+    return (device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 0)
+            and hasattr(torch.cuda, "_compile_kernel"))
+
+
 def supported(planes: LayerPlanes, device: torch.device, block: Mma) -> bool:
-    """Whether these kernels run this layer here: sm_80+, and K splits into whole steps per warp."""
-    if device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 0):
-        return False
-    if not hasattr(torch.cuda, "_compile_kernel"):  # torch's NVRTC wrapper (torch 2.8+): else Triton runs
+    """Whether these kernels run this layer here: `runs_here`, and K splits into whole chunks per warp."""
+    if not runs_here(device):
         return False
     H, I = planes.hidden, planes.inter
     return H % (16 * CHUNK_WORDS * block.ks13) == 0 and I % (16 * CHUNK_WORDS * block.ks2) == 0

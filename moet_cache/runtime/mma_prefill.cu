@@ -1,12 +1,13 @@
 // Prefill MoE on the planes (many pairs an expert): mma.sync m16n8k16 bf16, fp32 accumulate, with the
 // activations staged in shared memory by cp.async, S stages deep, and read by ldmatrix.
 // Compiled at first use by NVRTC (mma_prefill.py), after mma_bits.cu (prmt, base_regs, tier_regs,
-// scale_pair, mma, tier_row_of).
+// scale_pair, mma, word_of, tier_row_of).
 //
 // Roles as in mma_moe.cu: the weights are mma's A operand (16 rows x 16 k: one int32 word of 16 codes
 // of each row, decoded in registers by PRMT), the pairs its B operand (8 pairs an n-tile). The K order
-// inside each 16 is mma_moe.cu's: mma column 2q + s + 8h stands for code q + 4s + 8h of the word, so
-// the activations are stored K-permuted (mma_prefill.k_permuted; w13 writes the intermediate at
+// is this file's own (not mma_moe.cu's chunk order): inside each word, mma column 2q + s + 8h stands
+// for code q + 4s + 8h, so all four threads of a row take the same word, and the activations are
+// stored K-permuted (mma_prefill.k_permuted; w13 writes the intermediate at
 // perm_col(n), already permuted for w2). Then one 8x8 ldmatrix matrix of 8 pairs x 8 stored positions
 // is exactly a B register: thread (g, q) gets pair g, positions 2q and 2q + 1.
 //
@@ -50,9 +51,8 @@ DEV void ldmatrix_x4(u32 addr, u32& r0, u32& r1, u32& r2, u32& r3) {
                : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(addr));
 }
 
-DEV u32 pword(const U4& v, int j) { return (j & 3) == 0 ? v.x : (j & 3) == 1 ? v.y : (j & 3) == 2 ? v.z : v.w; }
 
-// K-permuted position of natural index n (the same map as mma_moe.cu's perm_col)
+// K-permuted position of natural index n (the map mma_prefill.k_permuted applies to x)
 DEV int prefill_perm_col(int n) {
   int o = n & 15;
   return (n & ~15) | ((o & 3) << 1) | ((o >> 2) & 1) | (o & 8);
@@ -118,9 +118,9 @@ DEV void prefill_compute(float (&acc)[2][NT][4], const unsigned char* st, const 
     u32 a[2][4];
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
-      const u32 wg = pword(wv[i][0], j) >> q2, wh = pword(wv[i][1], j) >> q2;
+      const u32 wg = word_of(wv[i][0], j) >> q2, wh = word_of(wv[i][1], j) >> q2;
       if (TIER) {
-        const u32 dg = pword(dv[i][0], j) >> q2, dh = pword(dv[i][1], j) >> q2;
+        const u32 dg = word_of(dv[i][0], j) >> q2, dh = word_of(dv[i][1], j) >> q2;
         tier_regs(wg, dg, sc[i][0], a[i][0], a[i][2]);
         tier_regs(wh, dh, sc[i][1], a[i][1], a[i][3]);
       } else {

@@ -13,17 +13,17 @@ import torch
 
 from .align import align_pairs
 from .dequant import LayerPlanes
-from .mma_moe import Operands, compiled
+from .mma_moe import Operands, compiled, runs_here
 
 #: K a pipeline stage (8 words of 16 codes a row)
 STAGE_K = 128
-
 
 
 def k_permuted(x: torch.Tensor) -> torch.Tensor:
     """bf16 [T, K] with position 2q + s + 8h of each 16 holding element q + 4s + 8h (mma_prefill.cu)."""
     T, K = x.shape
     return x.to(torch.bfloat16).view(T, K // 16, 2, 2, 4).transpose(-1, -2).reshape(T, K).contiguous()
+
 
 @dataclass(frozen=True)
 class Prefill:
@@ -53,9 +53,7 @@ def supported(planes: LayerPlanes, x: torch.Tensor, P: int, block: Prefill) -> b
     into whole CTAs, 16-byte aligned planes (cp.async), activation offsets within int32, and the shared
     memory the device allows. Host-side facts only (no sync)."""
     dev = x.device
-    if dev.type != "cuda" or torch.cuda.get_device_capability(dev) < (8, 0):
-        return False
-    if not hasattr(torch.cuda, "_compile_kernel"):
+    if not runs_here(dev):
         return False
     H, I = planes.hidden, planes.inter
     if H % STAGE_K or I % STAGE_K or I % (16 * block.warps) or H % (32 * block.warps):
