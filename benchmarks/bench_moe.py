@@ -197,14 +197,15 @@ def sweep_configs(T: int, triton: bool) -> list:
     from moet_cache.runtime.launch import Config, Grouped, Mma, Pairs, Prefill
     out = []
     if T <= 16:
-        out += [Config.only(Mma(*m)) for m in ((1, 2, 2, True), (1, 4, 4, True), (1, 8, 8, True), (1, 4, 8, True),
-                                               (1, 2, 4, True), (1, 4, 4), (2, 4, 4), (2, 2, 2))]
+        out += [Config.only(Mma(*m)) for m in ((1, 2, 2, True), (1, 1, 1, True), (1, 4, 4, True), (1, 2, 1, True),
+                                               (1, 2, 2), (2, 2, 2))]
     elif T <= 256:
-        out += [Config.only(Mma(*m)) for m in ((2, 2, 2), (2, 4, 4), (4, 1, 1), (4, 2, 2), (8, 1, 1))]
+        out += [Config.only(Mma(*m)) for m in ((1, 2, 2), (2, 2, 2), (2, 4, 4), (4, 1, 1))]
+        out += [Config.only(Prefill(*b)) for b in ((2, 8, 4, True, 2), (4, 8, 4, True, 2))]
     else:
-        out += [Config.only(Mma(*m)) for m in ((4, 1, 1), (8, 1, 1))]
-        out += [Config.only(Prefill(*b)) for b in ((8, 8, 3), (8, 8, 4), (4, 8, 4), (8, 4, 4), (12, 4, 3),
-                                                   (16, 4, 3))]
+        out += [Config.only(Mma(*m)) for m in ((1, 2, 2), (4, 1, 1))]
+        out += [Config.only(Prefill(*b)) for b in ((16, 4, 2, True, 1), (12, 4, 3, True, 1), (12, 4, 2, True, 2),
+                                                   (8, 4, 3, True, 2), (4, 8, 4, True, 2), (8, 8, 3), (4, 8, 4))]
     if not triton:
         return out
     if T <= 16:
@@ -266,7 +267,7 @@ def speed(args: argparse.Namespace) -> list[dict]:
         res.append(bench_planes("planes e8m0 base-only", none8, x, w, ids))
         res.append(bench_planes("planes e8m0 tier10%", planes8, x, w, ids))
         res.append(bench_planes("planes e4m3 base-only", none4, x, w, ids))
-        res.append(bench_planes("planes e8m0 base, Triton", none8, x, w, ids, Config(mma=False, prefill=None)))
+        res.append(bench_planes("planes e8m0 base, Triton", none8, x, w, ids, Config(mma=False, prefill=())))
         hit = len(set(ids.reshape(-1).tolist()))
         try:
             us, note = timed(lambda: bf16(x, w, ids))

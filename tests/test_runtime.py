@@ -282,3 +282,23 @@ def test_v4_cache_compact_scales(v4_cache, delta: str) -> None:
     got = fused_moe(x, t, w, ids, swiglu_limit=10.0)
     ref = moe_reference(src, L, t, x.double().numpy(), w.double().numpy(), ids.numpy(), fp4, 10.0)
     assert _rel(got.double().numpy(), ref) < 1e-5
+
+
+def test_config_picks_each_regime_by_pairs() -> None:
+    """launch.Config: decode kernels below the first prefill step, each prefill step from its pair count,
+    Triton where neither tensor-core family runs, and Config.only pinning one block."""
+    from moet_cache.runtime.launch import DEFAULT, PREFILL_STEPS, Config, Grouped, Mma, Pairs, Prefill
+
+    starts = [start for start, _ in PREFILL_STEPS]
+    assert starts == sorted(starts) and starts[0] <= DEFAULT.large_from
+    assert DEFAULT.pick(6) == Mma(1, 2, 2, direct=True)
+    assert DEFAULT.pick(starts[0] - 1) == Mma(1, 2, 2)
+    for (start, block), nxt in zip(PREFILL_STEPS, starts[1:] + [1 << 40]):
+        assert DEFAULT.pick(start) == block and DEFAULT.pick(nxt - 1) == block
+    assert isinstance(DEFAULT.pick(starts[0], prefill_runs=False), Mma)
+    assert isinstance(DEFAULT.pick(DEFAULT.large_from, prefill_runs=False), Grouped)
+    assert isinstance(DEFAULT.pick(6, mma_runs=False, prefill_runs=False), Pairs)
+    only = Prefill(4, 8, 4)
+    assert Config.only(only).pick(1) == only and Config(prefill=()).pick(1 << 20) == DEFAULT.large
+    with pytest.raises(ValueError):
+        Prefill(16, 2, 3)  # 2 warps: not a tested shape

@@ -74,7 +74,8 @@ def test_both_regimes(layer: dict, T: int, mode: str) -> None:
 
 @pytest.mark.parametrize("T,block", [(1, Mma(1, 4, 4, True)), (3, Mma(1, 1, 1)), (7, Mma(2, 2, 2)),
                                      (16, Mma(1, 8, 8, True)), (64, Mma(4, 1, 1)), (300, Mma(8, 1, 1)),
-                                     (5, Mma(1, 2, 4)), (16, Mma(1, 4, 8, True)), (16, Mma(1, 2, 1, True))])
+                                     (5, Mma(1, 2, 4)), (16, Mma(1, 4, 8, True)), (16, Mma(1, 2, 1, True)),
+                                     (64, Mma(1, 2, 2)), (256, Mma(1, 2, 2))])
 def test_tensor_core_blocks(layer: dict, T: int, block: Mma) -> None:
     """The tensor-core plane kernels (mma_moe.cu) at every block shape the sweep may pick, with the
     tier's experts routed (exact FP4) and the SwiGLU clamp."""
@@ -129,7 +130,12 @@ def _replay_equals_eager(step) -> None:
 
 @pytest.mark.parametrize("T,block,mode", [(300, Prefill(), "cold"), (300, Prefill(4, 8, 4), "tier"),
                                           (300, Prefill(12, 4, 3), "plain"), (4096, Prefill(), "hot"),
-                                          (300, Prefill(), "full tier")])
+                                          (300, Prefill(), "full tier"), (300, Prefill(8, 8, 4, True, 1), "tier"),
+                                          (4096, Prefill(16, 4, 2, True, 1), "hot"),
+                                          (300, Prefill(4, 8, 4, True, 2), "full tier"),
+                                          (300, Prefill(16, 4, 2, True, 1), "tier"),
+                                          (300, Prefill(2, 8, 4, True, 2), "tier"),
+                                          (4096, Prefill(2, 8, 4, True, 2), "full tier")])
 def test_prefill_kernels(layer: dict, T: int, block: Prefill, mode: str) -> None:
     """The prefill tensor-core kernels (mma_prefill.cu), forced below their default range too: half the
     experts without a pair ("cold"), every expert hot, tier experts routed, every expert in the tier,
@@ -153,7 +159,7 @@ def test_prefill_kernels(layer: dict, T: int, block: Prefill, mode: str) -> None
 
 
 def test_prefill_cuda_graph_capture(layer: dict) -> None:
-    """The prefill path (the default from P = 2048) has no host sync either."""
+    """The prefill path (the default from P = 1536) has no host sync either."""
     T = 512
     assert isinstance(DEFAULT.pick(T * K), Prefill)
     x = torch.randn((T, H), device="cuda").to(torch.bfloat16)

@@ -11,6 +11,7 @@ import random
 import torch
 
 from moet_cache.runtime.dequant import E2M1
+from moet_cache.runtime.mma_moe import k_paired
 from moet_cache.runtime.mma_prefill import k_permuted
 
 M32 = 0xFFFFFFFF
@@ -121,9 +122,9 @@ def test_scale_pairs_are_the_scale_values() -> None:
 def test_chunk_fragments_give_w_times_x() -> None:
     """One chunk (256 codes of 16 rows) as the kernel feeds it to 64 m16n8k16 steps: thread (g, q)
     loads words 4q .. 4q + 3 of rows g and g + 8 and, for sub-step (i, j), builds a0..a3 by base_regs
-    of word 4q + i shifted by 2j; B comes from the activations in natural order, b0 = PRMT of
-    elements j, j + 4 and b1 of j + 8, j + 12 of that word's 16 (the thread's two 16-byte loads). C
-    follows the PTX ISA fragment layout; the sum over the chunk must equal W @ x."""
+    of word 4q + i shifted by 2j; B is that word's 16 activations K-paired (k_paired, the thread's two
+    16-byte loads), b0 and b1 being u32 2j and 2j + 1. C follows the PTX ISA fragment layout; the sum
+    over the chunk must equal W @ x."""
     g0 = torch.Generator().manual_seed(3)
     table = [0.75, 3.0, -1.0, -2.5]  # exact in bf16
     tlo = bf16_bits(table[0]) | bf16_bits(table[1]) << 16
@@ -131,13 +132,12 @@ def test_chunk_fragments_give_w_times_x() -> None:
     words = torch.randint(0, 1 << 31, (16, 16), generator=g0).tolist()       # [row, word of the chunk]
     W = torch.tensor([[table[(w >> (2 * c)) & 3] for w in row for c in range(16)] for row in words])
     x = torch.randn((8, 256), generator=g0).to(torch.bfloat16)                # 8 tokens, natural order
-    xb = x.view(torch.int16).to(torch.int64) & 0xFFFF
+    xb = k_paired(x).view(torch.int16).to(torch.int64) & 0xFFFF
     xu32 = [[int(xb[n, 2 * k]) | int(xb[n, 2 * k + 1]) << 16 for k in range(128)] for n in range(8)]
 
     def b_regs(n: int, q: int, i: int, j: int) -> tuple[int, int]:
-        u = xu32[n][8 * (4 * q + i):8 * (4 * q + i) + 8]  # the word's 16 values: xa = u[0:4], xb = u[4:8]
-        sel = 0x7632 if j & 1 else 0x5410
-        return prmt(u[j >> 1], u[(j >> 1) + 2], sel), prmt(u[4 + (j >> 1)], u[4 + (j >> 1) + 2], sel)
+        u = xu32[n][8 * (4 * q + i):8 * (4 * q + i) + 8]  # the word's 16 values as 8 u32
+        return u[2 * j], u[2 * j + 1]
 
     C = torch.zeros((16, 8), dtype=torch.float64)
     for i in range(4):
@@ -255,6 +255,19 @@ def test_prefill_stage_layout_gives_w_times_x() -> None:
     assert torch.allclose(C, W @ x.double().T, rtol=1e-9, atol=1e-9)
 
 
+def test_decode_act_columns_are_the_k_pairing() -> None:
+    """The decode w13 epilogue writes intermediate column n at pair_col(n); w2 reads it as K-paired x."""
+    def pair_col(n: int) -> int:
+        o = n & 15
+        return (n & ~15) | ((o & 3) << 2) | ((o >> 3) << 1) | ((o >> 2) & 1)
+
+    x = torch.randn((1, 64))
+    placed = torch.empty(64)
+    for n in range(64):
+        placed[pair_col(n)] = x[0, n]
+    assert torch.equal(placed.to(torch.bfloat16), k_paired(x)[0])
+
+
 def test_prefill_act_columns_are_the_k_permutation() -> None:
     """w13's epilogue writes intermediate column n at perm_col(n); w2 reads it as K-permuted x."""
     def perm_col(n: int) -> int:
@@ -265,3 +278,23 @@ def test_prefill_act_columns_are_the_k_permutation() -> None:
     for n in range(64):
         placed[perm_col(n)] = x[0, n]
     assert torch.equal(placed.to(torch.bfloat16), k_permuted(x)[0])
+
+
+def test_prefill_e4m3_scale_times_2p120_is_the_scale() -> None:
+    """mma_prefill.cu e4m3_pair_lo: the e4m3 byte's bits moved into bf16's places give value x 2^-120
+    (subnormal scales included); the tables carry 2^120, so table x scale is the same bf16 as with
+    scale_pair, and the tier's scale (x 2^120 back) is scale_pair's exactly."""
+    two120 = 0x7B807B80
+    assert bf16_value(two120 & 0xFFFF) == 2.0 ** 120
+    table = [0.8125, 3.25, -0.75, -3.5, 5.9, -0.0078125]
+    for byte in range(256):
+        if torch.tensor([byte], dtype=torch.uint8).view(torch.float8_e4m3fn).float().isnan().item():
+            continue
+        for k in range(4):
+            sreg = (byte << (8 * k)) | (0x5A << (8 * ((k + 1) & 3)))  # another byte beside it
+            x = prmt(sreg, 0, 0x4040 | (k << 8) | k)
+            lo = (((x << 4) & 0x07F007F0) | ((x << 8) & 0x80008000)) & M32
+            assert bmul2(lo, two120) == scale_pair(byte, False), byte
+            for v in table:
+                t = bf16_bits(v) | bf16_bits(-v) << 16
+                assert bmul2(bmul2(t, two120), lo) == bmul2(t, scale_pair(byte, False)), (byte, v)

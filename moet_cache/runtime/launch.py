@@ -33,14 +33,25 @@ class Grouped:
     v2: bool  # the 2-D, K-permuted kernels (triton_moe.py, version 2)
 
 
+#: the prefill blocks by the pairs they take over from (launch.Config.prefill): H200, V4-Flash layer, one
+#: process (docs/RUNTIME.md). Below 1536 pairs the decode kernels are faster (T = 192: 1412 us against
+#: 1623); (2, 8, 4) wins to about 3400 pairs (T = 512: 1814 against 1971; T = 768: 2686 against 2109),
+#: (4, 8, 4) to about 15700 (T = 2560: 4567 against 4674; T = 3072: 5520 against 4735).
+PREFILL_STEPS: tuple[tuple[int, Prefill], ...] = (
+    (1536, Prefill(2, 8, 4, pipe=True, ctas=2)),
+    (3584, Prefill(4, 8, 4, pipe=True, ctas=2)),
+    (16384, Prefill(16, 4, 2, pipe=True, ctas=1)),
+)
+
+
 @dataclass(frozen=True)
 class Config:
     """Which kernels and blocks for P = T * top_k pairs; the defaults are the H200 measurements' best
-    (benchmarks/bench_moe.py --sweep, docs/RUNTIME.md). Below `large_from` the tensor-core plane
-    kernels (mma_moe.cu) run where they can (`mma`); the Triton kernels run the rest, and everything
-    where mma_moe cannot run (no sm_80, dims that do not split). From `large_from` the prefill
-    tensor-core kernels (mma_prefill.cu) run where they can (`prefill_small` below `prefill_split` pairs,
-    about 48 pairs an expert at E 256, `prefill` from there), else Triton `large`."""
+    (benchmarks/bench_moe.py --sweep, docs/RUNTIME.md). From the first of `prefill`'s steps the prefill
+    tensor-core kernels (mma_prefill.cu) run where they can, each step's block from its pair count on.
+    Below it, and below `large_from` where the prefill kernels cannot run, the decode tensor-core kernels
+    (mma_moe.cu) run where they can (`mma`). The Triton kernels run the rest: everything where neither
+    can run (no sm_80, dims that do not split), Triton `large` from `large_from`."""
 
     mma: bool = True
     tiny_max: int = 12        # P up to this: `mma_tiny` / Triton `tiny`
@@ -53,15 +64,13 @@ class Config:
     pairs: Pairs = Pairs(64, 8, 2)
     mid: Grouped = Grouped(16, 64, 16, 4, 2, True)
     large: Grouped = Grouped(128, 128, 4, 8, 3, False)
-    prefill: Prefill | None = Prefill()
-    prefill_small: Prefill | None = Prefill(4, 8, 4)  # below `prefill_split` pairs: fewer pairs an expert
-    prefill_split: int = 12288
+    prefill: tuple[tuple[int, Prefill], ...] = PREFILL_STEPS  # (from P, block), ascending; () for none
 
     def pick(self, P: int, mma_runs: bool = True, prefill_runs: bool = True) -> Pairs | Grouped | Mma | Prefill:
         """The kernels for P pairs; `mma_runs` / `prefill_runs`: whether the tensor-core decode / prefill
         kernels run this layer here."""
-        if self.prefill is not None and prefill_runs and P >= self.large_from:
-            return self.prefill_small if self.prefill_small is not None and P < self.prefill_split else self.prefill
+        if prefill_runs and self.prefill and P >= self.prefill[0][0]:
+            return [block for start, block in self.prefill if P >= start][-1]
         if self.mma and mma_runs and P < self.large_from:
             return self.mma_tiny if P <= self.tiny_max else self.mma_decode if P <= self.pairs_max else self.mma_mid
         if P <= self.tiny_max:
@@ -74,12 +83,12 @@ class Config:
     def only(cls, block: Pairs | Grouped | Mma | Prefill) -> "Config":
         """Always these kernels and blocks (tests, sweeps); Prefill where it cannot run: Triton `large`."""
         if isinstance(block, Prefill):
-            return cls(mma=False, tiny_max=0, pairs_max=0, large_from=0, prefill=block, prefill_small=None)
+            return cls(mma=False, tiny_max=0, pairs_max=0, large_from=0, prefill=((0, block),))
         if isinstance(block, Mma):
-            return cls(large_from=1 << 62, mma_tiny=block, mma_decode=block, mma_mid=block, prefill=None)
+            return cls(large_from=1 << 62, mma_tiny=block, mma_decode=block, mma_mid=block, prefill=())
         if isinstance(block, Pairs):
-            return cls(mma=False, tiny_max=0, pairs_max=1 << 62, pairs=block, prefill=None)
-        return cls(mma=False, tiny_max=0, pairs_max=0, large_from=1 << 62, mid=block, prefill=None)
+            return cls(mma=False, tiny_max=0, pairs_max=1 << 62, pairs=block, prefill=())
+        return cls(mma=False, tiny_max=0, pairs_max=0, large_from=1 << 62, mid=block, prefill=())
 
 
 DEFAULT = Config()

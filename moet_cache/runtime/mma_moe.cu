@@ -14,9 +14,11 @@
 // lets column 2q + s + 8h stand for code j + 4s + 8h of word 4q + i. Any mapping is right as long as A
 // and B agree (the column decides q, so it may depend on q), and this one keeps a register's two codes
 // 8 bits apart: (word >> 2j) & 0x0303 holds codes j and j + 4, (word >> (2j + 16)) & 0x0303 codes j + 8
-// and j + 12; the shift is a constant. The activations stay in natural order: the thread loads its
-// word's 16 values (two 16-byte loads) and one PRMT pairs elements j and j + 4 for b0 (j + 8, j + 12
-// for b1). The w13 epilogue writes the intermediate in natural order too.
+// and j + 12; the shift is a constant. The activations come K-paired (mma_moe.k_paired, pair_col):
+// position 4j + 2h + s of each 16 holds element j + 4s + 8h, so the thread's two 16-byte loads of a
+// word's 16 values hold b0, b1 of sub-steps 0..3 as adjacent u32 pairs, as mma takes them (pairing
+// natural-order values by PRMT cost 32 ALU ops a chunk: 380 against 358 us at T = 16). The w13
+// epilogue writes the intermediate K-paired for w2; x costs one small copy kernel.
 //
 // Base code -> bf16 table value, two codes per op: the row's 4-entry table, pre-multiplied by the
 // block scale (bf16x2 multiply, once per row and scale group), sits in two registers (8 bytes); PRMT
@@ -25,17 +27,26 @@
 // {2, 3, 4, 6} by the delta bits, a select by the base's low bit and the sign from its high bit
 // (PRMT sign-replicate mode), then the block scale (exact: E2M1 x power of two or e4m3).
 //
-// Loads in flight: each warp keeps D chunks (D x 1 KB of its 16 rows) in registers in flight,
-// refilling a chunk's registers as soon as they are computed: D = 4 for one token column, 2 for two, 1
-// for wider blocks (their activations and accumulators take the registers). The decode kernels
-// (NT <= 2) are held to 128 registers a thread (launch bounds), and the activation loads are volatile
-// so ptxas does not hoist a whole chunk's worth of them (it took up to 246 registers, and spills at
-// 128). A shared-memory ring filled by cp.async instead of the registers measured no faster on the
-// H200 (docs/RUNTIME.md).
+// Loads in flight: each warp keeps D chunks (D x 1 KB of its 16 rows; a tier expert's delta words too)
+// in registers in flight, refilling a chunk's registers as soon as it is computed: D = 2 for one or two
+// token columns, 1 for wider blocks. The loop is bound by the ALU pipe (PRMT, LOP3, SHF: Nsight Compute
+// at T = 16), so more warps beat deeper loads: one token column is held to 80 registers (6 CTAs of 128
+// threads an SM), which measured the same as 4 chunks at 128 registers at T = 1 and 4, faster from
+// T = 16 (353 against 358 us; T = 64: 862 against 897) and 18% faster with a 10% tier. The activation loads are volatile so ptxas does not hoist a whole chunk's worth of them (it
+// took up to 246 registers). A shared-memory ring filled by cp.async measured no faster (docs/RUNTIME.md).
 //
 // moe_sum, at the end, sums a pair's top-k slots and casts them to the activations' dtype.
 
 // The helpers (prmt, base_regs, tier_regs, scale_pair, mma, ...) are in mma_bits.cu.
+
+// K-paired position of natural index n (mma_moe.k_paired): position 4j + 2h + s of each 16
+// holds element j + 4s + 8h, so a word's u32 2j, 2j + 1 are sub-step j's B registers b0, b1, adjacent
+// as mma wants them. The w13 kernels write the intermediate this way.
+DEV int pair_col(int n) {
+  int o = n & 15;
+  return (n & ~15) | ((o & 3) << 2) | ((o >> 3) << 1) | ((o >> 2) & 1);
+}
+
 
 // One chunk of the thread's two rows (g, g + 8): words 4q .. 4q + 3, and their block-scale bytes
 // (e8m0: the 2 groups of 32 codes, bytes 2q, 2q + 1 of the chunk's 8; e4m3: the 4 groups of 16, bytes
@@ -73,10 +84,13 @@ DEV void load_chunk(Chunk& ch, const u32* const (&wrow)[2], const u8* const (&sr
 }
 
 // acc[t] += one chunk of the thread's rows against the block's token columns. `dl`: the tier's delta
-// words of the same chunk (TIER only). xrow[t]: token g of tile t (nullptr: no pair, zeros).
+// words of the same chunk (TIER only). xrow[t]: token g of tile t, K-paired (k_paired), so a word's
+// u32 2j, 2j + 1 are b0, b1 of sub-step j; nullptr: a padding slot, whose loads are skipped and whose
+// registers (xa, xb) keep what they held: that B column's products land only in C columns that are
+// never stored, and zeroing them every word cost 16 instructions a chunk.
 template <int NT, bool E8, bool TIER>
 DEV void compute_chunk(float (&acc)[NT][4], const Chunk& ch, const U4 (&dl)[2], u32 tlo, u32 thi,
-                       const u16* const (&xrow)[NT], int q, int c) {
+                       const u16* const (&xrow)[NT], U4 (&xa)[NT], U4 (&xb)[NT], int q, int c) {
   u32 tl[2], th[2], sc[2];
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
@@ -91,16 +105,13 @@ DEV void compute_chunk(float (&acc)[NT][4], const Chunk& ch, const U4 (&dl)[2], 
         }
       }
     }
-    // token g's 16 activations of word 4q + i: xa elements 0..7, xb 8..15
-    U4 xa[NT], xb[NT];
+    // token g's 16 activations of word 4q + i: xa sub-steps 0, 1, xb 2, 3
 #pragma unroll
     for (int t = 0; t < NT; ++t) {
       if (xrow[t]) {
         const u16* p = xrow[t] + 256 * c + 64 * q + 16 * i;
         xa[t] = load_x(p);
         xb[t] = load_x(p + 8);
-      } else {
-        xa[t] = xb[t] = U4{0u, 0u, 0u, 0u};
       }
     }
     const u32 wg = word_of(ch.w[0], i), wh = word_of(ch.w[1], i);
@@ -115,12 +126,10 @@ DEV void compute_chunk(float (&acc)[NT][4], const Chunk& ch, const U4 (&dl)[2], 
         base_regs(wg >> (2 * j), tl[0], th[0], a0, a2);
         base_regs(wh >> (2 * j), tl[1], th[1], a1, a3);
       }
-      const u32 sel = (j & 1) ? 0x7632u : 0x5410u;  // the high or the low bf16 of each u32
 #pragma unroll
       for (int t = 0; t < NT; ++t) {
-        u32 b0 = prmt(word_of(xa[t], j >> 1), word_of(xa[t], (j >> 1) + 2), sel);
-        u32 b1 = prmt(word_of(xb[t], j >> 1), word_of(xb[t], (j >> 1) + 2), sel);
-        mma(acc[t], a0, a1, a2, a3, b0, b1);
+        const U4& xv = j < 2 ? xa[t] : xb[t];
+        mma(acc[t], a0, a1, a2, a3, word_of(xv, 2 * j), word_of(xv, 2 * j + 1));
       }
     }
   }
@@ -128,52 +137,62 @@ DEV void compute_chunk(float (&acc)[NT][4], const Chunk& ch, const U4 (&dl)[2], 
 
 // The K loop of one warp over chunks [cb, ce); `ch` holds chunks cb .. cb + D - 1 already (issued
 // before the tier lookup, which they do not depend on). Each chunk's registers are refilled with the
-// chunk D further as soon as it is computed, so D chunks stay in flight. A tier expert's delta words
-// come one chunk ahead.
+// chunk D further as soon as it is computed, so D chunks stay in flight; a tier expert's delta words
+// likewise (issued once the lookup has found its tier row).
 template <int NT, int D, bool E8, bool TIER>
 DEV void k_loop(float (&acc)[NT][4], Chunk (&ch)[D], const u32* const (&wrow)[2],
                 const u32* const (&drow)[2], const u8* const (&srow)[2], u32 tlo, u32 thi,
                 const u16* const (&xrow)[NT], int q, int cb, int ce) {
-  U4 dl[D + 1][2];
+  U4 dl[D][2], xa[NT], xb[NT];
+#pragma unroll
+  for (int t = 0; t < NT; ++t) xa[t] = xb[t] = U4{0u, 0u, 0u, 0u};
   if (TIER) {
 #pragma unroll
-    for (int r = 0; r < 2; ++r) dl[0][r] = load_words(drow[r] + 16 * cb + 4 * q);
+    for (int d = 0; d < D; ++d)
+      if (cb + d < ce) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) dl[d][r] = load_words(drow[r] + 16 * (cb + d) + 4 * q);
+      }
   }
   for (int c0 = cb; c0 < ce; c0 += D) {
 #pragma unroll
     for (int d = 0; d < D; ++d) {
       const int c = c0 + d;
       if (c < ce) {
-        if (TIER && c + 1 < ce) {  // the next chunk's delta words
+        compute_chunk<NT, E8, TIER>(acc, ch[d], dl[d], tlo, thi, xrow, xa, xb, q, c);
+        if (c + D < ce) {
+          load_chunk<E8>(ch[d], wrow, srow, c + D, q);
+          if (TIER) {
 #pragma unroll
-          for (int r = 0; r < 2; ++r) dl[d + 1][r] = load_words(drow[r] + 16 * (c + 1) + 4 * q);
+            for (int r = 0; r < 2; ++r) dl[d][r] = load_words(drow[r] + 16 * (c + D) + 4 * q);
+          }
         }
-        compute_chunk<NT, E8, TIER>(acc, ch[d], dl[d], tlo, thi, xrow, q, c);
-        if (c + D < ce) load_chunk<E8>(ch[d], wrow, srow, c + D, q);
       }
-    }
-    if (TIER) {
-#pragma unroll
-      for (int r = 0; r < 2; ++r) dl[0][r] = dl[D][r];
     }
   }
 }
+
+// The threads an SM the decode kernels' registers are sized for (launch bounds): one token column
+// (NT 1) 768, 80 registers with two chunks in flight (see "Loads in flight" above); two columns 512
+// (their activations and accumulators spill at 80).
+#define MIN_THREADS_SM(NT) ((NT) == 1 ? 768 : 512)
 
 // One CTA: a block of up to 8 * NT pairs of one expert x 16 output rows of each of TILES tiles (w13:
 // 16 gate rows and the 16 matching up rows; w2: 16 down rows). TILES * KS warps: warp w takes tile
 // w / KS and the (w % KS)-th part of K; the parts are summed through shared memory. The block is
 // either one of align.py's (sorted_pairs, block_expert) or, `direct` (NT 1), pair blockIdx.x alone
 // with its expert topk_ids[blockIdx.x] (decode: no sorting at all).
-// w13 (TILES 2): act[pair, n] = bf16(swiglu(gate * s2g, up * s2u)), input row = pair / top_k.
-// w2 (TILES 1): out[pair, n] = down * s2 * topk_weight[pair] (fp32), input row = pair.
+// The input rows come K-paired (k_paired). w13 (TILES 2): act[pair, pair_col(n)] = bf16(swiglu(gate * s2g,
+// up * s2u)), input row = pair / top_k (w2 reads the intermediate K-paired). w2 (TILES 1): out[pair, n] =
+// down * s2 * topk_weight[pair] (fp32), input row = pair.
 template <int TILES, int NT, int KS, bool E8>
-__global__ void __launch_bounds__(TILES * KS * 32, NT <= 2 && TILES * KS * 32 <= 512 ? 512 / (TILES * KS * 32) : 1)
+__global__ void __launch_bounds__(TILES * KS * 32, NT <= 2 && TILES * KS * 32 <= 512 ? MIN_THREADS_SM(NT) / (TILES * KS * 32) : 1)
 moe_mma(const u16* __restrict__ xin, const int* __restrict__ topk_ids, const int* __restrict__ sorted_pairs,
         const int* __restrict__ block_expert, const long long* __restrict__ delta_experts, int n_tier,
         const u32* __restrict__ base, const u32* __restrict__ delta, const u8* __restrict__ scale,
         const float* __restrict__ scale2, const float* __restrict__ table, const float* __restrict__ topk_w,
         void* __restrict__ out, int top_k, int K, int N, double limit, int has_limit, int direct) {
-  constexpr int BM = 8 * NT, W = TILES * KS, D = NT == 1 ? 4 : NT == 2 ? 2 : 1;
+  constexpr int BM = 8 * NT, W = TILES * KS, D = NT <= 2 ? 2 : 1;
   const int e = direct ? topk_ids[blockIdx.x] : block_expert[blockIdx.x];
   if (e < 0) return;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
@@ -273,7 +292,7 @@ moe_mma(const u16* __restrict__ xin, const int* __restrict__ topk_ids, const int
           uv = fminf(fmaxf(uv, -L), L);
         }
         float a = gv / (1.0f + __expf(-gv)) * uv;
-        reinterpret_cast<u16*>(out)[(size_t)p * N + n] = to_bf16(a);
+        reinterpret_cast<u16*>(out)[(size_t)p * N + pair_col(n)] = to_bf16(a);
       } else {
         reinterpret_cast<float*>(out)[(size_t)p * N + n] = sum[0][t][c] * scale2[e] * topk_w[p];
       }

@@ -35,6 +35,13 @@ class Mma:
             raise ValueError("direct blocks hold one pair: nt must be 1")
 
 
+def k_paired(x: torch.Tensor) -> torch.Tensor:
+    """bf16 [T, K] with position 4j + 2h + s of each 16 holding element j + 4s + 8h (mma_moe.cu pair_col):
+    each 8 bytes are the decode kernels' B registers (b0, b1) of one mma step."""
+    T, K = x.shape
+    return x.to(torch.bfloat16).view(T, K // 16, 2, 2, 4).permute(0, 1, 4, 2, 3).reshape(T, K).contiguous()
+
+
 def runs_here(device: torch.device) -> bool:
     """Whether the plane kernels (mma_moe.cu, mma_prefill.cu) can run on this device: CUDA sm_80+ (bf16
     mma.sync, cp.async, ldmatrix) and torch's NVRTC wrapper (torch 2.8+); else Triton runs."""
@@ -134,7 +141,7 @@ def fused_moe_mma(x: torch.Tensor, planes: LayerPlanes, topk_weights: torch.Tens
         blocks = align_pairs(topk_ids, E, 8 * block.nt)
         grid_x, sorted_pairs, block_expert = blocks.max_blocks, blocks.sorted_pairs, blocks.block_expert
     ops = Operands.of(planes, topk_weights)
-    xin = x.to(torch.bfloat16).contiguous()
+    xin = k_paired(x)  # the B registers' order (mma_moe.cu)
     act = torch.empty((P, I), dtype=torch.bfloat16, device=dev)
     out = torch.empty((P, H), dtype=torch.float32, device=dev)
     limit = 0.0 if swiglu_limit is None else float(swiglu_limit)

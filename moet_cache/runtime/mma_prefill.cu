@@ -52,8 +52,10 @@ DEV void ldmatrix_x4(u32 addr, u32& r0, u32& r1, u32& r2, u32& r3) {
 }
 
 
-// K-permuted position of natural index n (the map mma_prefill.k_permuted applies to x)
-DEV int prefill_perm_col(int n) {
+// K-permuted position of natural index n (the map mma_prefill.k_permuted applies to x): position
+// 2q + s + 8h of each 16 holds element q + 4s + 8h, so one u32 of a word's 8 or 16 values is an mma B
+// register (elements q, q + 4 or q + 8, q + 12). The w13 kernels here write the intermediate this way.
+DEV int perm_col(int n) {
   int o = n & 15;
   return (n & ~15) | ((o & 3) << 1) | ((o >> 2) & 1) | (o & 8);
 }
@@ -69,79 +71,138 @@ struct PrefillShape {
   static constexpr int XC = BM * 16 / R;        // x chunks a thread copies a stage
 };
 
+// e4m3 scale byte -> a bf16 pair of its value x 2^-120: the byte's exponent and mantissa bits moved into
+// bf16's places (bias 127 where e4m3 has 7: the 2^-120); e = 0 lands on a bf16 subnormal of the same
+// m / 8 x 2^-126, so subnormal scales stay exact. Four integer ops where scale_pair<false> takes about
+// ten; the tables are pre-multiplied by 2^120 (exact), so table x scale rounds as with the true scale.
+DEV u32 e4m3_pair_lo(u32 sreg, int byte) {
+  const u32 x = prmt(sreg, 0u, 0x4040u | ((byte & 3) << 8) | (byte & 3));  // the byte at bits 0 and 16
+  return ((x << 4) & 0x07F007F0u) | ((x << 8) & 0x80008000u);
+}
+#define BF16X2_2P120 0x7B807B80u  // 2^120 in both halves
+
 // One stage's arithmetic: 8 k16 steps. Thread (g, q) of warp w: m-tile i rows 32w + 16i + g (+ 8).
-template <int NT, int W, bool E8, bool TIER>
-DEV void prefill_compute(float (&acc)[2][NT][4], const unsigned char* st, const u32 (&tlo)[2],
-                         const u32 (&thi)[2], u32 x_row, u32 x_chunk, int warp, int g, int q, int nvalid) {
+// A step: fetch (the B fragments of all n-tile pairs by ldmatrix.x4, the thread's 4 words from shared
+// memory), decode (scales at a new group, the A fragments by PRMT), the mmas. The mmas of pairs past the
+// block's last valid pair are skipped (their rows are zero-filled, so fetching them is harmless).
+// PIPE: step j + 1 is fetched before step j's mmas and decoded after them, so the ldmatrix and decode
+// latencies hide behind the tensor cores (more registers: one CTA an SM).
+template <int NT, bool TIER>
+struct PrefillFrag {
+  u32 b[NT / 2][4];
+  u32 w[2][2], d[2][2];
+};
+
+template <int NT, int W, bool E8, bool TIER, bool PIPE>
+struct PrefillStage {
   typedef PrefillShape<NT, W> S;
-  const unsigned char* wsp = st + S::XB;
-  const unsigned char* dsp = wsp + S::WB;
-  const unsigned char* ssp = dsp + S::WB;
-  const int q2 = 2 * q, sw = (g >> 2) & 1;
+  const unsigned char* wsp;  // row g of the warp's first m-tile, this stage
+  u32 x_row, x_chunk;
+  int q2, sw;
   u32 sreg[2][2][2];
-#pragma unroll
-  for (int i = 0; i < 2; ++i)
-#pragma unroll
-    for (int rr = 0; rr < 2; ++rr) {
-      const int lr = 32 * warp + 16 * i + g + 8 * rr;
-      sreg[i][rr][0] = *reinterpret_cast<const u32*>(ssp + lr * 8);
-      sreg[i][rr][1] = E8 ? 0u : *reinterpret_cast<const u32*>(ssp + lr * 8 + 4);
-    }
-  U4 wv[2][2], dv[2][2];
   u32 sc[2][2], tl[2][2], th[2][2];
+
+  DEV void fetch(int j, PrefillFrag<NT, TIER>& f) const {
+    // chunk 2j (+1 for odd matrices) of the row, XORed as stored: (2j + c) ^ r == (2j << 4 ^ (c ^ r) << 4) >> 4
+    const u32 xj = x_row + (x_chunk ^ (u32)(32 * j));
 #pragma unroll
-  for (int j = 0; j < 8; ++j) {
-    if ((j & 3) == 0) {  // the next 4 words of the thread's 4 rows
+    for (int p = 0; p < NT / 2; ++p) ldmatrix_x4(xj + p * 16 * 256, f.b[p][0], f.b[p][1], f.b[p][2], f.b[p][3]);
+    const int wo = (((j >> 2) ^ sw) << 4) + 4 * (j & 3);
 #pragma unroll
-      for (int i = 0; i < 2; ++i)
+    for (int i = 0; i < 2; ++i)
 #pragma unroll
-        for (int rr = 0; rr < 2; ++rr) {
-          const int off = (32 * warp + 16 * i + g + 8 * rr) * 32 + (((j >> 2) ^ sw) << 4);
-          wv[i][rr] = *reinterpret_cast<const U4*>(wsp + off);
-          if (TIER) dv[i][rr] = *reinterpret_cast<const U4*>(dsp + off);
-        }
-    }
+      for (int rr = 0; rr < 2; ++rr) {
+        const int ro = (16 * i + 8 * rr) * 32 + wo;
+        f.w[i][rr] = *reinterpret_cast<const u32*>(wsp + ro);
+        if (TIER) f.d[i][rr] = *reinterpret_cast<const u32*>(wsp + S::WB + ro);
+      }
+  }
+
+  DEV void decode(int j, const PrefillFrag<NT, TIER>& f, const u32 (&tlo)[2], const u32 (&thi)[2], u32 (&a)[2][4]) {
     if (!E8 || (j & 1) == 0) {  // a new scale group: the rows' scales, and the tables pre-scaled
       const int byte = E8 ? (j >> 1) : j;
 #pragma unroll
       for (int i = 0; i < 2; ++i)
 #pragma unroll
         for (int rr = 0; rr < 2; ++rr) {
-          sc[i][rr] = scale_pair<E8>(prmt(sreg[i][rr][byte >> 2], 0u, 0x4440u | (byte & 3)));
+          const u32 sr = sreg[i][rr][byte >> 2];
+          if (E8) {
+            sc[i][rr] = scale_pair<true>(prmt(sr, 0u, 0x4440u | (byte & 3)));
+          } else {
+            sc[i][rr] = e4m3_pair_lo(sr, byte);  // x 2^-120: the tables carry the 2^120
+            if (TIER) sc[i][rr] = bmul2(sc[i][rr], BF16X2_2P120);
+          }
           if (!TIER) {
             tl[i][rr] = bmul2(tlo[i], sc[i][rr]);
             th[i][rr] = bmul2(thi[i], sc[i][rr]);
           }
         }
     }
-    // A fragments: row g gives a0 (codes q, q + 4) and a2 (q + 8, q + 12); row g + 8 gives a1, a3
-    u32 a[2][4];
+    // row g gives a0 (codes q, q + 4) and a2 (q + 8, q + 12); row g + 8 gives a1, a3
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
-      const u32 wg = word_of(wv[i][0], j) >> q2, wh = word_of(wv[i][1], j) >> q2;
       if (TIER) {
-        const u32 dg = word_of(dv[i][0], j) >> q2, dh = word_of(dv[i][1], j) >> q2;
-        tier_regs(wg, dg, sc[i][0], a[i][0], a[i][2]);
-        tier_regs(wh, dh, sc[i][1], a[i][1], a[i][3]);
+        tier_regs(f.w[i][0] >> q2, f.d[i][0] >> q2, sc[i][0], a[i][0], a[i][2]);
+        tier_regs(f.w[i][1] >> q2, f.d[i][1] >> q2, sc[i][1], a[i][1], a[i][3]);
       } else {
-        base_regs(wg, tl[i][0], th[i][0], a[i][0], a[i][2]);
-        base_regs(wh, tl[i][1], th[i][1], a[i][1], a[i][3]);
+        base_regs(f.w[i][0] >> q2, tl[i][0], th[i][0], a[i][0], a[i][2]);
+        base_regs(f.w[i][1] >> q2, tl[i][1], th[i][1], a[i][1], a[i][3]);
       }
     }
-    // B: n-tiles 2p, 2p + 1 from one ldmatrix.x4; pairs past the block's last valid one are skipped
-    // chunk 2j (+1 for odd matrices) of the row, XORed as stored: (2j + c) ^ r == (2j << 4 ^ (c ^ r) << 4) >> 4
-    const u32 xj = x_row + (x_chunk ^ (u32)(32 * j));
+  }
+
+  DEV static void mmas(float (&acc)[2][NT][4], const u32 (&a)[2][4], const PrefillFrag<NT, TIER>& f, int nvalid) {
 #pragma unroll
     for (int p = 0; p < NT / 2; ++p) {
       if (16 * p < nvalid) {
-        u32 b0, b1, b2, b3;
-        ldmatrix_x4(xj + p * 16 * 256, b0, b1, b2, b3);
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
-          mma(acc[i][2 * p], a[i][0], a[i][1], a[i][2], a[i][3], b0, b1);
-          mma(acc[i][2 * p + 1], a[i][0], a[i][1], a[i][2], a[i][3], b2, b3);
+          mma(acc[i][2 * p], a[i][0], a[i][1], a[i][2], a[i][3], f.b[p][0], f.b[p][1]);
+          mma(acc[i][2 * p + 1], a[i][0], a[i][1], a[i][2], a[i][3], f.b[p][2], f.b[p][3]);
         }
       }
+    }
+  }
+};
+
+template <int NT, int W, bool E8, bool TIER, bool PIPE>
+DEV void prefill_compute(float (&acc)[2][NT][4], const unsigned char* st, const u32 (&tlo)[2],
+                         const u32 (&thi)[2], u32 x_row, u32 x_chunk, int warp, int g, int q, int nvalid) {
+  typedef PrefillShape<NT, W> S;
+  PrefillStage<NT, W, E8, TIER, PIPE> ps;
+  ps.wsp = st + S::XB + (32 * warp + g) * 32;
+  ps.x_row = x_row;
+  ps.x_chunk = x_chunk;
+  ps.q2 = 2 * q;
+  ps.sw = (g >> 2) & 1;
+  const unsigned char* ssp = st + S::XB + 2 * S::WB + (32 * warp + g) * 8;
+#pragma unroll
+  for (int i = 0; i < 2; ++i)
+#pragma unroll
+    for (int rr = 0; rr < 2; ++rr) {
+      const int ro = (16 * i + 8 * rr) * 8;
+      ps.sreg[i][rr][0] = *reinterpret_cast<const u32*>(ssp + ro);
+      ps.sreg[i][rr][1] = E8 ? 0u : *reinterpret_cast<const u32*>(ssp + ro + 4);
+    }
+  if (PIPE) {
+    PrefillFrag<NT, TIER> f[2];
+    u32 a[2][2][4];
+    ps.fetch(0, f[0]);
+    ps.decode(0, f[0], tlo, thi, a[0]);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      if (j < 7) ps.fetch(j + 1, f[(j + 1) & 1]);
+      ps.mmas(acc, a[j & 1], f[j & 1], nvalid);
+      if (j < 7) ps.decode(j + 1, f[(j + 1) & 1], tlo, thi, a[(j + 1) & 1]);
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      PrefillFrag<NT, TIER> f;
+      u32 a[2][4];
+      ps.fetch(j, f);
+      ps.decode(j, f, tlo, thi, a);
+      ps.mmas(acc, a, f, nvalid);
     }
   }
 }
@@ -150,8 +211,9 @@ DEV void prefill_compute(float (&acc)[2][NT][4], const unsigned char* st, const 
 // w2 (TILES 1): out[pair, n] = down * s2 * topk_w[pair] (fp32), x row = pair, N = H.
 // Grid: (N / (16 W) for w13 or N / (32 W) for w2, align.py's max_blocks); the n-slices of one block run
 // next to each other, so its x rows stay in L2 while all its slices read them.
-template <int TILES, int NT, int W, int NS, bool E8>
-__global__ void __launch_bounds__(W * 32, 2)
+// MINB: the CTAs an SM the registers are sized for (2: at most 128 a thread with 8 warps).
+template <int TILES, int NT, int W, int NS, bool E8, bool PIPE, int MINB>
+__global__ void __launch_bounds__(W * 32, MINB)
 moe_prefill(const u16* __restrict__ xin, const int* __restrict__ sorted_pairs, const int* __restrict__ block_expert,
             const long long* __restrict__ delta_experts, int n_tier, const u32* __restrict__ base,
             const u32* __restrict__ delta, const u8* __restrict__ scale, const float* __restrict__ scale2,
@@ -227,6 +289,10 @@ moe_prefill(const u16* __restrict__ xin, const int* __restrict__ sorted_pairs, c
     const float* tb = table + ((size_t)e * TILES + (TILES == 2 ? i : 0)) * 4;
     tlo[i] = pack_bf16(tb[0], tb[1]);
     thi[i] = pack_bf16(tb[2], tb[3]);
+    if (!E8) {  // e4m3: the scales come as value x 2^-120 (e4m3_pair_lo); exact, far from overflow
+      tlo[i] = bmul2(tlo[i], BF16X2_2P120);
+      thi[i] = bmul2(thi[i], BF16X2_2P120);
+    }
   }
   // ldmatrix row address of this lane: matrix m = lane / 8 (0, 1: pairs 0-7; 2, 3: pairs 8-15; odd m:
   // stored positions 8-15 of the k16 step), row lane % 8; the chunk index XORed by the row as stored
@@ -257,9 +323,9 @@ moe_prefill(const u16* __restrict__ xin, const int* __restrict__ sorted_pairs, c
     const unsigned char* st = smem + s * S::STAGE;
     const u32 x_row = sbase + s * S::STAGE + xr * 256;
     if (tr >= 0)
-      prefill_compute<NT, W, E8, true>(acc, st, tlo, thi, x_row, x_chunk, warp, g, q, nvalid);
+      prefill_compute<NT, W, E8, true, PIPE>(acc, st, tlo, thi, x_row, x_chunk, warp, g, q, nvalid);
     else
-      prefill_compute<NT, W, E8, false>(acc, st, tlo, thi, x_row, x_chunk, warp, g, q, nvalid);
+      prefill_compute<NT, W, E8, false, PIPE>(acc, st, tlo, thi, x_row, x_chunk, warp, g, q, nvalid);
   }
   cp_async_wait<0>();
 
@@ -281,7 +347,7 @@ moe_prefill(const u16* __restrict__ xin, const int* __restrict__ sorted_pairs, c
           uv = fminf(fmaxf(uv, -L), L);
         }
         const float a = gv / (1.0f + __expf(-gv)) * uv;
-        reinterpret_cast<u16*>(out)[(size_t)p * N + prefill_perm_col(col)] = to_bf16(a);
+        reinterpret_cast<u16*>(out)[(size_t)p * N + perm_col(col)] = to_bf16(a);
       }
   } else {
     const float s2 = scale2[e];

@@ -20,7 +20,8 @@ STAGE_K = 128
 
 
 def k_permuted(x: torch.Tensor) -> torch.Tensor:
-    """bf16 [T, K] with position 2q + s + 8h of each 16 holding element q + 4s + 8h (mma_prefill.cu)."""
+    """bf16 [T, K] with position 2q + s + 8h of each 16 holding element q + 4s + 8h (mma_prefill.cu perm_col):
+    one u32 of it is an mma B register of the plane kernels."""
     T, K = x.shape
     return x.to(torch.bfloat16).view(T, K // 16, 2, 2, 4).transpose(-1, -2).reshape(T, K).contiguous()
 
@@ -28,14 +29,20 @@ def k_permuted(x: torch.Tensor) -> torch.Tensor:
 @dataclass(frozen=True)
 class Prefill:
     """A CTA: a block of 8 * nt pairs of one expert x 32 * warps weight rows (w13: 16 * warps gate rows
-    and the matching up rows; w2: 32 * warps down rows), `stages` cp.async stages of 128 K."""
+    and the matching up rows; w2: 32 * warps down rows), `stages` cp.async stages of 128 K; `pipe`: the
+    fragments of the next k16 step fetched while this one computes; `ctas`: the CTAs an SM the compiler
+    sizes the registers for."""
 
     nt: int = 8
     warps: int = 8
     stages: int = 3
+    pipe: bool = False  # fetch step j + 1 before step j's mmas (more registers)
+    ctas: int = 2       # CTAs an SM the registers are sized for (__launch_bounds__)
 
     def __post_init__(self) -> None:
-        if self.nt % 2 or self.nt < 2 or self.stages < 2 or (8 * self.nt * 16) % (32 * self.warps):
+        # 4 and 8 warps are the shapes tested on the GPU; 2 warps computed wrong results on the H200
+        if (self.nt % 2 or self.nt < 2 or self.stages < 2 or self.warps not in (4, 8)
+                or (8 * self.nt * 16) % (32 * self.warps) or self.ctas < 1):
             raise ValueError(f"unsupported prefill block {self}")
 
     def smem_bytes(self) -> int:
@@ -70,16 +77,18 @@ def supported(planes: LayerPlanes, x: torch.Tensor, P: int, block: Prefill) -> b
 
 
 @lru_cache(maxsize=None)
-def _kernel(tiles: int, nt: int, warps: int, stages: int, e8: bool, smem: int, device: int) -> Any:
+def _kernel(tiles: int, nt: int, warps: int, stages: int, e8: bool, pipe: bool, ctas: int, smem: int,
+            device: int) -> Any:
     """The kernel for these template arguments, compiled by NVRTC and loaded once a process and device,
     its dynamic shared-memory limit raised to what it uses."""
-    name = f"moe_prefill<{tiles}, {nt}, {warps}, {stages}, {str(e8).lower()}>"
+    name = f"moe_prefill<{tiles}, {nt}, {warps}, {stages}, {str(e8).lower()}, {str(pipe).lower()}, {ctas}>"
     k = compiled("mma_prefill.cu", name, device)
     if hasattr(k, "set_shared_memory_config"):
         k.set_shared_memory_config(smem)
     elif smem >= 48 * 1024:  # older torch: the attribute set directly (CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES)
         from torch.cuda._utils import _get_gpu_runtime_library
         _get_gpu_runtime_library().cuFuncSetAttribute(k.func, 8, smem)
+        k._max_shared_mem_bytes = smem
     return k
 
 
@@ -98,11 +107,11 @@ def fused_moe_prefill(x: torch.Tensor, planes: LayerPlanes, topk_weights: torch.
     smem = block.smem_bytes()
     threads = 32 * block.warps
     with torch.cuda.device(dev):  # the compile loads into, and the launch uses, dev's context
-        k13 = _kernel(2, block.nt, block.warps, block.stages, ops.e8m0[0], smem, dev.index)
+        k13 = _kernel(2, block.nt, block.warps, block.stages, ops.e8m0[0], block.pipe, block.ctas, smem, dev.index)
         k13(grid=(I // (16 * block.warps), blocks.max_blocks, 1), block=(threads, 1, 1), shared_mem=smem,
             args=[xin, blocks.sorted_pairs, blocks.block_expert, *ops.layer_args(0), act,
                   top_k, H, I, limit, int(swiglu_limit is not None)])
-        k2 = _kernel(1, block.nt, block.warps, block.stages, ops.e8m0[1], smem, dev.index)
+        k2 = _kernel(1, block.nt, block.warps, block.stages, ops.e8m0[1], block.pipe, block.ctas, smem, dev.index)
         k2(grid=(H // (32 * block.warps), blocks.max_blocks, 1), block=(threads, 1, 1), shared_mem=smem,
            args=[act, blocks.sorted_pairs, blocks.block_expert, *ops.layer_args(1), out,
                  top_k, I, H, 0.0, 0])
