@@ -93,7 +93,7 @@ struct PrefillFrag {
   u32 w[2][2], d[2][2];
 };
 
-template <int NT, int W, bool E8, bool TIER, bool PIPE>
+template <int NT, int W, bool E8, bool TIER>
 struct PrefillStage {
   typedef PrefillShape<NT, W> S;
   const unsigned char* wsp;  // row g of the warp's first m-tile, this stage
@@ -169,7 +169,7 @@ template <int NT, int W, bool E8, bool TIER, bool PIPE>
 DEV void prefill_compute(float (&acc)[2][NT][4], const unsigned char* st, const u32 (&tlo)[2],
                          const u32 (&thi)[2], u32 x_row, u32 x_chunk, int warp, int g, int q, int nvalid) {
   typedef PrefillShape<NT, W> S;
-  PrefillStage<NT, W, E8, TIER, PIPE> ps;
+  PrefillStage<NT, W, E8, TIER> ps;
   ps.wsp = st + S::XB + (32 * warp + g) * 32;
   ps.x_row = x_row;
   ps.x_chunk = x_chunk;

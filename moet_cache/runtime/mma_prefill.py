@@ -21,7 +21,7 @@ STAGE_K = 128
 
 def k_permuted(x: torch.Tensor) -> torch.Tensor:
     """bf16 [T, K] with position 2q + s + 8h of each 16 holding element q + 4s + 8h (mma_prefill.cu perm_col):
-    one u32 of it is an mma B register of the plane kernels."""
+    one u32 of it is an mma B register of the prefill kernels."""
     T, K = x.shape
     return x.to(torch.bfloat16).view(T, K // 16, 2, 2, 4).transpose(-1, -2).reshape(T, K).contiguous()
 
