@@ -330,40 +330,31 @@ moe_prefill(const u16* __restrict__ xin, const int* __restrict__ sorted_pairs, c
   cp_async_wait<0>();
 
   // C fragment: c0, c1 -> row g, pair columns 2q, 2q + 1; c2, c3 -> row g + 8
-  if (TILES == 2) {
-    const float s2g = scale2[2 * e], s2u = scale2[2 * e + 1];
-    const float L = (float)limit;
+  const float s2a = scale2[TILES == 2 ? 2 * e : e], s2u = TILES == 2 ? scale2[2 * e + 1] : 0.f;
+  const float L = (float)limit;
 #pragma unroll
-    for (int n = 0; n < NT; ++n)
+  for (int n = 0; n < NT; ++n)
 #pragma unroll
-      for (int c = 0; c < 4; ++c) {
-        const int slot = 8 * n + 2 * q + (c & 1);
-        if (slot >= nvalid) continue;
-        const int p = spair[slot];
+    for (int c = 0; c < 4; ++c) {
+      const int slot = 8 * n + 2 * q + (c & 1);
+      if (slot >= nvalid) continue;
+      const int p = spair[slot];
+      if (TILES == 2) {
         const int col = n0 + 16 * warp + g + 8 * (c >> 1);
-        float gv = acc[0][n][c] * s2g, uv = acc[1][n][c] * s2u;
+        float gv = acc[0][n][c] * s2a, uv = acc[1][n][c] * s2u;
         if (has_limit) {
           gv = fminf(gv, L);
           uv = fminf(fmaxf(uv, -L), L);
         }
         const float a = gv / (1.0f + __expf(-gv)) * uv;
         reinterpret_cast<u16*>(out)[(size_t)p * N + perm_col(col)] = to_bf16(a);
-      }
-  } else {
-    const float s2 = scale2[e];
-#pragma unroll
-    for (int n = 0; n < NT; ++n)
-#pragma unroll
-      for (int c = 0; c < 4; ++c) {
-        const int slot = 8 * n + 2 * q + (c & 1);
-        if (slot >= nvalid) continue;
-        const int p = spair[slot];
-        const float f = s2 * topk_w[p];
+      } else {
+        const float f = s2a * topk_w[p];
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
           const int col = n0 + 32 * warp + 16 * i + g + 8 * (c >> 1);
           reinterpret_cast<float*>(out)[(size_t)p * N + col] = acc[i][n][c] * f;
         }
       }
-  }
+    }
 }
