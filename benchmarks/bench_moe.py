@@ -200,7 +200,8 @@ def sweep_configs(T: int, triton: bool) -> list:
         out += [Config.only(Mma(*m)) for m in ((1, 2, 2, True), (1, 1, 1, True), (1, 4, 4, True), (1, 2, 1, True),
                                                (1, 2, 2), (2, 2, 2))]
     elif T <= 256:
-        out += [Config.only(Mma(*m)) for m in ((1, 2, 2), (2, 2, 2), (2, 4, 4), (4, 1, 1))]
+        out += [Config.only(Mma(*m)) for m in ((1, 2, 2, True, True), (1, 2, 2, False, True), (1, 2, 2),
+                                               (2, 2, 2), (2, 4, 4), (4, 1, 1))]
         out += [Config.only(Prefill(*b)) for b in ((2, 8, 4, True, 2), (4, 8, 4, True, 2))]
     else:
         out += [Config.only(Mma(*m)) for m in ((1, 2, 2), (4, 1, 1))]
@@ -267,7 +268,7 @@ def speed(args: argparse.Namespace) -> list[dict]:
         res.append(bench_planes("planes e8m0 base-only", none8, x, w, ids))
         res.append(bench_planes("planes e8m0 tier10%", planes8, x, w, ids))
         res.append(bench_planes("planes e4m3 base-only", none4, x, w, ids))
-        res.append(bench_planes("planes e8m0 base, Triton", none8, x, w, ids, Config(mma=False, prefill=())))
+        res.append(bench_planes("planes e8m0 base, Triton", none8, x, w, ids, Config(mma=(), prefill=())))
         hit = len(set(ids.reshape(-1).tolist()))
         try:
             us, note = timed(lambda: bf16(x, w, ids))

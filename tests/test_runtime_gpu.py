@@ -75,7 +75,8 @@ def test_both_regimes(layer: dict, T: int, mode: str) -> None:
 @pytest.mark.parametrize("T,block", [(1, Mma(1, 4, 4, True)), (3, Mma(1, 1, 1)), (7, Mma(2, 2, 2)),
                                      (16, Mma(1, 8, 8, True)), (64, Mma(4, 1, 1)), (300, Mma(8, 1, 1)),
                                      (5, Mma(1, 2, 4)), (16, Mma(1, 4, 8, True)), (16, Mma(1, 2, 1, True)),
-                                     (64, Mma(1, 2, 2)), (256, Mma(1, 2, 2))])
+                                     (64, Mma(1, 2, 2)), (256, Mma(1, 2, 2)), (2, Mma(1, 2, 2, True, True)),
+                                     (40, Mma(1, 2, 2, True, True)), (64, Mma(1, 2, 2, False, True))])
 def test_tensor_core_blocks(layer: dict, T: int, block: Mma) -> None:
     """The tensor-core plane kernels (mma_moe.cu) at every block shape the sweep may pick, with the
     tier's experts routed (exact FP4) and the SwiGLU clamp."""
@@ -84,6 +85,22 @@ def test_tensor_core_blocks(layer: dict, T: int, block: Mma) -> None:
     x = torch.randn((T, H), generator=g, device="cuda").to(torch.bfloat16)
     w, ids = _routing(T, 200 + T, all_hot=T >= 64)
     ids[0, :3] = layer["delta_experts"][:3]  # tier experts for sure
+    got = fused_moe_cuda(x, LayerPlanes.from_tensors(layer), w, ids, 7.0, Config.only(block))
+    _check(got, _reference(x, layer, w, ids, 7.0))
+
+
+@pytest.mark.parametrize("T", [16, 64])
+def test_direct_blocks_group_hot_experts(layer: dict, T: int) -> None:
+    """Direct blocks take an expert's pairs 8 at a time in pair order (mma_moe.cu group_pair): one
+    expert in every token (T pairs: whole groups of 8), a tier expert in most tokens (a last group
+    short), the rest random."""
+    block = Mma(1, 2, 2, True)
+    g = torch.Generator(device="cuda").manual_seed(300 + T)
+    x = torch.randn((T, H), generator=g, device="cuda").to(torch.bfloat16)
+    w, ids = _routing(T, 300 + T)
+    tier = layer["delta_experts"]
+    ids[:, 0] = min(set(range(E)) - set(tier.tolist()))
+    ids[: (3 * T) // 4, 1] = tier[0]
     got = fused_moe_cuda(x, LayerPlanes.from_tensors(layer), w, ids, 7.0, Config.only(block))
     _check(got, _reference(x, layer, w, ids, 7.0))
 

@@ -298,3 +298,51 @@ def test_prefill_e4m3_scale_times_2p120_is_the_scale() -> None:
             for v in table:
                 t = bf16_bits(v) | bf16_bits(-v) << 16
                 assert bmul2(bmul2(t, two120), lo) == bmul2(t, scale_pair(byte, False)), (byte, v)
+
+
+def group_pair(ids: list[int], e: int, p: int, bm: int = 8) -> tuple[bool, list[int]]:
+    """mma_moe.cu group_pair, round by round as one warp runs it: whether block p leads, and the pair
+    of each lane's slot (lane % bm), -1 for none."""
+    P, slots = len(ids), [-1] * 32
+    before, rank = 0, -1
+    for i0 in range(0, P, 32):
+        m = sum(1 << lane for lane in range(32) if i0 + lane < P and ids[i0 + lane] == e)  # __ballot_sync
+        if rank < 0 and p < i0 + 32:
+            rank = before + bin(m & ((1 << (p - i0)) - 1)).count("1")
+            if rank % bm:
+                return False, slots
+        if rank >= 0:
+            for lane in range(32):
+                k = rank + (lane & (bm - 1)) - before
+                if 0 <= k < bin(m).count("1"):
+                    b = m
+                    for _ in range(k):
+                        b &= b - 1
+                    slots[lane] = i0 + (b & -b).bit_length() - 1  # __ffs(b) - 1
+            if before + bin(m).count("1") >= rank + bm:
+                break
+        before += bin(m).count("1")
+    return True, slots
+
+
+def test_direct_blocks_take_each_pair_once_in_groups_of_8() -> None:
+    """The direct blocks' grouping: every pair lands in exactly one led block, each expert's pairs in
+    pair order 8 to a block, the leader first; across round edges (P not a multiple of 32), hot experts
+    (many groups) and experts routed once."""
+    rng = random.Random(5)
+    for P, E in [(6, 256), (96, 256), (97, 4), (200, 3), (33, 1), (288, 64), (1, 1)]:
+        ids = [rng.randrange(E) for _ in range(P)]
+        taken: list[int] = []
+        for p in range(P):
+            lead, slots = group_pair(ids, ids[p], p)
+            if not lead:
+                continue
+            group = [slots[s] for s in range(8) if slots[s] >= 0]
+            assert slots[8:] == slots[:8] * 3  # every lane with the same slot agrees
+            mine = [i for i in range(P) if ids[i] == ids[p]]
+            start = mine.index(p)
+            assert start % 8 == 0 and group == mine[start:start + 8]
+            assert slots[:8] == group + [-1] * (8 - len(group))
+            taken += group
+        assert sorted(taken) == list(range(P))
+

@@ -27,19 +27,20 @@ CHILD = textwrap.dedent("""
     E, H, I = 8, 64, 32
     for e8m0 in (False, True):
         planes = LayerPlanes.from_tensors(random_layer(E, H, I, n_tier=3, e8m0=e8m0, device="cpu", seed=4))
-        for T, cfg in ((3, Config.only(Pairs(16, 2, 4))),
-                       (9, Config.only(Grouped(16, 16, 2, 4, 2, False))),
-                       (9, Config.only(Grouped(16, 16, 2, 4, 2, True)))):
+        for i, (T, cfg) in enumerate(((3, Config.only(Pairs(16, 2, 4))),
+                                      (9, Config.only(Grouped(16, 16, 2, 4, 2, False))),
+                                      (9, Config.only(Grouped(16, 16, 2, 4, 2, True))))):
             g = torch.Generator().manual_seed(T)
             x = torch.randn((T, H), generator=g)
             ids = torch.randint(0, E, (T, 4), generator=g)
             ids[0, 1] = ids[0, 0]
             w = torch.rand((T, 4), generator=g)
-            for limit in (None, 0.05):
-                got = fused_moe_cuda(x, planes, w, ids, limit, cfg)
-                ref = fused_moe_reference(x, planes, w, ids, limit)
-                rel = ((got - ref).norm() / ref.norm()).item()
-                assert rel < 1e-5, (e8m0, T, limit, rel)
+            # each kernel with and without the clamp, over the two scale forms (the interpreter is slow)
+            limit = 0.05 if (i + e8m0) % 2 else None
+            got = fused_moe_cuda(x, planes, w, ids, limit, cfg)
+            ref = fused_moe_reference(x, planes, w, ids, limit)
+            rel = ((got - ref).norm() / ref.norm()).item()
+            assert rel < 1e-5, (e8m0, T, limit, rel)
     print("ok")
 """)
 

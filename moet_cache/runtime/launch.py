@@ -44,22 +44,33 @@ PREFILL_STEPS: tuple[tuple[int, Prefill], ...] = (
 )
 
 
+#: the decode blocks by the pairs they take over from (launch.Config.mma), below the prefill steps: H200,
+#: V4-Flash layer, one process (docs/RUNTIME.md). Direct blocks, each expert's decode shared by its
+#: pairs (T = 16: 342 us against 351 one pair a block); lean blocks (more warps, one chunk in flight)
+#: from 97 pairs (T = 24: 461 against 467; T = 32: 522 against 551; T = 8: 196 against 191); sorted
+#: lean blocks from 224 pairs (T = 40: 724 against 749 direct; T = 48: 767 against 785; T = 32, direct:
+#: 522-535 against 573 sorted).
+MMA_STEPS: tuple[tuple[int, Mma], ...] = (
+    (0, Mma(1, 2, 2, direct=True)),
+    (97, Mma(1, 2, 2, direct=True, lean=True)),
+    (224, Mma(1, 2, 2, lean=True)),
+)
+
+
 @dataclass(frozen=True)
 class Config:
     """Which kernels and blocks for P = T * top_k pairs; the defaults are the H200 measurements' best
     (benchmarks/bench_moe.py --sweep, docs/RUNTIME.md). From the first of `prefill`'s steps the prefill
     tensor-core kernels (mma_prefill.cu) run where they can, each step's block from its pair count on.
     Below it, and below `large_from` where the prefill kernels cannot run, the decode tensor-core kernels
-    (mma_moe.cu) run where they can (`mma`). The Triton kernels run the rest: everything where neither
-    can run (no sm_80, dims that do not split), Triton `large` from `large_from`."""
+    (mma_moe.cu) run where they can, each of `mma`'s steps from its pair count on (`()`: none). The
+    Triton kernels run the rest: everything where neither can run (no sm_80, dims that do not split),
+    Triton `large` from `large_from`."""
 
-    mma: bool = True
-    tiny_max: int = 12        # P up to this: `mma_tiny` / Triton `tiny`
-    pairs_max: int = 96       # then up to this: `mma_decode` / Triton `pairs`
-    large_from: int = 2048    # from this: Triton `large`; between: `mma_mid` / Triton `mid`
-    mma_tiny: Mma = Mma(1, 2, 2, direct=True)
-    mma_decode: Mma = Mma(1, 2, 2, direct=True)
-    mma_mid: Mma = Mma(1, 2, 2)
+    mma: tuple[tuple[int, Mma], ...] = MMA_STEPS  # (from P, block), ascending, the first from 0; () for none
+    tiny_max: int = 12        # P up to this: Triton `tiny`
+    pairs_max: int = 96       # then up to this: Triton `pairs`
+    large_from: int = 2048    # from this: Triton `large` (and no decode kernels); between: Triton `mid`
     tiny: Pairs = Pairs(32, 16, 2)
     pairs: Pairs = Pairs(64, 8, 2)
     mid: Grouped = Grouped(16, 64, 16, 4, 2, True)
@@ -72,7 +83,7 @@ class Config:
         if prefill_runs and self.prefill and P >= self.prefill[0][0]:
             return [block for start, block in self.prefill if P >= start][-1]
         if self.mma and mma_runs and P < self.large_from:
-            return self.mma_tiny if P <= self.tiny_max else self.mma_decode if P <= self.pairs_max else self.mma_mid
+            return [block for start, block in self.mma if P >= start][-1]
         if P <= self.tiny_max:
             return self.tiny
         if P <= self.pairs_max:
@@ -83,12 +94,12 @@ class Config:
     def only(cls, block: Pairs | Grouped | Mma | Prefill) -> "Config":
         """Always these kernels and blocks (tests, sweeps); Prefill where it cannot run: Triton `large`."""
         if isinstance(block, Prefill):
-            return cls(mma=False, tiny_max=0, pairs_max=0, large_from=0, prefill=((0, block),))
+            return cls(mma=(), tiny_max=0, pairs_max=0, large_from=0, prefill=((0, block),))
         if isinstance(block, Mma):
-            return cls(large_from=1 << 62, mma_tiny=block, mma_decode=block, mma_mid=block, prefill=())
+            return cls(mma=((0, block),), large_from=1 << 62, prefill=())
         if isinstance(block, Pairs):
-            return cls(mma=False, tiny_max=0, pairs_max=1 << 62, pairs=block, prefill=())
-        return cls(mma=False, tiny_max=0, pairs_max=0, large_from=1 << 62, mid=block, prefill=())
+            return cls(mma=(), tiny_max=0, pairs_max=1 << 62, pairs=block, prefill=())
+        return cls(mma=(), tiny_max=0, pairs_max=0, large_from=1 << 62, mid=block, prefill=())
 
 
 DEFAULT = Config()

@@ -29,11 +29,13 @@
 //
 // Loads in flight: each warp keeps D chunks (D x 1 KB of its 16 rows; a tier expert's delta words too)
 // in registers in flight, refilling a chunk's registers as soon as it is computed: D = 2 for one or two
-// token columns, 1 for wider blocks. The loop is bound by the ALU pipe (PRMT, LOP3, SHF: Nsight Compute
-// at T = 16), so more warps beat deeper loads: one token column is held to 80 registers (6 CTAs of 128
-// threads an SM), which measured the same as 4 chunks at 128 registers at T = 1 and 4, faster from
-// T = 16 (353 against 358 us; T = 64: 862 against 897) and 18% faster with a 10% tier. The activation loads are volatile so ptxas does not hoist a whole chunk's worth of them (it
-// took up to 246 registers). A shared-memory ring filled by cp.async measured no faster (docs/RUNTIME.md).
+// token columns, 1 for wider blocks and LEAN ones. The loop is bound by the ALU pipe (PRMT, LOP3, SHF:
+// Nsight Compute at T = 16), so more warps beat deeper loads: one token column is held to 80 registers
+// (6 CTAs of 128 threads an SM), which measured the same as 4 chunks at 128 registers at T = 1 and 4,
+// faster from T = 16 (353 against 358 us; T = 64: 862 against 897) and 18% faster with a 10% tier;
+// LEAN blocks go further (56 registers, one chunk, 9 CTAs an SM) for the mid regime (MIN_THREADS_SM).
+// The activation loads are volatile so ptxas does not hoist a whole chunk's worth of them (it took up
+// to 246 registers). A shared-memory ring filled by cp.async measured no faster (docs/RUNTIME.md).
 //
 // moe_sum, at the end, sums a pair's top-k slots and casts them to the activations' dtype.
 
@@ -172,27 +174,65 @@ DEV void k_loop(float (&acc)[NT][4], Chunk (&ch)[D], const u32* const (&wrow)[2]
   }
 }
 
-// The threads an SM the decode kernels' registers are sized for (launch bounds): one token column
-// (NT 1) 768, 80 registers with two chunks in flight (see "Loads in flight" above); two columns 512
-// (their activations and accumulators spill at 80).
-#define MIN_THREADS_SM(NT) ((NT) == 1 ? 768 : 512)
+// A `direct` block's pairs: the pairs routed to expert e, in pair order, fall into groups of BM; the
+// block of a group's first pair (p = blockIdx.x, among the P = gridDim.x pairs) takes the whole group,
+// and every other block leaves (`lead` false): an expert routed to several tokens is decoded once for
+// them all with no sorting kernels (align.py). Each warp scans topk_ids 32 at a time by ballot (P is at
+// most a few hundred in decode). Returns the pair of the lane's slot (lane % BM) or -1 (none).
+template <int BM>
+DEV int group_pair(const int* __restrict__ ids, int P, int e, int p, int lane, bool& lead) {
+  static_assert(BM <= 32 && (BM & (BM - 1)) == 0, "a group fits one warp's lanes");
+  const int s = lane & (BM - 1);
+  int before = 0, rank = -1, pair = -1;  // before: the matches in earlier rounds; rank: p's among them
+  for (int i0 = 0; i0 < P; i0 += 32) {
+    const int i = i0 + lane;
+    const u32 m = __ballot_sync(0xffffffffu, i < P && ids[i] == e);
+    if (rank < 0 && p < i0 + 32) {  // p's round
+      rank = before + __popc(m & ((1u << (p - i0)) - 1u));
+      if (rank % BM) {
+        lead = false;
+        return -1;
+      }
+    }
+    if (rank >= 0) {
+      const int k = rank + s - before;  // the lane's slot's match, counted within this round
+      if (k >= 0 && k < __popc(m)) {  // in this round (in a later one k < 0)
+        u32 b = m;
+        for (int j = 0; j < k; ++j) b &= b - 1;  // drop the k lowest matches
+        pair = i0 + __ffs(b) - 1;
+      }
+      if (before + __popc(m) >= rank + BM) break;  // every slot found (the same in every lane)
+    }
+    before += __popc(m);
+  }
+  lead = true;
+  return pair;
+}
+
+// The threads an SM the decode kernels' registers are sized for (launch bounds), and the chunks each
+// warp keeps in flight (see "Loads in flight" above). One token column (NT 1): 768 threads, 80
+// registers, two chunks, or LEAN: 1152 threads, 56 registers, one chunk (more warps for fewer loads in
+// flight: the same at T = 16, 4-5% faster at T = 32-64, 3-5% slower at T = 4-8; docs/RUNTIME.md). Two
+// columns 512 (their activations and accumulators spill at 80); wider blocks one chunk.
+#define MIN_THREADS_SM(NT, LEAN) ((NT) == 1 ? ((LEAN) ? 1152 : 768) : 512)
+#define CHUNKS_IN_FLIGHT(NT, LEAN) ((NT) <= 2 && !(LEAN) ? 2 : 1)
 
 // One CTA: a block of up to 8 * NT pairs of one expert x 16 output rows of each of TILES tiles (w13:
 // 16 gate rows and the 16 matching up rows; w2: 16 down rows). TILES * KS warps: warp w takes tile
 // w / KS and the (w % KS)-th part of K; the parts are summed through shared memory. The block is
-// either one of align.py's (sorted_pairs, block_expert) or, `direct` (NT 1), pair blockIdx.x alone
-// with its expert topk_ids[blockIdx.x] (decode: no sorting at all).
+// either one of align.py's (sorted_pairs, block_expert) or, `direct` (NT 1), the group of up to 8 pairs
+// of expert topk_ids[blockIdx.x] that pair blockIdx.x leads (group_pair; decode: no sorting kernels).
 // The input rows come K-paired (k_paired). w13 (TILES 2): act[pair, pair_col(n)] = bf16(swiglu(gate * s2g,
 // up * s2u)), input row = pair / top_k (w2 reads the intermediate K-paired). w2 (TILES 1): out[pair, n] =
 // down * s2 * topk_weight[pair] (fp32), input row = pair.
-template <int TILES, int NT, int KS, bool E8>
-__global__ void __launch_bounds__(TILES * KS * 32, NT <= 2 && TILES * KS * 32 <= 512 ? MIN_THREADS_SM(NT) / (TILES * KS * 32) : 1)
+template <int TILES, int NT, int KS, bool E8, bool LEAN>
+__global__ void __launch_bounds__(TILES * KS * 32, NT <= 2 && TILES * KS * 32 <= 512 ? MIN_THREADS_SM(NT, LEAN) / (TILES * KS * 32) : 1)
 moe_mma(const u16* __restrict__ xin, const int* __restrict__ topk_ids, const int* __restrict__ sorted_pairs,
         const int* __restrict__ block_expert, const long long* __restrict__ delta_experts, int n_tier,
         const u32* __restrict__ base, const u32* __restrict__ delta, const u8* __restrict__ scale,
         const float* __restrict__ scale2, const float* __restrict__ table, const float* __restrict__ topk_w,
         void* __restrict__ out, int top_k, int K, int N, double limit, int has_limit, int direct) {
-  constexpr int BM = 8 * NT, W = TILES * KS, D = NT <= 2 ? 2 : 1;
+  constexpr int BM = 8 * NT, W = TILES * KS, D = CHUNKS_IN_FLIGHT(NT, LEAN);
   const int e = direct ? topk_ids[blockIdx.x] : block_expert[blockIdx.x];
   if (e < 0) return;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
@@ -200,10 +240,6 @@ moe_mma(const u16* __restrict__ xin, const int* __restrict__ topk_ids, const int
   const int Kw = K >> 4, sk = E8 ? (K >> 5) : (K >> 4);
   const int n0 = blockIdx.y * 16;
   const size_t rows_e = (size_t)TILES * N;
-  auto pair_at = [&](int slot) -> int {
-    if (direct) return slot == 0 ? (int)blockIdx.x : -1;
-    return sorted_pairs[(size_t)blockIdx.x * BM + slot];
-  };
 
   const u32* wrow[2];
   const u8* srow[2];
@@ -219,6 +255,21 @@ moe_mma(const u16* __restrict__ xin, const int* __restrict__ topk_ids, const int
 #pragma unroll
   for (int d = 0; d < D; ++d)
     if (cb + d < ce) load_chunk<E8>(ch[d], wrow, srow, cb + d, q);
+  // a direct block's group, once its first loads are on their way (they depend on e alone), kept in
+  // shared memory (each warp its own copy) so that no register holds it through the K loop
+  __shared__ int group[W][BM];
+  if constexpr (NT == 1) {  // direct blocks are one column of 8 pairs (mma_moe.Mma)
+    if (direct) {
+      bool lead;
+      const int pair = group_pair<BM>(topk_ids, gridDim.x, e, blockIdx.x, lane, lead);
+      if (!lead) return;
+      if (lane < BM) group[warp][lane] = pair;
+      __syncwarp();
+    }
+  }
+  auto pair_at = [&](int slot) -> int {
+    return direct ? group[warp][slot] : sorted_pairs[(size_t)blockIdx.x * BM + slot];
+  };
   const int tr = tier_row_of(delta_experts, n_tier, e, lane);
   const u32* drow[2];
 #pragma unroll

@@ -1,6 +1,6 @@
-"""The tensor-core plane kernels (mma_moe.cu): compiled by NVRTC at first use, launched on one pair a
-block straight from topk_ids (`direct`, decode) or on the pairs sorted by expert (align.py). CUDA only,
-compute capability 8.0 and up (mma.sync bf16)."""
+"""The tensor-core plane kernels (mma_moe.cu): compiled by NVRTC at first use, launched on one block a
+pair straight from topk_ids, each expert's pairs taken by the block of its first (`direct`, decode), or
+on the pairs sorted by expert (align.py). CUDA only, compute capability 8.0 and up (mma.sync bf16)."""
 
 from __future__ import annotations
 
@@ -22,17 +22,21 @@ CHUNK_WORDS = 16
 @dataclass(frozen=True)
 class Mma:
     """A CTA: blocks of 8 * nt pairs of one expert x 16 output rows (w13: and their 16 up rows); ks13 /
-    ks2 warps split K per tile. `direct` (nt 1): one pair a block, straight from topk_ids, no sorting:
-    an expert routed twice is read twice, and no align kernels run (decode)."""
+    ks2 warps split K per tile. `direct` (nt 1): a grid of one block a pair, straight from topk_ids;
+    the pairs of each expert, 8 at a time in pair order, are taken by the block of the first of them
+    and the other blocks leave at once (mma_moe.cu group_pair), so no align kernels run (decode).
+    `lean`: 56 registers and one chunk in flight a warp, for more warps an SM (mma_moe.cu
+    MIN_THREADS_SM; nt 1 only)."""
 
     nt: int
     ks13: int
     ks2: int
     direct: bool = False
+    lean: bool = False
 
     def __post_init__(self) -> None:
-        if self.direct and self.nt != 1:
-            raise ValueError("direct blocks hold one pair: nt must be 1")
+        if (self.direct or self.lean) and self.nt != 1:
+            raise ValueError("direct and lean blocks are one column of 8 pairs: nt must be 1")
 
 
 def k_paired(x: torch.Tensor) -> torch.Tensor:
@@ -146,11 +150,12 @@ def fused_moe_mma(x: torch.Tensor, planes: LayerPlanes, topk_weights: torch.Tens
     out = torch.empty((P, H), dtype=torch.float32, device=dev)
     limit = 0.0 if swiglu_limit is None else float(swiglu_limit)
     with torch.cuda.device(dev):  # the compile loads into, and the launch uses, dev's context
-        k13 = _kernel(f"moe_mma<2, {block.nt}, {block.ks13}, {str(ops.e8m0[0]).lower()}>", dev.index)
+        lean = str(block.lean).lower()
+        k13 = _kernel(f"moe_mma<2, {block.nt}, {block.ks13}, {str(ops.e8m0[0]).lower()}, {lean}>", dev.index)
         k13(grid=(grid_x, I // 16, 1), block=(64 * block.ks13, 1, 1),
             args=[xin, ids, sorted_pairs, block_expert, *ops.layer_args(0), act,
                   top_k, H, I, limit, int(swiglu_limit is not None), int(block.direct)])
-        k2 = _kernel(f"moe_mma<1, {block.nt}, {block.ks2}, {str(ops.e8m0[1]).lower()}>", dev.index)
+        k2 = _kernel(f"moe_mma<1, {block.nt}, {block.ks2}, {str(ops.e8m0[1]).lower()}, {lean}>", dev.index)
         k2(grid=(grid_x, H // 16, 1), block=(32 * block.ks2, 1, 1),
            args=[act, ids, sorted_pairs, block_expert, *ops.layer_args(1), out,
                  top_k, I, H, 0.0, 0, int(block.direct)])
