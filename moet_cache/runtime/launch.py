@@ -57,6 +57,11 @@ MMA_STEPS: tuple[tuple[int, Mma], ...] = (
 )
 
 
+def _step(steps: tuple[tuple[int, Mma | Prefill], ...], P: int) -> Mma | Prefill:
+    """The block of the last of `steps` (from P, block; ascending) that P has reached."""
+    return [block for start, block in steps if P >= start][-1]
+
+
 @dataclass(frozen=True)
 class Config:
     """Which kernels and blocks for P = T * top_k pairs; the defaults are the H200 measurements' best
@@ -81,9 +86,9 @@ class Config:
         """The kernels for P pairs; `mma_runs` / `prefill_runs`: whether the tensor-core decode / prefill
         kernels run this layer here."""
         if prefill_runs and self.prefill and P >= self.prefill[0][0]:
-            return [block for start, block in self.prefill if P >= start][-1]
+            return _step(self.prefill, P)
         if self.mma and mma_runs and P < self.large_from:
-            return [block for start, block in self.mma if P >= start][-1]
+            return _step(self.mma, P)
         if P <= self.tiny_max:
             return self.tiny
         if P <= self.pairs_max:
