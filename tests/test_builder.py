@@ -126,6 +126,19 @@ def test_complete_cache_is_confirmed_not_rebuilt(ckpt_modelopt: Path, cache: Pat
     assert boot_check(cache).ok
 
 
+def test_confirming_a_complete_cache_clears_what_a_killed_build_left(ckpt_modelopt: Path, cache: Path) -> None:
+    """A build killed after its commit, while it wrote .state/verified.json, leaves that write's temp
+    file; the next build finds the cache complete and, holding the lock, clears it (the kill campaign
+    found one such file)."""
+    temp = cache / ".state" / ".verified.json.tmp-killed01"
+    temp.write_text("{")
+    (cache / ".cache.json.tmp-killed02").write_text("{")
+    r = build_cache(ckpt_modelopt, cache, BuildOptions(delta_budget="25%"))
+    assert r.already_complete
+    assert not temp.exists() and not (cache / ".cache.json.tmp-killed02").exists()
+    assert boot_check(cache).ok and full_verify(cache).ok
+
+
 def test_layer_selection_and_mtp(ckpt_modelopt: Path, tmp_path: Path) -> None:
     r = build_cache(ckpt_modelopt, tmp_path / "a", BuildOptions(layers="0-2"))
     assert r.layers == (1, 2)

@@ -52,6 +52,7 @@ def build_cache(src: str | os.PathLike[str], cache: str | os.PathLike[str], opti
         params = plan.build_params(budget, profile.digest if profile else None)
         done = _already_complete(root, plan, params)
         if done is not None:
+            sweep(root, done)  # what a build killed after its commit left: the temp of .state/verified.json
             return _result(root, plan, done, None, 0, budget, t0)
         commits.uncommit()
         _check_space(root, plan, budget)
