@@ -23,6 +23,12 @@ DEFAULT_TABLE = np.array(
 )
 
 
+#: The x4 base table's form: a table a * X4_PATTERN (a > 0, float32) stands for +a, +4a, -a, -4a by base
+#: code, the code's two bits being the FP4 sign and high exponent bit. A layer whose tables all have this
+#: form is decoded by bit arithmetic instead of a table lookup (docs/RUNTIME.md, "The x4 base table").
+X4_PATTERN = np.array([1.0, 4.0, -1.0, -4.0], dtype=np.float32)
+
+
 def _make_split_luts() -> tuple[np.ndarray, np.ndarray]:
     """Lookup tables over a little-endian uint16 (two packed FP4 bytes = four codes)."""
     v = np.arange(1 << 16, dtype=np.uint32)
