@@ -1,4 +1,4 @@
-"""Closed sets of names as str-valued enums: the format's (scale forms, source layouts) and the choices a
+"""Closed sets of names as str-valued enums: the format's (scale forms, base tables, source layouts) and the choices a
 caller names when loading a cache. layout.Role, manifest.LayerKind, verifier.State and commit.Window are
 the others, beside what they name.
 
@@ -60,6 +60,14 @@ class ScaleForm(StrEnum):
 
     E4M3_16 = "e4m3-16"
     E8M0_32 = "e8m0-32"
+
+
+class BaseTable(StrEnum):
+    """The form of every base table of a cache (the build's --base-table; the cache manifest's
+    build.base_table, absent in older caches: fitted). planes.fit_base_table fits one of each form."""
+
+    FITTED = "fitted"   # the mean FP4 value each base code stands for: four free entries
+    X4 = "x4"           # a * X4_PATTERN = (+a, +4a, -a, -4a): the GPU decodes it by bit arithmetic
 
 
 class SourceLayout(StrEnum):

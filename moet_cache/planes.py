@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .enums import StrEnum
+from .enums import BaseTable, StrEnum
 from .fp4 import BLOCK, E2M1_VALUES
 
 if TYPE_CHECKING:
@@ -176,6 +176,57 @@ def fit_table(hist: np.ndarray) -> np.ndarray:
     n = counts.sum(axis=1)
     table = np.where(n > 0, sums / np.maximum(n, 1), DEFAULT_TABLE)
     return table.astype(np.float32)
+
+
+# Per FP4 code c: the x4 form's pattern entry p = X4_PATTERN[c >> 2], and v * p and p^2 for the least squares.
+_X4_P = np.repeat(X4_PATTERN.astype(np.float64), 4)
+_X4_VP = E2M1_VALUES.astype(np.float64) * _X4_P
+_X4_PP = _X4_P**2
+#: a for a histogram with nothing to fit (no codes, or only +-0): the a of a uniform histogram (126/136).
+X4_UNIFORM_A = float(_X4_VP.sum() / _X4_PP.sum())
+
+
+def x4_table(a: float) -> np.ndarray:
+    """The float32 table a * X4_PATTERN; exactly table[0] * X4_PATTERN in float32 (x1 and x4 are exact)."""
+    return np.float32(a) * X4_PATTERN
+
+
+def fit_table_x4(hist: np.ndarray) -> np.ndarray:
+    """The x4 table a * X4_PATTERN nearest the FP4 values in least squares over the code histogram:
+    a = sum(count * v * p) / sum(count * p^2), p = X4_PATTERN[c >> 2].
+
+    Every v * p is >= 0 (sign and pattern agree), so a > 0 unless the histogram is empty or holds only
+    +-0; then a is X4_UNIFORM_A (any a > 0 decodes those weights equally badly; the runtime needs a > 0).
+    """
+    counts = hist.reshape(16).astype(np.float64)
+    num = float(counts @ _X4_VP)
+    return x4_table(num / float(counts @ _X4_PP) if num > 0 else X4_UNIFORM_A)
+
+
+def fit_table_x4_reference(hist: np.ndarray) -> np.ndarray:
+    """fit_table_x4 written out code by code from its definition, kept as its reference."""
+    num = den = 0.0
+    for c in range(16):
+        p = float(X4_PATTERN[c >> 2])
+        num += int(hist[c]) * float(E2M1_VALUES[c]) * p
+        den += int(hist[c]) * p * p
+    return x4_table(num / den if num > 0 else X4_UNIFORM_A)
+
+
+def fit_base_table(hist: np.ndarray, form: BaseTable | str = BaseTable.FITTED) -> np.ndarray:
+    """The base table of `form` (BaseTable) for a code histogram: fit_table or fit_table_x4. Every place
+    that fits or recomputes a table (the build's kernels, verify --against) goes through here."""
+    return fit_table_x4(hist) if form == BaseTable.X4 else fit_table(hist)
+
+
+def has_x4_form(tables: np.ndarray) -> bool:
+    """Every table in float32 [..., 4] is a * X4_PATTERN, bit for bit, with a finite a > 0: the form the
+    GPU runtime decodes by bit arithmetic (what a build with --base-table x4 writes)."""
+    t = np.asarray(tables)
+    if t.dtype != np.float32 or t.ndim < 1 or t.shape[-1] != 4 or t.size == 0:
+        return False
+    a = t[..., :1]
+    return bool(np.all(np.isfinite(a)) and np.all(a > 0) and np.array_equal(t, a * X4_PATTERN))
 
 
 def _word_sums(per_code: np.ndarray) -> np.ndarray:
@@ -345,11 +396,13 @@ def _sums_from_weighted(weighted: np.ndarray, table: np.ndarray) -> tuple[float,
     return float(weighted @ ((v - t) ** 2)), float(weighted @ (v**2))
 
 
-def split_and_measure(packed: np.ndarray, block_scales: np.ndarray, *, kernel: HostKernel | None = None
+def split_and_measure(packed: np.ndarray, block_scales: np.ndarray, *, kernel: HostKernel | None = None,
+                      form: BaseTable | str = BaseTable.FITTED
                       ) -> tuple[np.ndarray, np.ndarray, np.ndarray, float, float]:
-    """(base, delta, table, error, energy) for one tensor: split_planes, fit_table(code_histogram) and
-    error_and_energy together, in one pass through moet_cache._kernels where it is built (the GIL is
-    released while it runs); otherwise, or for shapes it does not take, the numpy kernels.
+    """(base, delta, table, error, energy) for one tensor: split_planes, fit_base_table(code_histogram,
+    form) and error_and_energy (against that table) together, in one pass through moet_cache._kernels
+    where it is built (the GIL is released while it runs); otherwise, or for shapes it does not take,
+    the numpy kernels.
 
     packed: uint8 [rows, n/2]; block_scales: [rows, n/16] (any float dtype, taken as float32).
     """
@@ -362,18 +415,19 @@ def split_and_measure(packed: np.ndarray, block_scales: np.ndarray, *, kernel: H
         base = np.empty((src.shape[0], src.shape[1] // 2), dtype=np.uint8)
         delta = np.empty_like(base)
         counts, weighted = c.split_measure(src, scales, base, delta)
-        table = fit_table(np.array(counts, dtype=np.int64))
+        table = fit_base_table(np.array(counts, dtype=np.int64), form)
         er, eg = _sums_from_weighted(np.array(weighted, dtype=np.float64), table)
         return base, delta, table, er, eg
-    return split_and_measure_numpy(packed, block_scales, kernel=kernel)
+    return split_and_measure_numpy(packed, block_scales, kernel=kernel, form=form)
 
 
-def split_and_measure_numpy(packed: np.ndarray, block_scales: np.ndarray, *, kernel: HostKernel | None = None
+def split_and_measure_numpy(packed: np.ndarray, block_scales: np.ndarray, *, kernel: HostKernel | None = None,
+                            form: BaseTable | str = BaseTable.FITTED
                             ) -> tuple[np.ndarray, np.ndarray, np.ndarray, float, float]:
     """split_and_measure through the numpy kernels (the fallback when the C extension is absent; its split
     still takes the C one where `kernel` allows it)."""
     base, delta = split_planes(packed, kernel=kernel)
-    table = fit_table(code_histogram(packed))
+    table = fit_base_table(code_histogram(packed), form)
     er, eg = error_and_energy(packed, np.asarray(block_scales, dtype=np.float32), table)
     return base, delta, table, er, eg
 
@@ -391,7 +445,8 @@ def _e4m3_table() -> np.ndarray:
 E4M3_VALUES = _e4m3_table()
 
 
-def split_and_measure_e4m3(packed: np.ndarray, scale_bytes: np.ndarray, *, kernel: HostKernel | None = None
+def split_and_measure_e4m3(packed: np.ndarray, scale_bytes: np.ndarray, *, kernel: HostKernel | None = None,
+                           form: BaseTable | str = BaseTable.FITTED
                            ) -> tuple[np.ndarray, np.ndarray, np.ndarray, float, float]:
     """split_and_measure with the block scales as their raw float8_e4m3fn bytes (uint8 [rows, n/16]).
 
@@ -407,7 +462,7 @@ def split_and_measure_e4m3(packed: np.ndarray, scale_bytes: np.ndarray, *, kerne
         base = np.empty((src.shape[0], src.shape[1] // 2), dtype=np.uint8)
         delta = np.empty_like(base)
         counts, weighted = c.split_measure_e4m3(src, np.ascontiguousarray(scale_bytes), base, delta)
-        table = fit_table(np.array(counts, dtype=np.int64))
+        table = fit_base_table(np.array(counts, dtype=np.int64), form)
         er, eg = _sums_from_weighted(np.array(weighted, dtype=np.float64), table)
         return base, delta, table, er, eg
-    return split_and_measure(packed, E4M3_VALUES[scale_bytes], kernel=kernel)
+    return split_and_measure(packed, E4M3_VALUES[scale_bytes], kernel=kernel, form=form)

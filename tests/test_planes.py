@@ -5,8 +5,11 @@ from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
 from moet_cache.fp4 import E2M1_VALUES, pack_codes, quantize_to_codes, unpack_codes
-from moet_cache.planes import (DEFAULT_TABLE, base_values, code_histogram, error_and_energy, fit_table,
-                               join_planes, nearest_code_for_table, split_planes, split_planes_reference)
+from moet_cache.enums import BaseTable
+from moet_cache.planes import (DEFAULT_TABLE, E4M3_VALUES, X4_PATTERN, HostKernel, base_values, code_histogram,
+                               error_and_energy, fit_base_table, fit_table, fit_table_x4, fit_table_x4_reference,
+                               has_x4_form, join_planes, nearest_code_for_table, split_and_measure_e4m3,
+                               split_planes, split_planes_reference)
 
 packed_arrays = st.integers(1, 6).flatmap(
     lambda rows: st.integers(1, 8).flatmap(
@@ -82,3 +85,66 @@ def test_nearest_code_for_table_stays_in_group() -> None:
 def test_quantize_to_codes_round_trips_values() -> None:
     assert np.array_equal(quantize_to_codes(E2M1_VALUES[[1, 2, 3, 4, 5, 6, 7, 9, 15]]),
                           np.array([1, 2, 3, 4, 5, 6, 7, 9, 15], dtype=np.uint8))
+
+
+def _x4_objective(hist: np.ndarray, a: np.ndarray) -> np.ndarray:
+    """sum_c count[c] * (v_c - a * X4_PATTERN[c >> 2])^2 for each a (float64)."""
+    p = np.repeat(X4_PATTERN.astype(np.float64), 4)
+    return ((E2M1_VALUES.astype(np.float64)[None, :] - a[:, None] * p[None, :]) ** 2) @ hist.astype(np.float64)
+
+
+@settings(max_examples=200, deadline=None)
+@given(arrays(np.int64, 16, elements=st.integers(0, 10**9)))
+def test_x4_table_has_the_exact_form_and_matches_its_reference(hist: np.ndarray) -> None:
+    table = fit_table_x4(hist)
+    # what the runtime checks before it decodes a layer by bit arithmetic: bit for bit, a > 0
+    assert table.dtype == np.float32 and table[0] > 0 and np.isfinite(table).all()
+    assert np.array_equal(table, table[0] * X4_PATTERN) and has_x4_form(table)
+    assert np.allclose(table, fit_table_x4_reference(hist), rtol=1e-6, atol=0)
+    assert np.array_equal(fit_base_table(hist, BaseTable.X4), table)
+    assert np.array_equal(fit_base_table(hist, "fitted"), fit_table(hist))
+
+
+@settings(max_examples=50, deadline=None)
+@given(arrays(np.int64, 16, elements=st.integers(0, 10**6)))
+def test_x4_table_is_the_least_squares_minimum(hist: np.ndarray) -> None:
+    a = float(fit_table_x4(hist)[0])
+    grid = np.linspace(0.01, 6.0, 6000)  # a's best is a weighted mean of v / p: within [0, 1.5]
+    best = _x4_objective(hist, grid).min()
+    got = _x4_objective(hist, np.array([a]))[0]
+    assert got <= best * (1 + 1e-6) + 1e-9
+    if hist.sum() and hist[[0, 8]].sum() < hist.sum():  # something to fit: a is the objective's stationary point
+        near = _x4_objective(hist, np.array([a * (1 - 1e-3), a * (1 + 1e-3)]))
+        assert (near >= got * (1 - 1e-9)).all()
+
+
+def test_x4_table_of_nothing_to_fit_is_the_uniform_one() -> None:
+    uniform = fit_table_x4(np.ones(16, dtype=np.int64))
+    assert float(uniform[0]) == pytest.approx(126 / 136)
+    only_zeros = np.zeros(16, dtype=np.int64)
+    only_zeros[[0, 8]] = 7  # +0 and -0: every a > 0 is as bad as another, and the runtime needs a > 0
+    for hist in (np.zeros(16, dtype=np.int64), only_zeros):
+        assert np.array_equal(fit_table_x4(hist), uniform) and np.array_equal(fit_table_x4_reference(hist), uniform)
+
+
+def test_has_x4_form_refuses_other_tables() -> None:
+    t = fit_table_x4(np.arange(16, dtype=np.int64))
+    assert has_x4_form(t) and has_x4_form(np.stack([t, 2 * t]).reshape(2, 1, 4))
+    assert not has_x4_form(fit_table(np.arange(16, dtype=np.int64)))
+    assert not has_x4_form(-t) and not has_x4_form(0 * t) and not has_x4_form(t.astype(np.float64))
+    bumped = t.copy()
+    bumped[1] = np.nextafter(bumped[1], np.float32(np.inf))  # one ulp off in one entry
+    assert not has_x4_form(bumped) and not has_x4_form(np.stack([t, bumped]))
+
+
+@pytest.mark.parametrize("form", ["fitted", "x4"])
+def test_split_and_measure_fits_and_measures_in_the_form(form: str) -> None:
+    rng = np.random.default_rng(3)
+    packed = pack_codes(rng.integers(0, 16, (8, 64), dtype=np.uint8))
+    scale_bytes = rng.integers(0x30, 0x48, (8, 4), dtype=np.uint8)  # e4m3 bytes, finite and positive
+    want = fit_base_table(code_histogram(packed), form)
+    want_err = error_and_energy(packed, E4M3_VALUES[scale_bytes], want)
+    for kernel in HostKernel:
+        _, _, table, er, eg = split_and_measure_e4m3(packed, scale_bytes, kernel=kernel, form=form)
+        assert np.array_equal(table, want)
+        assert (er, eg) == pytest.approx(want_err, rel=1e-5)
