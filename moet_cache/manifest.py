@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from . import layout as L
-from .enums import ScaleForm, SourceLayout, StrEnum
+from .enums import BaseTable, ScaleForm, SourceLayout, StrEnum
 from .errors import InputError
 from .families import FAMILY_CLASSES, Family
 from .fsutil import atomic_write_json, read_json_file, safe_relpath
@@ -264,10 +264,12 @@ class BuildParams:
     lossless: bool
     delta_budget_bytes: int
     profile_xxh3: str | None
+    base_table: BaseTable = BaseTable.FITTED  # every base table's form; absent in older caches: fitted
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["layers"] = list(self.layers)
+        d["base_table"] = str(self.base_table)
         return d
 
 
@@ -393,8 +395,10 @@ class CacheManifest:
         prof = build["profile_xxh3"]
         if prof is not None:
             _hex(build, "profile_xxh3", where)
+        # base_table: written since the x4 form; a cache without it was built with fitted tables.
+        form = _enum(build, "base_table", where, BaseTable) if "base_table" in build else BaseTable.FITTED
         params = BuildParams(tuple(layers_sel), build["include_mtp"], build["lossless"],
-                             _int(build, "delta_budget_bytes", where), prof)
+                             _int(build, "delta_budget_bytes", where), prof, form)
         refs = []
         for x in _list(d, "layers", where, 1 << 16):
             x = _obj(x, where, tuple(f.name for f in fields(LayerRef)))

@@ -456,6 +456,7 @@ class _LayerAgainst:
     tier: list[int]
     checked: dict[str, int]
     names: frozenset[str] = frozenset()  # the base file's tensor names
+    form: str = "fitted"                 # the cache's base-table form (enums.BaseTable): the tables are refit in it
 
     def expert(self, ck: Any, e: int, want_fmt: Any, progress: Progress) -> list[Problem]:
         """Every projection of expert e against the source, in order; the first one's problems, or none."""
@@ -479,7 +480,7 @@ class _LayerAgainst:
         from .checkpoint import tensor_bytes
         from .formats import stored_scales
         from .geometry import is_w13, names_of
-        from .planes import code_histogram, fit_table, split_planes
+        from .planes import code_histogram, fit_base_table, split_planes
         problems: list[Problem] = []
         name = f"expert {e} {proj}"
 
@@ -502,8 +503,8 @@ class _LayerAgainst:
         if _differs(bf.get_tensor(s2)[at].numpy(), np.float32(x.scale_2)):
             mismatch("global scale", s2)
         tname = L.W13_TABLE if w13 else L.W2_TABLE
-        if _differs(bf.get_tensor(tname)[at].numpy(), fit_table(code_histogram(x.codes))):
-            mismatch("table (recomputed from the source's codes)", tname)
+        if _differs(bf.get_tensor(tname)[at].numpy(), fit_base_table(code_histogram(x.codes), self.form)):
+            mismatch(f"{self.form} table (recomputed from the source's codes)", tname)
         iname = L.W13_INPUT_SCALE if w13 else L.W2_INPUT_SCALE
         if (x.input_scale is None) != (iname not in self.names):
             mismatch("presence of an input scale", iname)
@@ -543,7 +544,8 @@ def _layer_against(root: Path, cf: CacheView, layer: int, ck: Any, pack: Any, ch
     with safe_open(str(resolve_inside(root, base_fe.path)), framework="pt") as bf:
         allf = safe_open(str(resolve_inside(root, all_fe.path)), framework="pt") if all_fe else None
         la = _LayerAgainst(layer, lm, lm.geometry(), base_fe.path, bf, all_fe.path if all_fe else None, allf,
-                           pack, list(cf.tier_experts(layer)), checked, frozenset(bf.keys()))
+                           pack, list(cf.tier_experts(layer)), checked, frozenset(bf.keys()),
+                           cf.manifest.build.base_table)
         for e in range(lm.n_experts):
             check_cancel(cancel)
             problems = la.expert(ck, e, want_fmt, progress)

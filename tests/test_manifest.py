@@ -101,3 +101,16 @@ def test_other_records_roundtrip(built_cache: Path) -> None:
     idx["layers"][0]["experts"] = [3, 1]
     with pytest.raises(ManifestError, match="sorted list"):
         DeltaIndex.parse(idx)
+
+
+def test_build_base_table_is_optional_and_closed(built_cache: Path) -> None:
+    doc = json.loads((built_cache / "cache.json").read_text())
+    assert doc["build"]["base_table"] == "fitted"
+    del doc["build"]["base_table"]  # a cache written before the field: fitted tables
+    check(doc, "cache-manifest")
+    assert CacheManifest.parse(doc).build.base_table == "fitted"
+    doc["build"]["base_table"] = "x8"
+    with pytest.raises(jsonschema.ValidationError):
+        check(doc, "cache-manifest")
+    with pytest.raises(ManifestError, match="base_table must be one of fitted, x4"):
+        CacheManifest.parse(doc)

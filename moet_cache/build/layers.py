@@ -27,7 +27,8 @@ from ..errors import InputError
 from ..formats import E4M3_16, LAYOUT_FORMAT, ExpertFormat, TensorKind, e4m3_shift, e8m0_to_e4m3, stored_scales
 from ..geometry import LayerGeometry, is_w13
 from ..manifest import FileEntry, LayerManifest, write_record
-from ..planes import HostKernel, code_histogram_torch, error_and_energy_torch, fit_table, \
+from ..enums import BaseTable
+from ..planes import HostKernel, code_histogram_torch, error_and_energy_torch, fit_base_table, \
     split_and_measure_e4m3, split_planes_torch
 from ..stwriter import SafetensorsWriter
 from ..window import bounded_window
@@ -70,17 +71,18 @@ def measure_scales(x: RawExpert) -> tuple[np.ndarray, float]:
 
 
 def plane_work(read: Future[list[RawExpert]], device: str | None = None, device_min_bytes: int = 0,
-               kernel: HostKernel | None = None) -> list[_Planes]:
-    """Split and measure one expert's three projections once they are read (on a plane worker)."""
+               kernel: HostKernel | None = None, form: BaseTable | str = BaseTable.FITTED) -> list[_Planes]:
+    """Split and measure one expert's three projections once they are read (on a plane worker); the
+    tables have `form` and the errors are measured against them (the tier is chosen by those errors)."""
     out = []
     for x in read.result():
         scale_bytes, factor = measure_scales(x)
         if device is None or (device != "cpu" and x.codes.nbytes < device_min_bytes):
-            base, delta, table, er, eg = split_and_measure_e4m3(x.codes, scale_bytes, kernel=kernel)
+            base, delta, table, er, eg = split_and_measure_e4m3(x.codes, scale_bytes, kernel=kernel, form=form)
         else:  # the same maths in torch on the device; the planes and table are bit-identical
             codes = torch.from_numpy(x.codes).to(device)
             tbase, tdelta = split_planes_torch(codes)
-            table = fit_table(code_histogram_torch(codes))
+            table = fit_base_table(code_histogram_torch(codes), form)
             scales = torch.from_numpy(scale_bytes).view(torch.float8_e4m3fn).to(device).to(torch.float32)
             er, eg = error_and_energy_torch(codes, scales, table)
             base, delta = tbase.cpu().numpy(), tdelta.cpu().numpy()
@@ -216,7 +218,7 @@ def build_layer(plan: BuildPlan, root: Path, reader: SourceReader, counters: Cou
             ThreadPoolExecutor(max_workers=tuning.read_threads, thread_name_prefix="moet-read") as reads:
         def submit(e: int) -> Future[list[_Planes]]:
             return pool.submit(plane_work, reads.submit(read_expert, reader, layer, e, fmt), device,
-                               tuning.device_min_bytes, tuning.kernel())
+                               tuning.device_min_bytes, tuning.kernel(), plan.opts.base_table)
         for e, work in enumerate(bounded_window(submit, range(out.geo.n_experts), window, counters.cancel)):
             out.add(e, work, reader, counters)
         out.finish()

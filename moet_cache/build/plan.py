@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from ..checkpoint import PROJECTIONS, Checkpoint
+from ..enums import BaseTable
 from ..errors import InputError
 from ..formats import E4M3_16, ExpertFormat, TensorKind
 from ..geometry import LayerGeometry
@@ -65,13 +66,19 @@ class BuildPlan:
         return len(self.served) * self.ckpt.model.n_routed_experts * self.expert_delta_bytes
 
     def build_params(self, budget: int, profile_digest: str | None) -> BuildParams:
-        return BuildParams(tuple(self.served), self.opts.include_mtp, self.opts.lossless, budget, profile_digest)
+        return BuildParams(tuple(self.served), self.opts.include_mtp, self.opts.lossless, budget, profile_digest,
+                           BaseTable(self.opts.base_table))
 
     # --- a layer's files ---------------------------------------------------------------------------
     def layer_key(self, layer: int) -> str:
-        return key_of({"v": FORMAT_VERSION, "src": self.fingerprint.to_dict(), "layout": self.ckpt.layout,
-                       "layer": layer, "lossless": self.opts.lossless, "input_scale": self.input_scales[layer],
-                       "format": self.formats[layer].name, "scale_forms": 2})
+        key = {"v": FORMAT_VERSION, "src": self.fingerprint.to_dict(), "layout": self.ckpt.layout,
+               "layer": layer, "lossless": self.opts.lossless, "input_scale": self.input_scales[layer],
+               "format": self.formats[layer].name, "scale_forms": 2}
+        # The table form is part of a layer's bytes: a rerun with another form rebuilds the layer (never a
+        # cache of mixed forms). Named only when not fitted, so a fitted layer keeps the key it always had.
+        if self.opts.base_table != BaseTable.FITTED:
+            key["base_table"] = str(self.opts.base_table)
+        return key_of(key)
 
     def dense_key(self, shard: str) -> str:
         return key_of({"v": FORMAT_VERSION, "src": self.fingerprint.to_dict(), "shard": shard,

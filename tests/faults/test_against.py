@@ -102,3 +102,32 @@ def test_against_uses_the_boot_checks_exit_codes(lossless: tuple[Path, Path], wo
     (cache2 / "layers/layer-002.json").unlink()
     rc, rep = _against(cache2, src)
     assert rc == 1 and rep["state"] == "corrupt", rep
+
+
+def test_a_table_of_the_other_form_is_a_mismatch(lossless: tuple[Path, Path], work: Path) -> None:
+    """An x4 cache holding one fitted table (a builder that forgot the form), and a fitted cache whose manifest
+    says x4: --against refits each table in the form the manifest names, so both are caught."""
+    from moet_cache import BuildOptions, build_cache
+    from moet_cache.checkpoint import open_checkpoint
+    from moet_cache.planes import code_histogram, fit_table
+    src, ref = lossless
+    x4 = work / "x4"
+    build_cache(src, x4, BuildOptions(delta_budget="30%", lossless=True, base_table="x4"))
+    assert _against(x4, src)[0] == 0
+    with open_checkpoint(src) as ck:
+        fitted = fit_table(code_histogram(ck.read_raw_expert(1, 0, "up_proj").codes))
+
+    def swap(ts: dict[str, torch.Tensor]) -> None:
+        ts["w13_table"][0, 1] = torch.from_numpy(fitted)
+    _edit(x4, BASE, swap)
+    rc, doc = _against(x4, src)
+    assert rc == 1 and doc["state"] == "corrupt", doc
+    (p,) = doc["problems"]
+    assert p["tensor"] == "w13_table" and "up_proj: x4 table" in p["detail"], p
+    cache = link_copy(ref, work / "cache")
+    doc = json.loads((cache / CACHE_MANIFEST).read_bytes())
+    doc["build"]["base_table"] = "x4"
+    rewrite_json(cache / CACHE_MANIFEST, doc)
+    recommit(cache)
+    rc, rep = _against(cache, src)
+    assert rc == 1 and rep["problems"][0]["tensor"] == "w13_table", rep
