@@ -8,6 +8,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from moet_cache.enums import BaseTable
 from moet_cache.tiering import DEFAULT_DELTA_BUDGET
 from moet_cache.units import fmt_bytes
 
@@ -45,6 +46,7 @@ def build(
     layers: Annotated[Optional[str], typer.Option(metavar="LAYERS", help="Served MoE layers, e.g. 3-60 or 3,5,7-9 (default: all).")] = None,
     include_mtp: Annotated[bool, typer.Option("--include-mtp", help="Also build planes for the MTP (speculative) layers.")] = False,
     wait: Annotated[bool, typer.Option("--wait", help="Wait for another build of this cache instead of failing.")] = False,
+    base_table: Annotated[BaseTable, typer.Option(metavar="[fitted|x4]", help="Base tables: fitted (the mean FP4 value of each base code) or x4 (a, 4a, -a, -4a: the GPU decodes them with bit arithmetic, 5-8% faster, for ~1.4% more base-plane error).")] = BaseTable.FITTED,
     json_: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
@@ -52,7 +54,7 @@ def build(
     from moet_cache import BuildOptions, BuildTuning, build_cache  # here, not at the top: it imports torch (seconds)
     out = Output(json_, quiet)
     opts = BuildOptions(delta_budget=delta_budget, profile=str(profile) if profile else None,
-                        lossless=lossless, layers=layers, include_mtp=include_mtp, wait=wait,
+                        lossless=lossless, layers=layers, include_mtp=include_mtp, wait=wait, base_table=base_table,
                         tuning=BuildTuning(split_device=split_device_from_env(), host_kernel=host_kernel_from_env()),
                         kill_at=kill_hook())
     r = build_cache(src, cache, opts, progress_for(out), cancel_token())

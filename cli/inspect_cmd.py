@@ -39,7 +39,7 @@ def inspect(
         out.print(f"served: {info.served_blocks}")
     out.print(f"build: layers {b.layers[0]}-{b.layers[-1]} ({len(b.layers)}), lossless={b.lossless}, "
               f"include_mtp={b.include_mtp}, delta budget {fmt_bytes(b.delta_budget_bytes)}, "
-              f"profile {'yes' if b.profile_xxh3 else 'none'}")
+              f"profile {'yes' if b.profile_xxh3 else 'none'}, base tables {b.base_table}")
     out.print(f"totals: base {fmt_bytes(info.base_bytes)}, delta tier {fmt_bytes(info.delta_tier_bytes)} "
               f"({info.tier_experts}/{info.total_experts} experts), lossless deltas {fmt_bytes(info.delta_all_bytes)}, "
               f"dense {fmt_bytes(info.dense_bytes)}, all files {fmt_bytes(info.total_bytes)}")

@@ -8,10 +8,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 from safetensors import safe_open
+from typer.testing import CliRunner
 
 from moet_cache import BuildOptions, build_cache, full_verify, inspect_cache, retier_cache, verify_against
 from moet_cache.builder import tier_candidates
 from moet_cache.checkpoint import PROJECTIONS, open_checkpoint
+from moet_cache.cli.app import app
 from moet_cache.enums import BaseTable
 from moet_cache.errors import InputError
 from moet_cache.manifest import CacheManifest
@@ -19,7 +21,7 @@ from moet_cache.planes import (E4M3_VALUES, X4_PATTERN, code_histogram, error_an
                                has_x4_form)
 from moet_cache.verifier import boot_check, load_cache_files
 
-from faults.campaign import recommit, rewrite_json
+from faults.campaign import recommit, rewrite_json, run_main
 
 
 def _tables(cache: Path) -> dict[int, list[np.ndarray]]:
@@ -127,3 +129,21 @@ def test_other_forms_are_refused() -> None:
     with pytest.raises(InputError, match="base table must be one of fitted, x4, got 'x8'"):
         BuildOptions(base_table="x8")  # the manifest's refusal: tests/test_manifest.py
 
+
+def test_the_cli_builds_x4_and_inspect_shows_the_form(ckpt_ct: Path, tmp_path: Path) -> None:
+    runner = CliRunner()
+    cache = tmp_path / "cache"
+    r = runner.invoke(app, ["build", str(ckpt_ct), str(cache), "--base-table", "x4", "--delta-budget", "20%", "-q"])
+    assert r.exit_code == 0, r.output
+    _assert_x4(cache)
+    assert _form(cache) == "x4"
+    r = runner.invoke(app, ["verify", str(cache), "--full", "--json"])
+    assert r.exit_code == 0 and json.loads(r.stdout)["state"] == "verified"
+    r = runner.invoke(app, ["verify", str(cache), "--against", str(ckpt_ct), "--json"])
+    assert r.exit_code == 0 and json.loads(r.stdout)["state"] == "verified"
+    r = runner.invoke(app, ["inspect", str(cache), "--json"])
+    assert r.exit_code == 0 and json.loads(r.stdout)["build"]["base_table"] == "x4"
+    r = runner.invoke(app, ["inspect", str(cache)])
+    assert r.exit_code == 0 and "base tables x4" in r.stdout
+    rc, out, _ = run_main(["build", ckpt_ct, tmp_path / "other", "--base-table", "x8", "--json"])
+    assert rc == 2 and "--base-table" in json.loads(out)["error"] and not (tmp_path / "other").exists()
