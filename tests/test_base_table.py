@@ -10,7 +10,7 @@ import pytest
 from safetensors import safe_open
 from typer.testing import CliRunner
 
-from moet_cache import BuildOptions, build_cache, full_verify, inspect_cache, retier_cache, verify_against
+from moet_cache import BuildOptions, build_cache, full_verify, inspect_cache, open_cache, retier_cache, verify_against
 from moet_cache.builder import tier_candidates
 from moet_cache.checkpoint import PROJECTIONS, open_checkpoint
 from moet_cache.cli.app import app
@@ -61,6 +61,7 @@ def test_an_x4_build_has_the_form_everywhere_and_verifies(x4_lossless: Path, ckp
     rep = verify_against(x4_lossless, ckpt_modelopt)
     assert rep.ok and rep.details["tables"] == 3 * 3 * 16
     assert inspect_cache(x4_lossless).build.base_table == "x4"
+    assert open_cache(x4_lossless).base_table == BaseTable.X4
 
 
 def test_the_errors_and_the_tier_are_the_x4_tables(x4_lossless: Path, ckpt_modelopt: Path) -> None:

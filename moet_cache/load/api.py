@@ -26,7 +26,7 @@ import torch
 from .. import layout as L
 from ..cacheview import CacheView, ListedFileError, entry_digest
 from ..cancel import CancelToken
-from ..enums import DeltaMode, VerifyMode
+from ..enums import BaseTable, DeltaMode, VerifyMode
 from ..errors import InputError, VerificationError
 from ..manifest import DeltaIndex, FileEntry, TensorEntry
 from ..progress import NullProgress, Progress
@@ -131,6 +131,11 @@ class Cache:
     @property
     def lossless(self) -> bool:
         return self.view.manifest.build.lossless
+
+    @property
+    def base_table(self) -> BaseTable:
+        """The form of every base table (fitted, or x4: a * X4_PATTERN, decodable by bit arithmetic)."""
+        return self.view.manifest.build.base_table
 
     # the MoE layers ---------------------------------------------------------------------------
     def load(self, device: str | torch.device = "cpu", delta: DeltaMode | str = DeltaMode.TIER,
