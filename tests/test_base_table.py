@@ -148,3 +148,21 @@ def test_the_cli_builds_x4_and_inspect_shows_the_form(ckpt_ct: Path, tmp_path: P
     assert r.exit_code == 0 and "base tables x4" in r.stdout
     rc, out, _ = run_main(["build", ckpt_ct, tmp_path / "other", "--base-table", "x8", "--json"])
     assert rc == 2 and "--base-table" in json.loads(out)["error"] and not (tmp_path / "other").exists()
+
+
+@pytest.mark.parametrize("tuning", [{"split_device": "torch-cpu"}, {"split_device": "cpu", "host_kernel": "numpy"}])
+def test_every_split_path_fits_the_same_x4_tables(ckpt_modelopt: Path, tmp_path: Path, tuning: dict) -> None:
+    """The torch path (the GPU split's maths) and the numpy kernels fit in the form too: the same plane files
+    as the default path, the same errors to float rounding (as tests/test_bench_build.py holds for fitted)."""
+    from moet_cache import BuildTuning
+    build_cache(ckpt_modelopt, tmp_path / "ref", BuildOptions(delta_budget="30%", base_table="x4"))
+    build_cache(ckpt_modelopt, tmp_path / "c", BuildOptions(delta_budget="30%", base_table="x4",
+                                                           tuning=BuildTuning(**tuning)))
+    files = sorted(p.relative_to(tmp_path / "ref") for p in (tmp_path / "ref").rglob("*.safetensors"))
+    assert files
+    for rel in files:
+        assert (tmp_path / "ref" / rel).read_bytes() == (tmp_path / "c" / rel).read_bytes(), rel
+    ref, got = (load_cache_files(tmp_path / d).layers for d in ("ref", "c"))
+    for layer in ref:
+        assert got[layer].sq_error == pytest.approx(ref[layer].sq_error, rel=1e-6)
+    _assert_x4(tmp_path / "c")

@@ -23,11 +23,11 @@ import torch
 
 from .. import layout as L
 from ..checkpoint import PROJECTIONS, RawExpert, SourceReader
+from ..enums import BaseTable
 from ..errors import InputError
 from ..formats import E4M3_16, LAYOUT_FORMAT, ExpertFormat, TensorKind, e4m3_shift, e8m0_to_e4m3, stored_scales
 from ..geometry import LayerGeometry, is_w13
 from ..manifest import FileEntry, LayerManifest, write_record
-from ..enums import BaseTable
 from ..planes import HostKernel, code_histogram_torch, error_and_energy_torch, fit_base_table, \
     split_and_measure_e4m3, split_planes_torch
 from ..stwriter import SafetensorsWriter
