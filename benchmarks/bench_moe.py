@@ -85,8 +85,26 @@ def routing(T: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def plane_bytes_per_expert(t: dict[str, torch.Tensor]) -> int:
-    names = ("w13_base", "w2_base", "w13_weight_scale", "w2_weight_scale")
+    names = ("w13_base_x4", "w2_base_x4") if "w13_base_x4" in t else ("w13_base", "w2_base")
+    names += ("w13_weight_scale", "w2_weight_scale")
     return sum(t[n][0].numel() * t[n].element_size() for n in names)
+
+
+def x4_layer(t: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], float]:
+    """t as built with --base-table x4 (each table a * (1, 4, -1, -4), a from its first entry), its base
+    experts' planes repacked as the vLLM method does at load; and the repack's time in ms."""
+    from moet_cache.planes import X4_PATTERN
+    from moet_cache.runtime.x4_table import X4_NAMES, prepare_in_place
+
+    pattern = torch.as_tensor(X4_PATTERN, device=t["w13_table"].device)
+    out = dict(t, w13_table=t["w13_table"][..., :1].abs() * pattern, w2_table=t["w2_table"][..., :1].abs() * pattern,
+               w13_base=t["w13_base"].clone(), w2_base=t["w2_base"].clone())
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    assert prepare_in_place(out)
+    torch.cuda.synchronize()
+    ms = (time.perf_counter() - t0) * 1e3
+    return {X4_NAMES.get(k, k): v for k, v in out.items()}, ms
 
 
 def layer_bytes(t: dict[str, torch.Tensor]) -> int:
@@ -240,6 +258,11 @@ def speed(args: argparse.Namespace) -> list[dict]:
     rows.append({"what": "vram", "planes_e8m0_tier_MiB": layer_bytes(planes8) / MiB,
                  "allocated_MiB": resident8 / MiB, "planes_e8m0_base_MiB": layer_bytes(none8) / MiB,
                  "planes_e4m3_base_MiB": layer_bytes(none4) / MiB, "copy_GBps": copy})
+    x4_8, ms = x4_layer(planes8)
+    x4_none8, _ = x4_layer(none8)
+    x4_none4, _ = x4_layer(none4)
+    print(f"x4 base table: repacking a layer's base planes at load took {ms:.1f} ms", flush=True)
+    rows.append({"what": "x4_repack_ms_per_layer", "ms": ms})
     g = torch.Generator(device="cuda").manual_seed(3)
     w13 = (torch.randn((E, 2 * I, H), generator=g, device="cuda") * 0.02).to(torch.bfloat16)
     w2 = (torch.randn((E, H, I), generator=g, device="cuda") * 0.02).to(torch.bfloat16)
@@ -269,6 +292,9 @@ def speed(args: argparse.Namespace) -> list[dict]:
         res.append(bench_planes("planes e8m0 tier10%", planes8, x, w, ids))
         res.append(bench_planes("planes e4m3 base-only", none4, x, w, ids))
         res.append(bench_planes("planes e8m0 base, Triton", none8, x, w, ids, Config(mma=(), prefill=())))
+        res.append(bench_planes("planes x4 e8m0 base-only", x4_none8, x, w, ids))
+        res.append(bench_planes("planes x4 e8m0 tier10%", x4_8, x, w, ids))
+        res.append(bench_planes("planes x4 e4m3 base-only", x4_none4, x, w, ids))
         hit = len(set(ids.reshape(-1).tolist()))
         try:
             us, note = timed(lambda: bf16(x, w, ids))
@@ -323,6 +349,8 @@ def fidelity(args: argparse.Namespace) -> list[dict]:
         build_cache(src, Path(tmp) / "uni", BuildOptions(lossless=True, delta_budget="10%"))
         build_cache(src, Path(tmp) / "wtd", BuildOptions(lossless=True, delta_budget="10%",
                                                          profile=str(profile)))
+        build_cache(src, Path(tmp) / "x4", BuildOptions(lossless=True, delta_budget="10%", profile=str(profile),
+                                                        base_table="x4"))
         T = 256
         g = torch.Generator().manual_seed(1)
         x = torch.randn((T, spec.hidden_size), generator=g)
@@ -330,7 +358,9 @@ def fidelity(args: argparse.Namespace) -> list[dict]:
         w = torch.softmax(torch.randn((T, k), generator=g), dim=1) * 1.5
         outs = {}
         for name, cache, delta in (("fp4", "uni", "all"), ("base-only", "uni", "none"),
-                                   ("uniform tier 10%", "uni", "tier"), ("routing-weighted tier 10%", "wtd", "tier")):
+                                   ("uniform tier 10%", "uni", "tier"), ("routing-weighted tier 10%", "wtd", "tier"),
+                                   ("x4 tables, base-only", "x4", "none"),
+                                   ("x4 tables, routing-weighted tier 10%", "x4", "tier")):
             c = open_cache(Path(tmp) / cache)
             t = next(x_.tensors for x_ in c.load(device="cpu", delta=delta, layers=[layer], workers=1))
             outs[name] = fused_moe(x, t, w, ids, swiglu_limit=10.0)
@@ -343,7 +373,7 @@ def fidelity(args: argparse.Namespace) -> list[dict]:
             if name == "fp4":
                 continue
             rel = ((out - ref).norm() / ref.norm()).item()
-            print(f"fidelity {name:28s} rel. error vs FP4 layer {rel:.4f}", flush=True)
+            print(f"fidelity {name:36s} rel. error vs FP4 layer {rel:.4f}", flush=True)
             rows.append({"what": "fidelity", "name": name, "rel_error_vs_fp4": rel})
     return rows
 

@@ -128,7 +128,17 @@ def quant_classes() -> tuple[type, type]:
             return FUSED_MOE_UNQUANTIZED_CONFIG  # activations stay as they come; the planes are ours
 
         def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
-            return None  # the planes are used as loaded
+            # The planes are used as loaded, except that a layer built with --base-table x4 has its base
+            # experts' planes repacked in place for the x4 decode on the GPU (docs/RUNTIME.md), and
+            # renamed so that what each name holds stays true.
+            from .runtime.x4_table import X4_NAMES, prepare_in_place
+            if not prepare_in_place({n: getattr(layer, n) for n in layer.moet_tensor_names}):
+                return
+            for natural, x4 in X4_NAMES.items():
+                param = getattr(layer, natural)
+                delattr(layer, natural)
+                layer.register_parameter(x4, param)
+            layer.moet_tensor_names = tuple(X4_NAMES.get(n, n) for n in layer.moet_tensor_names)
 
         def apply(self, layer: torch.nn.Module, x: torch.Tensor, topk_weights: torch.Tensor,
                   topk_ids: torch.Tensor, shared_experts: Any = None,

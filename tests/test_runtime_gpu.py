@@ -9,9 +9,11 @@ import torch
 from moet_cache.runtime import fused_moe
 from moet_cache.runtime.dequant import LayerPlanes
 from moet_cache.runtime import mma_moe, mma_prefill
-from moet_cache.runtime.launch import DEFAULT, Config, Mma, Prefill, fused_moe_cuda
+from moet_cache.planes import X4_PATTERN
+from moet_cache.runtime.launch import DEFAULT, Config, Mma, Pairs, Prefill, fused_moe_cuda
 from moet_cache.runtime.reference import fused_moe_reference
 from moet_cache.runtime.synthetic_layer import random_layer
+from moet_cache.runtime.x4_table import X4_NAMES, prepare, prepare_in_place
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -182,3 +184,46 @@ def test_prefill_cuda_graph_capture(layer: dict) -> None:
     x = torch.randn((T, H), device="cuda").to(torch.bfloat16)
     w, ids = _routing(T, 12)
     _replay_equals_eager(lambda: fused_moe(x, layer, w, ids))
+
+
+@pytest.fixture(scope="module", params=["e8m0", "e4m3"])
+def x4_layer(request: pytest.FixtureRequest) -> dict[str, torch.Tensor]:
+    """A layer built with --base-table x4: every table a * (1, 4, -1, -4), a random and positive."""
+    t = random_layer(E, H, I, n_tier=26, e8m0=request.param == "e8m0", device="cuda", seed=2)
+    g = torch.Generator(device="cuda").manual_seed(7)
+    pattern = torch.as_tensor(X4_PATTERN, device="cuda")
+    t["w13_table"] = (torch.rand((E, 2, 1), generator=g, device="cuda") + 0.5) * pattern
+    t["w2_table"] = (torch.rand((E, 1), generator=g, device="cuda") + 0.5) * pattern
+    return t
+
+
+@pytest.mark.parametrize("T,config", [(1, DEFAULT), (7, DEFAULT), (16, Config.only(Mma(1, 2, 2, True, True))),
+                                      (40, Config.only(Mma(1, 2, 2))), (64, DEFAULT),
+                                      (300, Config.only(Prefill())), (300, Config.only(Prefill(4, 8, 4))),
+                                      (300, Config.only(Prefill(16, 4, 2, True, 1))), (4096, DEFAULT),
+                                      (5, Config.only(Pairs(64, 8, 2)))])
+def test_x4_layers_equal_reference(x4_layer: dict, T: int, config: Config) -> None:
+    """Planes repacked for the x4 decode (x4_table.prepare) through every kernel family: the decode
+    blocks (direct, lean, sorted), the prefill blocks, and Triton, which reads them put back; tier
+    experts (natural layout) routed beside the x4 ones."""
+    prepared = prepare(x4_layer)
+    planes = LayerPlanes.from_tensors(prepared)
+    assert planes.x4_layout
+    g = torch.Generator(device="cuda").manual_seed(700 + T)
+    x = torch.randn((T, H), generator=g, device="cuda").to(torch.bfloat16)
+    w, ids = _routing(T, 700 + T, all_hot=T >= 64)
+    ids[0, :2] = x4_layer["delta_experts"][:2]
+    got = fused_moe_cuda(x, planes, w, ids, 7.0, config)
+    _check(got, _reference(x, x4_layer, w, ids, 7.0))
+
+
+def test_x4_prepare_in_place_on_the_gpu(x4_layer: dict) -> None:
+    """The vLLM method's in-place repack gives what prepare gives, and fused_moe takes the result."""
+    t = {k: v.clone() for k, v in x4_layer.items()}
+    assert prepare_in_place(t)
+    prepared = prepare(x4_layer)
+    for natural, x4 in X4_NAMES.items():
+        assert torch.equal(t[natural], prepared[x4])
+    x = torch.randn((3, H), device="cuda").to(torch.bfloat16)
+    w, ids = _routing(3, 5)
+    _check(fused_moe(x, prepared, w, ids), _reference(x, x4_layer, w, ids, None))

@@ -119,6 +119,48 @@ def test_scale_pairs_are_the_scale_values() -> None:
         assert bf16_value(sp & 0xFFFF) == want, byte
 
 
+def x4_reg(r: int, w: int, sc: int) -> int:
+    """mma_bits.cu x4_reg, op by op in 32 bits."""
+    if r < 7:
+        return ((w & (0x81008100 >> r)) * ((0x01000001 << r) & M32) + sc) & M32
+    return ((((w & 0x00030003) * 0x4100) & 0x81008100) * 0x01000001 + sc) & M32
+
+
+def x4_reg_rt(r: int, w: int, sc: int) -> int:
+    """mma_bits.cu x4_consts + x4_reg_rt (mma_prefill.cu's run-time register index)."""
+    m1, k1, m2, k2 = ((0x81008100 >> r, (0x01000001 << r) & M32, M32, 1) if r < 7
+                      else (0x00030003, 0x4100, 0x81008100, 0x01000001))
+    return (((((w & m1) * k1) & M32 & m2) * k2) + sc) & M32
+
+
+def x4_scale_e8(sreg: int, byte: int) -> int:
+    """mma_bits.cu x4_scale_e8."""
+    return (prmt(sreg, 0, 0x4040 | byte << 8 | byte) << 7) & M32
+
+
+def test_x4_regs_are_sign_and_x4_times_the_scale_for_every_code() -> None:
+    """A word repacked by x4_table.to_x4 gives, in register r = j + 4h, the codes j + 8h (low half) and
+    j + 4 + 8h (high half) as +-{1, 4} x the block scale, bit for bit (the natural lookup's order)."""
+    from moet_cache.runtime.x4_table import to_x4
+    rng = random.Random(9)
+    words = [rng.getrandbits(32) for _ in range(300)] + [0, M32, 0x55555555, 0xAAAAAAAA]
+    plane = torch.tensor([[[w - (1 << 32) if w >= 1 << 31 else w for w in words]]], dtype=torch.int32)
+    packed = to_x4(plane.view(torch.uint8), [0]).view(torch.int32).reshape(-1).tolist()
+    pattern = (1.0, 4.0, -1.0, -4.0)
+    for byte, e8 in ((127, True), (1, True), (252, True), (120, True), (0x38, False), (0x7E, False), (0x03, False)):
+        sreg = byte << 16 | 0x5A  # the byte in position 2 of its scale word
+        sc = x4_scale_e8(sreg, 2) if e8 else scale_pair(byte, e8)
+        assert sc == scale_pair(byte, e8)  # the PRMT + shift form is the multiply's value
+        s = bf16_value(sc & 0xFFFF)
+        for w, rw in zip(words, packed):
+            for r in range(8):
+                j, h = r & 3, r >> 2
+                reg = x4_reg(r, rw & M32, sc)
+                assert reg == x4_reg_rt(r, rw & M32, sc)
+                for half, code in ((reg & 0xFFFF, j + 8 * h), (reg >> 16, j + 4 + 8 * h)):
+                    assert bf16_value(half) == pattern[(w >> (2 * code)) & 3] * s, (r, code, byte)
+
+
 def test_chunk_fragments_give_w_times_x() -> None:
     """One chunk (256 codes of 16 rows) as the kernel feeds it to 64 m16n8k16 steps: thread (g, q)
     loads words 4q .. 4q + 3 of rows g and g + 8 and, for sub-step (i, j), builds a0..a3 by base_regs

@@ -9,7 +9,7 @@ float8_e8m0fnu form.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -53,6 +53,7 @@ class LayerPlanes:
     w13_delta: torch.Tensor         # uint8 [n, 2I, H/4]
     w2_delta: torch.Tensor          # uint8 [n, H, I/4]
     delta_experts: torch.Tensor     # int64 [n]
+    x4_layout: bool = False         # the base experts' planes repacked for the x4 decode (x4_table.py)
 
     @property
     def num_experts(self) -> int:
@@ -69,13 +70,15 @@ class LayerPlanes:
     @classmethod
     def from_tensors(cls, t: dict[str, torch.Tensor]) -> "LayerPlanes":
         """Check names, shapes and dtypes; a layer loaded with delta="none" gets an empty tier."""
-        missing = [n for n in ("w13_base", "w2_base", "w13_weight_scale", "w2_weight_scale",
+        x4 = "w13_base_x4" in t  # prepared by x4_table.prepare: the same planes, bits moved
+        base_names = ("w13_base_x4", "w2_base_x4") if x4 else ("w13_base", "w2_base")
+        missing = [n for n in (*base_names, "w13_weight_scale", "w2_weight_scale",
                                "w13_weight_scale_2", "w2_weight_scale_2", "w13_table", "w2_table")
                    if n not in t]
         if missing:
             raise InputError(f"the layer's tensors lack {', '.join(missing)}",
                              "pass what Cache.load(..., expand=False) yields")
-        b13, b2 = t["w13_base"], t["w2_base"]
+        b13, b2 = t[base_names[0]], t[base_names[1]]
         E, two_i, h4 = b13.shape
         H, I = h4 * 4, two_i // 2
         if b2.shape != (E, H, I // 4) or two_i % 2 or b13.dtype != torch.uint8 or b2.dtype != torch.uint8:
@@ -95,7 +98,7 @@ class LayerPlanes:
         planes = cls(b13, b2, t["w13_weight_scale"], t["w2_weight_scale"],
                      t["w13_weight_scale_2"].float().reshape(E, 2), t["w2_weight_scale_2"].float().reshape(E),
                      t["w13_table"].float().reshape(E, 2, 4), t["w2_table"].float().reshape(E, 4),
-                     d13, d2, idx.long())
+                     d13, d2, idx.long(), x4)
         for name, s, rows, cols in (("w13_weight_scale", planes.w13_scale, two_i, H),
                                     ("w2_weight_scale", planes.w2_scale, H, I)):
             if s.dim() != 3 or s.shape[:2] != (E, rows) or s.shape[2] == 0 or cols % s.shape[2]:
@@ -103,6 +106,15 @@ class LayerPlanes:
             if s.dtype not in _SCALE_DTYPES:
                 raise InputError(f"{name} must be float8_e4m3fn or float8_e8m0fnu, not {s.dtype}")
         return planes
+
+    def natural(self) -> "LayerPlanes":
+        """These planes in the natural layout (the reference and the Triton kernels read no other)."""
+        if not self.x4_layout:
+            return self
+        from .x4_table import base_experts, to_natural
+        experts = base_experts(self.num_experts, self.delta_experts)
+        return replace(self, w13_base=to_natural(self.w13_base, experts),
+                       w2_base=to_natural(self.w2_base, experts), x4_layout=False)
 
     def tier_rows(self) -> dict[int, int]:
         """expert -> its row in the tier planes."""
@@ -121,6 +133,7 @@ def _values(base: torch.Tensor, delta: torch.Tensor | None, table: torch.Tensor)
 def dequant_expert(planes: LayerPlanes, expert: int, tier_row: int | None) -> tuple[torch.Tensor, torch.Tensor]:
     """float32 (w13 [2I, H], w2 [H, I]) of one expert: its FP4 codes when tier_row is given, else its tables."""
     I, H = planes.inter, planes.hidden
+    planes = planes.natural()  # a no-op unless the planes come prepared for the x4 kernels
     d13 = planes.w13_delta[tier_row] if tier_row is not None else None
     d2 = planes.w2_delta[tier_row] if tier_row is not None else None
     t13 = planes.w13_table[expert]  # [2, 4]: gate rows take row 0, up rows row 1

@@ -149,6 +149,7 @@ def fused_moe_cuda(x: torch.Tensor, planes: LayerPlanes, topk_weights: torch.Ten
             return mma_moe.sum_slots(mma_moe.fused_moe_mma(x, planes, topk_weights, topk_ids, swiglu_limit, c),
                                      x.dtype)
         c = config.pick(P, mma_runs=False, prefill_runs=False)
+    planes = planes.natural()  # the Triton kernels read the natural layout only
     ids = topk_ids.reshape(-1).to(torch.int32).contiguous()
     wts = topk_weights.reshape(-1).contiguous()
     tier = torch.full((E,), -1, dtype=torch.int32, device=dev)

@@ -66,6 +66,32 @@ DEV void base_regs(u32 ws, u32 tlo, u32 thi, u32& lo, u32& hi) {
   hi = prmt(tlo, thi, sel >> 16);
 }
 
+// x4 base decode (a layer whose tables are all a x (1, 4, -1, -4): x4_table.py has the layout and the
+// why): register r (0..7) of a repacked word -> the bf16 pair s x {1, 4} x scale, sc being the block
+// scale's bf16 bits in both halves (a is applied in the fp32 epilogue). r < 7: the mask, then one IMAD
+// shifts by r (onto the exponent's bit 1 and the sign) and adds sc. The multiplier's second term,
+// 2^(24 + r), puts every product above bit 31 (no effect), but it is not a shift, so ptxas keeps LOP3 +
+// IMAD instead of moving the shift ahead of the mask and adding sc as a third instruction. r = 7 (bits
+// 0, 1 and 16, 17) takes two shifts at once: e1 to 8 and 14, s to 9 and 15, the strays masked off.
+DEV u32 x4_reg(int r, u32 w, u32 sc) {
+  if (r < 7) return (w & (0x81008100u >> r)) * (0x01000001u << r) + sc;
+  return ((w & 0x00030003u) * 0x4100u & 0x81008100u) * 0x01000001u + sc;
+}
+
+// x4_reg for an r known only at run time (mma_prefill.cu: r = q and q + 4), its constants per thread.
+struct X4Consts {
+  u32 m1, k1, m2, k2;
+};
+DEV X4Consts x4_consts(int r) {
+  return r < 7 ? X4Consts{0x81008100u >> r, 0x01000001u << r, 0xFFFFFFFFu, 1u}
+               : X4Consts{0x00030003u, 0x4100u, 0x81008100u, 0x01000001u};
+}
+DEV u32 x4_reg_rt(const X4Consts& c, u32 w, u32 sc) { return ((w & c.m1) * c.k1 & c.m2) * c.k2 + sc; }
+
+// An e8m0 scale byte of sreg as x4_reg's sc: the byte into both halves by PRMT, then one shift (with the
+// multiply of scale_pair, ptxas folds the multiply into every x4_reg IMAD and splits the shift out).
+DEV u32 x4_scale_e8(u32 sreg, int byte) { return prmt(sreg, 0u, 0x4040u | (byte << 8) | byte) << 7; }
+
 // The same four codes of a tier expert (base and delta words, both shifted by 2q) -> exact E2M1 x scale.
 DEV void tier_regs(u32 wb, u32 wd, u32 sc, u32& lo, u32& hi) {
   u32 mb = wb & 0x03030303u;

@@ -23,6 +23,9 @@
 // Base code -> bf16 table value, two codes per op: the row's 4-entry table, pre-multiplied by the
 // block scale (bf16x2 multiply, once per row and scale group), sits in two registers (8 bytes); PRMT
 // picks bytes 2c and 2c + 1 for each code, and the selector is one IMAD: m * 0x22 + 0x1010.
+// X4 (a layer built with --base-table x4, its base experts' planes repacked at load: x4_table.py): no
+// table; x4_reg makes each register from its repacked word with one LOP3 and one IMAD (mma_bits.cu), and
+// the epilogue multiplies by the tables' factor a.
 // Tier code (base << 2 | delta) -> exact E2M1: two PRMTs into the tables {0, .5, 1, 1.5} and
 // {2, 3, 4, 6} by the delta bits, a select by the base's low bit and the sign from its high bit
 // (PRMT sign-replicate mode), then the block scale (exact: E2M1 x power of two or e4m3).
@@ -90,7 +93,7 @@ DEV void load_chunk(Chunk& ch, const u32* const (&wrow)[2], const u8* const (&sr
 // u32 2j, 2j + 1 are b0, b1 of sub-step j; nullptr: a padding slot, whose loads are skipped and whose
 // registers (xa, xb) keep what they held: that B column's products land only in C columns that are
 // never stored, and zeroing them every word cost 16 instructions a chunk.
-template <int NT, bool E8, bool TIER>
+template <int NT, bool E8, bool TIER, bool X4>
 DEV void compute_chunk(float (&acc)[NT][4], const Chunk& ch, const U4 (&dl)[2], u32 tlo, u32 thi,
                        const u16* const (&xrow)[NT], U4 (&xa)[NT], U4 (&xb)[NT], int q, int c) {
   u32 tl[2], th[2], sc[2];
@@ -100,8 +103,8 @@ DEV void compute_chunk(float (&acc)[NT][4], const Chunk& ch, const U4 (&dl)[2], 
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         int byte = E8 ? (i >> 1) : i;
-        sc[r] = scale_pair<E8>(prmt(ch.s[r], 0u, 0x4440u | byte));
-        if (!TIER) {
+        sc[r] = X4 && E8 ? x4_scale_e8(ch.s[r], byte) : scale_pair<E8>(prmt(ch.s[r], 0u, 0x4440u | byte));
+        if (!TIER && !X4) {
           tl[r] = bmul2(tlo, sc[r]);
           th[r] = bmul2(thi, sc[r]);
         }
@@ -124,6 +127,11 @@ DEV void compute_chunk(float (&acc)[NT][4], const Chunk& ch, const U4 (&dl)[2], 
       if (TIER) {
         tier_regs(wg >> (2 * j), word_of(dl[0], i) >> (2 * j), sc[0], a0, a2);
         tier_regs(wh >> (2 * j), word_of(dl[1], i) >> (2 * j), sc[1], a1, a3);
+      } else if (X4) {
+        a0 = x4_reg(j, wg, sc[0]);
+        a2 = x4_reg(j + 4, wg, sc[0]);
+        a1 = x4_reg(j, wh, sc[1]);
+        a3 = x4_reg(j + 4, wh, sc[1]);
       } else {
         base_regs(wg >> (2 * j), tl[0], th[0], a0, a2);
         base_regs(wh >> (2 * j), tl[1], th[1], a1, a3);
@@ -141,7 +149,7 @@ DEV void compute_chunk(float (&acc)[NT][4], const Chunk& ch, const U4 (&dl)[2], 
 // before the tier lookup, which they do not depend on). Each chunk's registers are refilled with the
 // chunk D further as soon as it is computed, so D chunks stay in flight; a tier expert's delta words
 // likewise (issued once the lookup has found its tier row).
-template <int NT, int D, bool E8, bool TIER>
+template <int NT, int D, bool E8, bool TIER, bool X4>
 DEV void k_loop(float (&acc)[NT][4], Chunk (&ch)[D], const u32* const (&wrow)[2],
                 const u32* const (&drow)[2], const u8* const (&srow)[2], u32 tlo, u32 thi,
                 const u16* const (&xrow)[NT], int q, int cb, int ce) {
@@ -161,7 +169,7 @@ DEV void k_loop(float (&acc)[NT][4], Chunk (&ch)[D], const u32* const (&wrow)[2]
     for (int d = 0; d < D; ++d) {
       const int c = c0 + d;
       if (c < ce) {
-        compute_chunk<NT, E8, TIER>(acc, ch[d], dl[d], tlo, thi, xrow, xa, xb, q, c);
+        compute_chunk<NT, E8, TIER, X4>(acc, ch[d], dl[d], tlo, thi, xrow, xa, xb, q, c);
         if (c + D < ce) {
           load_chunk<E8>(ch[d], wrow, srow, c + D, q);
           if (TIER) {
@@ -225,7 +233,7 @@ DEV int group_pair(const int* __restrict__ ids, int P, int e, int p, int lane, b
 // The input rows come K-paired (k_paired). w13 (TILES 2): act[pair, pair_col(n)] = bf16(swiglu(gate * s2g,
 // up * s2u)), input row = pair / top_k (w2 reads the intermediate K-paired). w2 (TILES 1): out[pair, n] =
 // down * s2 * topk_weight[pair] (fp32), input row = pair.
-template <int TILES, int NT, int KS, bool E8, bool LEAN>
+template <int TILES, int NT, int KS, bool E8, bool LEAN, bool X4>
 __global__ void __launch_bounds__(TILES * KS * 32, NT <= 2 && TILES * KS * 32 <= 512 ? MIN_THREADS_SM(NT, LEAN) / (TILES * KS * 32) : 1)
 moe_mma(const u16* __restrict__ xin, const int* __restrict__ topk_ids, const int* __restrict__ sorted_pairs,
         const int* __restrict__ block_expert, const long long* __restrict__ delta_experts, int n_tier,
@@ -279,6 +287,10 @@ moe_mma(const u16* __restrict__ xin, const int* __restrict__ topk_ids, const int
   }
   const float* tb = table + ((size_t)e * TILES + tile) * 4;
   const u32 tlo = pack_bf16(tb[0], tb[1]), thi = pack_bf16(tb[2], tb[3]);
+  // x4 base experts: the tables' factor a (gate, up / down), which the decode leaves out for the
+  // epilogue; loaded here so that the loads are long done by then
+  const float* tx = table + (size_t)e * TILES * 4;
+  const float a_first = X4 && tr < 0 ? tx[0] : 1.f, a_last = X4 && tr < 0 ? tx[4 * (TILES - 1)] : 1.f;
   const u16* xrow[NT];
 #pragma unroll
   for (int t = 0; t < NT; ++t) {
@@ -293,9 +305,9 @@ moe_mma(const u16* __restrict__ xin, const int* __restrict__ topk_ids, const int
     for (int c = 0; c < 4; ++c) acc[t][c] = 0.f;
 
   if (tr >= 0)
-    k_loop<NT, D, E8, true>(acc, ch, wrow, drow, srow, tlo, thi, xrow, q, cb, ce);
+    k_loop<NT, D, E8, true, false>(acc, ch, wrow, drow, srow, tlo, thi, xrow, q, cb, ce);
   else
-    k_loop<NT, D, E8, false>(acc, ch, wrow, drow, srow, tlo, thi, xrow, q, cb, ce);
+    k_loop<NT, D, E8, false, X4>(acc, ch, wrow, drow, srow, tlo, thi, xrow, q, cb, ce);
 
   // every tile's parts summed into warp 0
   float sum[TILES][NT][4];
@@ -336,7 +348,7 @@ moe_mma(const u16* __restrict__ xin, const int* __restrict__ topk_ids, const int
       if (p < 0) continue;
       int n = n0 + g + 8 * (c >> 1);
       if (TILES == 2) {
-        float gv = sum[0][t][c] * scale2[2 * e], uv = sum[TILES - 1][t][c] * scale2[2 * e + 1];
+        float gv = sum[0][t][c] * scale2[2 * e] * a_first, uv = sum[TILES - 1][t][c] * scale2[2 * e + 1] * a_last;
         if (has_limit) {
           float L = (float)limit;
           gv = fminf(gv, L);
@@ -345,7 +357,7 @@ moe_mma(const u16* __restrict__ xin, const int* __restrict__ topk_ids, const int
         float a = gv / (1.0f + __expf(-gv)) * uv;
         reinterpret_cast<u16*>(out)[(size_t)p * N + pair_col(n)] = to_bf16(a);
       } else {
-        reinterpret_cast<float*>(out)[(size_t)p * N + n] = sum[0][t][c] * scale2[e] * topk_w[p];
+        reinterpret_cast<float*>(out)[(size_t)p * N + n] = sum[0][t][c] * scale2[e] * a_first * topk_w[p];
       }
     }
   }

@@ -150,12 +150,12 @@ def fused_moe_mma(x: torch.Tensor, planes: LayerPlanes, topk_weights: torch.Tens
     out = torch.empty((P, H), dtype=torch.float32, device=dev)
     limit = 0.0 if swiglu_limit is None else float(swiglu_limit)
     with torch.cuda.device(dev):  # the compile loads into, and the launch uses, dev's context
-        lean = str(block.lean).lower()
-        k13 = _kernel(f"moe_mma<2, {block.nt}, {block.ks13}, {str(ops.e8m0[0]).lower()}, {lean}>", dev.index)
+        flags = f"{str(block.lean).lower()}, {str(planes.x4_layout).lower()}"
+        k13 = _kernel(f"moe_mma<2, {block.nt}, {block.ks13}, {str(ops.e8m0[0]).lower()}, {flags}>", dev.index)
         k13(grid=(grid_x, I // 16, 1), block=(64 * block.ks13, 1, 1),
             args=[xin, ids, sorted_pairs, block_expert, *ops.layer_args(0), act,
                   top_k, H, I, limit, int(swiglu_limit is not None), int(block.direct)])
-        k2 = _kernel(f"moe_mma<1, {block.nt}, {block.ks2}, {str(ops.e8m0[1]).lower()}, {lean}>", dev.index)
+        k2 = _kernel(f"moe_mma<1, {block.nt}, {block.ks2}, {str(ops.e8m0[1]).lower()}, {flags}>", dev.index)
         k2(grid=(grid_x, H // 16, 1), block=(32 * block.ks2, 1, 1),
            args=[act, ids, sorted_pairs, block_expert, *ops.layer_args(1), out,
                  top_k, I, H, 0.0, 0, int(block.direct)])

@@ -3,6 +3,8 @@
 // Compiled at first use by NVRTC (mma_prefill.py), after mma_bits.cu (prmt, base_regs, tier_regs,
 // scale_pair, mma, word_of, tier_row_of).
 //
+// X4: base experts repacked for the x4 table (x4_table.py), decoded by x4_reg with the register index
+// (q, q + 4) known at run time (x4_reg_rt), the true block scale (no 2^-120: no table carries it).
 // Roles as in mma_moe.cu: the weights are mma's A operand (16 rows x 16 k: one int32 word of 16 codes
 // of each row, decoded in registers by PRMT), the pairs its B operand (8 pairs an n-tile). The K order
 // is this file's own (not mma_moe.cu's chunk order): inside each word, mma column 2q + s + 8h stands
@@ -93,7 +95,7 @@ struct PrefillFrag {
   u32 w[2][2], d[2][2];
 };
 
-template <int NT, int W, bool E8, bool TIER>
+template <int NT, int W, bool E8, bool TIER, bool X4>
 struct PrefillStage {
   typedef PrefillShape<NT, W> S;
   const unsigned char* wsp;  // row g of the warp's first m-tile, this stage
@@ -101,6 +103,7 @@ struct PrefillStage {
   int q2, sw;
   u32 sreg[2][2][2];
   u32 sc[2][2], tl[2][2], th[2][2];
+  X4Consts x4lo, x4hi;  // X4: x4_reg_rt's constants for registers q (lo: a0, a1) and q + 4 (hi: a2, a3)
 
   DEV void fetch(int j, PrefillFrag<NT, TIER>& f) const {
     // chunk 2j (+1 for odd matrices) of the row, XORed as stored: (2j + c) ^ r == (2j << 4 ^ (c ^ r) << 4) >> 4
@@ -126,13 +129,15 @@ struct PrefillStage {
 #pragma unroll
         for (int rr = 0; rr < 2; ++rr) {
           const u32 sr = sreg[i][rr][byte >> 2];
-          if (E8) {
+          if (X4 && !TIER) {  // the true scale (no 2^-120: there is no table to carry it)
+            sc[i][rr] = E8 ? x4_scale_e8(sr, byte & 3) : scale_pair<false>(prmt(sr, 0u, 0x4440u | (byte & 3)));
+          } else if (E8) {
             sc[i][rr] = scale_pair<true>(prmt(sr, 0u, 0x4440u | (byte & 3)));
           } else {
             sc[i][rr] = e4m3_pair_lo(sr, byte);  // x 2^-120: the tables carry the 2^120
             if (TIER) sc[i][rr] = bmul2(sc[i][rr], BF16X2_2P120);
           }
-          if (!TIER) {
+          if (!TIER && !X4) {
             tl[i][rr] = bmul2(tlo[i], sc[i][rr]);
             th[i][rr] = bmul2(thi[i], sc[i][rr]);
           }
@@ -144,6 +149,12 @@ struct PrefillStage {
       if (TIER) {
         tier_regs(f.w[i][0] >> q2, f.d[i][0] >> q2, sc[i][0], a[i][0], a[i][2]);
         tier_regs(f.w[i][1] >> q2, f.d[i][1] >> q2, sc[i][1], a[i][1], a[i][3]);
+      } else if (X4) {  // register q < 7 needs only the mask and the IMAD
+#pragma unroll
+        for (int rr = 0; rr < 2; ++rr) {
+          a[i][rr] = (f.w[i][rr] & x4lo.m1) * x4lo.k1 + sc[i][rr];
+          a[i][rr + 2] = x4_reg_rt(x4hi, f.w[i][rr], sc[i][rr]);
+        }
       } else {
         base_regs(f.w[i][0] >> q2, tl[i][0], th[i][0], a[i][0], a[i][2]);
         base_regs(f.w[i][1] >> q2, tl[i][1], th[i][1], a[i][1], a[i][3]);
@@ -165,15 +176,19 @@ struct PrefillStage {
   }
 };
 
-template <int NT, int W, bool E8, bool TIER, bool PIPE>
+template <int NT, int W, bool E8, bool TIER, bool PIPE, bool X4>
 DEV void prefill_compute(float (&acc)[2][NT][4], const unsigned char* st, const u32 (&tlo)[2],
                          const u32 (&thi)[2], u32 x_row, u32 x_chunk, int warp, int g, int q, int nvalid) {
   typedef PrefillShape<NT, W> S;
-  PrefillStage<NT, W, E8, TIER> ps;
+  PrefillStage<NT, W, E8, TIER, X4> ps;
   ps.wsp = st + S::XB + (32 * warp + g) * 32;
   ps.x_row = x_row;
   ps.x_chunk = x_chunk;
   ps.q2 = 2 * q;
+  if (X4) {
+    ps.x4lo = x4_consts(q);
+    ps.x4hi = x4_consts(q + 4);
+  }
   ps.sw = (g >> 2) & 1;
   const unsigned char* ssp = st + S::XB + 2 * S::WB + (32 * warp + g) * 8;
 #pragma unroll
@@ -212,7 +227,7 @@ DEV void prefill_compute(float (&acc)[2][NT][4], const unsigned char* st, const 
 // Grid: (N / (16 W) for w13 or N / (32 W) for w2, align.py's max_blocks); the n-slices of one block run
 // next to each other, so its x rows stay in L2 while all its slices read them.
 // MINB: the CTAs an SM the registers are sized for (2: at most 128 a thread with 8 warps).
-template <int TILES, int NT, int W, int NS, bool E8, bool PIPE, int MINB>
+template <int TILES, int NT, int W, int NS, bool E8, bool PIPE, int MINB, bool X4>
 __global__ void __launch_bounds__(W * 32, MINB)
 moe_prefill(const u16* __restrict__ xin, const int* __restrict__ sorted_pairs, const int* __restrict__ block_expert,
             const long long* __restrict__ delta_experts, int n_tier, const u32* __restrict__ base,
@@ -323,14 +338,18 @@ moe_prefill(const u16* __restrict__ xin, const int* __restrict__ sorted_pairs, c
     const unsigned char* st = smem + s * S::STAGE;
     const u32 x_row = sbase + s * S::STAGE + xr * 256;
     if (tr >= 0)
-      prefill_compute<NT, W, E8, true, PIPE>(acc, st, tlo, thi, x_row, x_chunk, warp, g, q, nvalid);
+      prefill_compute<NT, W, E8, true, PIPE, false>(acc, st, tlo, thi, x_row, x_chunk, warp, g, q, nvalid);
     else
-      prefill_compute<NT, W, E8, false, PIPE>(acc, st, tlo, thi, x_row, x_chunk, warp, g, q, nvalid);
+      prefill_compute<NT, W, E8, false, PIPE, X4>(acc, st, tlo, thi, x_row, x_chunk, warp, g, q, nvalid);
   }
   cp_async_wait<0>();
 
   // C fragment: c0, c1 -> row g, pair columns 2q, 2q + 1; c2, c3 -> row g + 8
-  const float s2a = scale2[TILES == 2 ? 2 * e : e], s2u = TILES == 2 ? scale2[2 * e + 1] : 0.f;
+  // x4 base experts: the tables' factor a (gate, up / down), which the decode leaves out
+  const float* tx = table + (size_t)e * TILES * 4;
+  const bool x4e = X4 && tr < 0;
+  const float s2a = scale2[TILES == 2 ? 2 * e : e] * (x4e ? tx[0] : 1.f),
+              s2u = TILES == 2 ? scale2[2 * e + 1] * (x4e ? tx[4] : 1.f) : 0.f;
   const float L = (float)limit;
 #pragma unroll
   for (int n = 0; n < NT; ++n)

@@ -1,0 +1,103 @@
+"""The x4 base table on the runtime side (moet_cache/runtime/x4_table.py): the bit layout's round trip,
+which layers take it, the prepared tensors through the reference and the vLLM method's repack, on the
+CPU. The decode itself is emulated in tests/test_runtime_mma_bits.py and run in tests/test_runtime_gpu.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moet_cache.planes import X4_PATTERN
+from moet_cache.runtime import fused_moe
+from moet_cache.runtime.dequant import LayerPlanes, unpack_plane
+from moet_cache.runtime.synthetic_layer import random_layer
+from moet_cache.runtime.x4_table import (X4_NAMES, base_experts, bit_moves, is_x4, prepare, prepare_in_place,
+                                         scales_fit, to_natural, to_x4)
+
+E, H, I = 8, 64, 32
+
+
+def x4_tables(t: dict[str, torch.Tensor], seed: int = 0) -> dict[str, torch.Tensor]:
+    """t with every table a * X4_PATTERN, a random and positive."""
+    g = torch.Generator().manual_seed(seed)
+    pattern = torch.as_tensor(X4_PATTERN)
+    out = dict(t)
+    out["w13_table"] = (torch.rand((E, 2, 1), generator=g) + 0.5) * pattern
+    out["w2_table"] = (torch.rand((E, 1), generator=g) + 0.5) * pattern
+    return out
+
+
+@pytest.fixture(params=["e8m0", "e4m3"])
+def layer(request: pytest.FixtureRequest) -> dict[str, torch.Tensor]:
+    return x4_tables(random_layer(E, H, I, n_tier=3, e8m0=request.param == "e8m0", device="cpu", seed=4))
+
+
+def test_bit_moves_are_a_permutation_of_the_word() -> None:
+    src, dst = zip(*bit_moves())
+    assert sorted(src) == sorted(dst) == list(range(32))
+
+
+def test_to_x4_round_trips_and_leaves_other_experts_alone() -> None:
+    plane = torch.randint(0, 256, (5, 6, 16), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    packed = to_x4(plane, [0, 2, 3])
+    assert torch.equal(packed[[1, 4]], plane[[1, 4]])
+    assert not torch.equal(packed[0], plane[0])
+    assert torch.equal(to_natural(packed, [0, 2, 3]), plane)
+    # every code's two bits went where bit_moves says, word by word
+    w, pw = plane.view(torch.int32)[0].reshape(-1).tolist(), packed.view(torch.int32)[0].reshape(-1).tolist()
+    for a, b in zip(w, pw):
+        for s, d in bit_moves():
+            assert (a >> s) & 1 == (b >> d) & 1
+
+
+def test_is_x4_takes_layers_whose_tables_all_have_the_form(layer: dict) -> None:
+    assert is_x4(layer)
+    off = dict(layer, w2_table=layer["w2_table"].clone())
+    off["w2_table"][3, 1] = torch.nextafter(off["w2_table"][3, 1], torch.tensor(0.0))
+    assert not is_x4(off)  # one table off by an ulp
+
+
+def test_prepare_leaves_fitted_layers_and_moves_x4_ones(layer: dict) -> None:
+    fitted = random_layer(E, H, I, n_tier=3, e8m0=True, device="cpu", seed=4)
+    assert not is_x4(fitted) and prepare(fitted) is fitted
+    prepared = prepare(layer)
+    assert set(prepared) == (set(layer) - set(X4_NAMES)) | set(X4_NAMES.values())
+    tier = layer["delta_experts"].tolist()
+    for natural, x4 in X4_NAMES.items():
+        assert torch.equal(prepared[x4][tier], layer[natural][tier])  # tier experts keep their layout
+        assert torch.equal(to_natural(prepared[x4], base_experts(E, layer["delta_experts"])), layer[natural])
+    planes = LayerPlanes.from_tensors(prepared)
+    assert planes.x4_layout and not LayerPlanes.from_tensors(layer).x4_layout
+    assert torch.equal(planes.natural().w13_base, layer["w13_base"])
+
+
+def test_prepared_layer_computes_the_same_on_the_reference(layer: dict) -> None:
+    g = torch.Generator().manual_seed(2)
+    T = 9
+    x = torch.randn((T, H), generator=g).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(E, generator=g)[:3] for _ in range(T)])
+    ids[0, 0] = int(layer["delta_experts"][0])  # a tier expert routed
+    w = torch.rand((T, 3), generator=g)
+    want = fused_moe(x, layer, w, ids, swiglu_limit=7.0)
+    assert torch.equal(fused_moe(x, prepare(layer), w, ids, swiglu_limit=7.0), want)
+    # and the x4 tables are what a base expert computes from: a * {1, 4, -1, -4} by base code
+    base = unpack_plane(layer["w2_base"][1]).long()
+    a = float(layer["w2_table"][1, 0])
+    values = torch.as_tensor(X4_PATTERN)[base] * a
+    assert torch.equal(values, layer["w2_table"][1][base])
+
+
+def test_scales_too_large_for_x4_keep_the_natural_layout() -> None:
+    t = x4_tables(random_layer(E, H, I, n_tier=0, e8m0=True, device="cpu", seed=5))
+    assert scales_fit(t)
+    big = t["w2_weight_scale"].view(torch.uint8).clone()
+    big[0, 0, 0] = 253  # 2^126: x4 would overflow bf16's exponent
+    t["w2_weight_scale"] = big.view(torch.float8_e8m0fnu)
+    assert not scales_fit(t) and prepare(t) is t
+
+
+def test_prepare_in_place_only_where_the_kernels_run(layer: dict) -> None:
+    """On a CPU (no plane kernels) the vLLM method's repack leaves the planes as loaded."""
+    before = layer["w13_base"].clone()
+    assert not prepare_in_place(layer)
+    assert torch.equal(layer["w13_base"], before)
