@@ -269,7 +269,11 @@ class BuildParams:
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["layers"] = list(self.layers)
-        d["base_table"] = str(self.base_table)
+        # written only for x4: a fitted cache's manifest stays what older moet-cache versions read
+        if self.base_table == BaseTable.FITTED:
+            del d["base_table"]
+        else:
+            d["base_table"] = str(self.base_table)
         return d
 
 
@@ -395,7 +399,7 @@ class CacheManifest:
         prof = build["profile_xxh3"]
         if prof is not None:
             _hex(build, "profile_xxh3", where)
-        # base_table: written since the x4 form; a cache without it was built with fitted tables.
+        # base_table: written for x4 caches only; a cache without it was built with fitted tables.
         form = _enum(build, "base_table", where, BaseTable) if "base_table" in build else BaseTable.FITTED
         params = BuildParams(tuple(layers_sel), build["include_mtp"], build["lossless"],
                              _int(build, "delta_budget_bytes", where), prof, form)

@@ -34,7 +34,8 @@ def _tables(cache: Path) -> dict[int, list[np.ndarray]]:
 
 
 def _form(cache: Path) -> str:
-    return json.loads((cache / "cache.json").read_text())["build"]["base_table"]
+    """build.base_table, written for x4 caches only (a fitted cache's manifest is what older versions read)."""
+    return json.loads((cache / "cache.json").read_text())["build"].get("base_table", "fitted")
 
 
 def _assert_x4(cache: Path) -> None:
@@ -115,8 +116,11 @@ def test_a_rerun_with_the_other_form_rebuilds_every_layer(ckpt_modelopt: Path, c
 
 def test_an_older_cache_without_the_field_reads_as_fitted(ckpt_modelopt: Path, cache: Path) -> None:
     doc = json.loads((cache / "cache.json").read_text())
-    del doc["build"]["base_table"]  # what every cache written before the x4 form holds
+    assert "base_table" not in doc["build"]  # a fitted cache is written as every older cache was
     assert CacheManifest.parse(doc).build.base_table == BaseTable.FITTED
+    doc["build"]["base_table"] = "fitted"  # and a manifest that names it reads the same
+    assert CacheManifest.parse(doc).build.base_table == BaseTable.FITTED
+    del doc["build"]["base_table"]
     rewrite_json(cache / "cache.json", doc)
     recommit(cache)
     assert load_cache_files(cache).manifest.build.base_table == "fitted" and full_verify(cache).ok
@@ -166,3 +170,26 @@ def test_every_split_path_fits_the_same_x4_tables(ckpt_modelopt: Path, tmp_path:
     for layer in ref:
         assert got[layer].sq_error == pytest.approx(ref[layer].sq_error, rel=1e-6)
     _assert_x4(tmp_path / "c")
+
+
+def test_an_x4_cache_takes_the_x4_decode_and_computes_the_same(x4_lossless: Path) -> None:
+    """What the runtime makes of an x4 build: every loaded layer is taken for the x4 decode (x4_table.is_x4),
+    and its planes repacked the way the GPU kernels read them give the same layer on the reference."""
+    import torch
+
+    from moet_cache.runtime import fused_moe
+    from moet_cache.runtime.x4_table import X4_NAMES, is_x4, prepare
+
+    c = open_cache(x4_lossless)
+    assert c.base_table == BaseTable.X4
+    for lt in c.load(device="cpu", delta="tier", workers=1):
+        t = lt.tensors
+        assert is_x4(t)
+        prepared = prepare(t)
+        assert set(X4_NAMES.values()) <= set(prepared)
+        H, E = t["w13_base"].shape[2] * 4, t["w13_base"].shape[0]
+        g = torch.Generator().manual_seed(lt.index)
+        x = torch.randn((5, H), generator=g).to(torch.bfloat16)
+        ids = torch.stack([torch.randperm(E, generator=g)[:2] for _ in range(5)])
+        w = torch.rand((5, 2), generator=g)
+        assert torch.equal(fused_moe(x, prepared, w, ids), fused_moe(x, t, w, ids))

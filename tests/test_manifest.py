@@ -105,9 +105,12 @@ def test_other_records_roundtrip(built_cache: Path) -> None:
 
 def test_build_base_table_is_optional_and_closed(built_cache: Path) -> None:
     doc = json.loads((built_cache / "cache.json").read_text())
-    assert doc["build"]["base_table"] == "fitted"
-    del doc["build"]["base_table"]  # a cache written before the field: fitted tables
+    assert "base_table" not in doc["build"]  # fitted: written as before the field, for older readers
     check(doc, "cache-manifest")
+    doc["build"]["base_table"] = "x4"
+    check(doc, "cache-manifest")
+    assert CacheManifest.parse(doc).build.base_table == "x4"
+    del doc["build"]["base_table"]
     assert CacheManifest.parse(doc).build.base_table == "fitted"
     doc["build"]["base_table"] = "x8"
     with pytest.raises(jsonschema.ValidationError):

@@ -105,7 +105,7 @@ class BuildOptions:
     """What a build writes (BuildTuning: how it uses the machine).
 
     base_table: the form of every base table (enums.BaseTable): fitted (the mean FP4 value of each base
-      code) or x4 (a * X4_PATTERN, decoded by the GPU with bit arithmetic: 5-8% faster decode for ~1.4%
+      code) or x4 (a * X4_PATTERN, decoded by the GPU with bit arithmetic: 2-7% faster decode for ~1.5%
       more per-weight base error). Recorded in the cache manifest; a rerun with the other form rebuilds
       every layer, as a changed --lossless does.
     """
