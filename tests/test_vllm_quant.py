@@ -80,6 +80,31 @@ class _Model(nn.Module):
         return set(self.dense)
 
 
+def _model_on(cache: Path) -> _Model:
+    """vLLM's DeepSeek layout with real fused-MoE layers 1-3 under the cache's `moet` method."""
+    register()
+    qc = vllm.get_quantization_config("moet").from_config(_block(cache))
+    model = _Model()
+    model.model = nn.Module()
+    model.model.layers = nn.ModuleList()
+    for i in range(4):
+        layer = nn.Module()
+        if i >= 1:
+            layer.mlp = nn.Module()
+            layer.mlp.experts = _moe(qc, i)
+        model.model.layers.append(layer)
+    return model
+
+
+def _routed(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x, topk_weights, topk_ids of 5 tokens, one with a repeated expert."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(5, H, generator=g).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(E, generator=g)[:TOP_K] for _ in range(5)]).to(torch.int32)
+    ids[0, 1] = ids[0, 0]  # a repeated expert counts twice
+    return x, torch.rand(5, TOP_K, generator=g), ids
+
+
 def test_registers_once_and_from_config_takes_the_caches_config(built_cache: Path) -> None:
     from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS, get_quantization_config
     from vllm.model_executor.layers.quantization.modelopt import ModelOptNvFp4Config
@@ -100,17 +125,7 @@ def test_the_moe_layer_gets_the_planes_and_apply_equals_fused_moe(built_cache: P
     from vllm.model_executor.layers.fused_moe import RoutedExperts
 
     from moet_cache.runtime import fused_moe
-    register()
-    qc = vllm.get_quantization_config("moet").from_config(_block(built_cache))
-    model = _Model()
-    model.model = nn.Module()
-    model.model.layers = nn.ModuleList()
-    for i in range(4):
-        layer = nn.Module()
-        if i >= 1:
-            layer.mlp = nn.Module()
-            layer.mlp.experts = _moe(qc, i)
-        model.model.layers.append(layer)
+    model = _model_on(built_cache)
     experts = model.model.layers[2].mlp.experts.routed_experts
     assert isinstance(experts, RoutedExperts) and type(experts.quant_method).__name__ == "MoetMoEMethod"
     # create_weights declares what the loader fills: the base-plane file's tensors, by name, dtype and shape.
@@ -127,14 +142,38 @@ def test_the_moe_layer_gets_the_planes_and_apply_equals_fused_moe(built_cache: P
         got = getattr(experts, name)
         assert torch.equal(got.view(torch.uint8) if got.dim() else got, t.view(torch.uint8) if t.dim() else t), name
     # apply, as vLLM's runner calls it after routing, equals fused_moe on the cache's own tensors.
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(5, H, generator=g).to(torch.bfloat16)
-    ids = torch.stack([torch.randperm(E, generator=g)[:TOP_K] for _ in range(5)]).to(torch.int32)
-    ids[0, 1] = ids[0, 0]  # a repeated expert counts twice
-    w = torch.rand(5, TOP_K, generator=g)
+    x, w, ids = _routed(0)
     out = experts.quant_method.apply(experts, x, w, ids, None, None)
     assert out.dtype == x.dtype and torch.equal(out, fused_moe(x, want[2], w, ids, swiglu_limit=LIMIT))
     assert out.abs().sum() > 0
+
+
+def test_an_x4_cache_is_repacked_after_loading_and_computes_the_same(ckpt_modelopt: Path, tmp_path: Path,
+                                                                     vllm_config: Any,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """process_weights_after_loading on a --base-table x4 cache: where the plane kernels run (the CPU
+    stands in for a GPU here) the base experts' planes are repacked in place and renamed w13_base_x4 /
+    w2_base_x4, and apply computes what it did before."""
+    from moet_cache import BuildOptions, build_cache
+    from moet_cache.runtime import fused_moe, mma_moe
+    cache = tmp_path / "cache"
+    build_cache(ckpt_modelopt, cache, BuildOptions(delta_budget="25%", base_table="x4"))
+    model = _model_on(cache)
+    load_into_model(model, PluginOptions(cache=str(cache), workers=1))
+    experts = model.model.layers[2].mlp.experts.routed_experts
+    want = next(x.tensors for x in open_cache(cache).load(delta="tier", workers=1) if x.index == 2)
+    x, w, ids = _routed(1)
+    before = experts.quant_method.apply(experts, x, w, ids, None, None)
+    experts.quant_method.process_weights_after_loading(experts)  # no plane kernels here: as loaded
+    assert "w13_base" in experts.moet_tensor_names
+    natural = experts.w13_base.clone()
+    monkeypatch.setattr(mma_moe, "runs_here", lambda device: True)
+    experts.quant_method.process_weights_after_loading(experts)
+    params = dict(experts.named_parameters(recurse=False))
+    assert "w13_base_x4" in params and "w2_base_x4" in params and "w13_base" not in params
+    assert "w13_base_x4" in experts.moet_tensor_names and not torch.equal(experts.w13_base_x4, natural)
+    out = experts.quant_method.apply(experts, x, w, ids, None, None)
+    assert torch.equal(out, before) and torch.equal(out, fused_moe(x, want, w, ids, swiglu_limit=LIMIT))
 
 
 def test_other_layers_go_to_the_source_method_and_parallelism_is_refused(built_cache: Path,

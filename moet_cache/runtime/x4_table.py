@@ -143,4 +143,3 @@ def prepare(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     for natural, x4 in X4_NAMES.items():
         out[x4] = to_x4(tensors[natural], experts)
     return out
-
