@@ -64,7 +64,7 @@ class ScaleForm(StrEnum):
 
 class BaseTable(StrEnum):
     """The form of every base table of a cache (the build's --base-table; the cache manifest's
-    build.base_table, absent in older caches: fitted). planes.fit_base_table fits one of each form."""
+    build.base_table, written for x4 only: absent means fitted). planes.fit_base_table fits each form."""
 
     FITTED = "fitted"   # the mean FP4 value each base code stands for: four free entries
     X4 = "x4"           # a * X4_PATTERN = (+a, +4a, -a, -4a): the GPU decodes it by bit arithmetic

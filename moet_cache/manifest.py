@@ -264,7 +264,7 @@ class BuildParams:
     lossless: bool
     delta_budget_bytes: int
     profile_xxh3: str | None
-    base_table: BaseTable = BaseTable.FITTED  # every base table's form; absent in older caches: fitted
+    base_table: BaseTable = BaseTable.FITTED  # every base table's form; written for x4 only (absent: fitted)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
