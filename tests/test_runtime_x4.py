@@ -96,8 +96,15 @@ def test_scales_too_large_for_x4_keep_the_natural_layout() -> None:
     assert not scales_fit(t) and prepare(t) is t
 
 
-def test_prepare_in_place_only_where_the_kernels_run(layer: dict) -> None:
-    """On a CPU (no plane kernels) the vLLM method's repack leaves the planes as loaded."""
+def test_prepare_in_place_only_where_the_kernels_run(layer: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a CPU (no plane kernels) the vLLM method's repack leaves the planes as loaded; where the kernels
+    take the layer it repacks them once (a second call, on the x4 names, moves nothing)."""
+    from moet_cache.runtime import x4_table
     before = layer["w13_base"].clone()
-    assert not prepare_in_place(layer)
+    assert not x4_table.kernels_take(layer) and not prepare_in_place(layer)
     assert torch.equal(layer["w13_base"], before)
+    monkeypatch.setattr(x4_table, "kernels_take", lambda tensors: True)
+    assert prepare_in_place(layer)
+    assert torch.equal(layer["w13_base"], prepare({**layer, "w13_base": before})["w13_base_x4"])
+    renamed = {X4_NAMES.get(k, k): v for k, v in layer.items()}
+    assert not prepare_in_place(renamed)

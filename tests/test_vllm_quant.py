@@ -151,11 +151,11 @@ def test_the_moe_layer_gets_the_planes_and_apply_equals_fused_moe(built_cache: P
 def test_an_x4_cache_is_repacked_after_loading_and_computes_the_same(ckpt_modelopt: Path, tmp_path: Path,
                                                                      vllm_config: Any,
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    """process_weights_after_loading on a --base-table x4 cache: where the plane kernels run (the CPU
-    stands in for a GPU here) the base experts' planes are repacked in place and renamed w13_base_x4 /
-    w2_base_x4, and apply computes what it did before."""
+    """process_weights_after_loading on a --base-table x4 cache: where the plane kernels take the layer
+    (the CPU stands in for a GPU here) the base experts' planes are repacked in place once and renamed
+    w13_base_x4 / w2_base_x4, and apply computes what it did before."""
     from moet_cache import BuildOptions, build_cache
-    from moet_cache.runtime import fused_moe, mma_moe
+    from moet_cache.runtime import fused_moe, x4_table
     cache = tmp_path / "cache"
     build_cache(ckpt_modelopt, cache, BuildOptions(delta_budget="25%", base_table="x4"))
     model = _model_on(cache)
@@ -167,8 +167,9 @@ def test_an_x4_cache_is_repacked_after_loading_and_computes_the_same(ckpt_modelo
     experts.quant_method.process_weights_after_loading(experts)  # no plane kernels here: as loaded
     assert "w13_base" in experts.moet_tensor_names
     natural = experts.w13_base.clone()
-    monkeypatch.setattr(mma_moe, "runs_here", lambda device: True)
+    monkeypatch.setattr(x4_table, "kernels_take", lambda tensors: True)
     experts.quant_method.process_weights_after_loading(experts)
+    experts.quant_method.process_weights_after_loading(experts)  # again (a reload): nothing more moves
     params = dict(experts.named_parameters(recurse=False))
     assert "w13_base_x4" in params and "w2_base_x4" in params and "w13_base" not in params
     assert "w13_base_x4" in experts.moet_tensor_names and not torch.equal(experts.w13_base_x4, natural)

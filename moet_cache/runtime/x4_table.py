@@ -116,14 +116,25 @@ def scales_fit(tensors: dict[str, torch.Tensor]) -> bool:
     return True
 
 
+def kernels_take(tensors: dict[str, torch.Tensor]) -> bool:
+    """Whether the plane kernels run this layer on its device at every decode block (launch.MMA_STEPS):
+    an x4 layer the Triton kernels would have to read put back on every call (slow, and not in a CUDA
+    graph), so it is repacked only where they never do."""
+    from .dequant import LayerPlanes
+    from .launch import MMA_STEPS
+    from .mma_moe import supported
+    planes = LayerPlanes.from_tensors(tensors)
+    return all(supported(planes, planes.w13_base.device, block) for _, block in MMA_STEPS)
+
+
 def prepare_in_place(tensors: dict[str, torch.Tensor]) -> bool:
     """Repack the base experts' planes of a loaded layer in place when the x4 decode applies to it: every
-    table has the x4 form, the plane kernels run on its device and its block scales fit. The caller then
-    hands the planes on under X4_NAMES (the vLLM method renames its parameters). Returns whether it did."""
-    from .mma_moe import runs_here
-    b13 = tensors["w13_base"]
-    if not (is_x4(tensors) and runs_here(b13.device) and scales_fit(tensors)):
+    table has the x4 form, the plane kernels take the layer on its device and its block scales fit. The
+    caller then hands the planes on under X4_NAMES (the vLLM method renames its parameters). Returns
+    whether it did; planes already under X4_NAMES (a second call) are left as they are."""
+    if "w13_base" not in tensors or not (is_x4(tensors) and scales_fit(tensors) and kernels_take(tensors)):
         return False
+    b13 = tensors["w13_base"]
     experts = base_experts(b13.shape[0], tensors.get("delta_experts", torch.empty(0, dtype=torch.long)))
     for natural in X4_NAMES:
         _relayout_(tensors[natural], experts, inverse=False)
