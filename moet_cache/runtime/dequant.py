@@ -108,7 +108,8 @@ class LayerPlanes:
         return planes
 
     def natural(self) -> "LayerPlanes":
-        """These planes in the natural layout (the reference and the Triton kernels read no other)."""
+        """These planes in the natural layout (the Triton kernels read no other; dequant_expert puts back one
+        expert at a time)."""
         if not self.x4_layout:
             return self
         from .x4_table import base_experts, to_natural
@@ -133,13 +134,16 @@ def _values(base: torch.Tensor, delta: torch.Tensor | None, table: torch.Tensor)
 def dequant_expert(planes: LayerPlanes, expert: int, tier_row: int | None) -> tuple[torch.Tensor, torch.Tensor]:
     """float32 (w13 [2I, H], w2 [H, I]) of one expert: its FP4 codes when tier_row is given, else its tables."""
     I, H = planes.inter, planes.hidden
-    planes = planes.natural()  # a no-op unless the planes come prepared for the x4 kernels
+    b13, b2 = planes.w13_base[expert : expert + 1], planes.w2_base[expert : expert + 1]
+    if planes.x4_layout and expert not in planes.tier_rows():  # this expert's rows only, put back
+        from .x4_table import to_natural
+        b13, b2 = to_natural(b13, [0]), to_natural(b2, [0])
     d13 = planes.w13_delta[tier_row] if tier_row is not None else None
     d2 = planes.w2_delta[tier_row] if tier_row is not None else None
     t13 = planes.w13_table[expert]  # [2, 4]: gate rows take row 0, up rows row 1
     row_table = t13.repeat_interleave(I, dim=0)  # [2I, 4]
-    v13 = _values(planes.w13_base[expert], d13, row_table)
-    v2 = _values(planes.w2_base[expert], d2, planes.w2_table[expert].expand(H, 4))
+    v13 = _values(b13[0], d13, row_table)
+    v2 = _values(b2[0], d2, planes.w2_table[expert].expand(H, 4))
     s2_13 = planes.w13_scale_2[expert].repeat_interleave(I).unsqueeze(1)  # [2I, 1]
     w13 = v13 * expand_block_scale(planes.w13_scale[expert], H) * s2_13
     w2 = v2 * expand_block_scale(planes.w2_scale[expert], I) * planes.w2_scale_2[expert]

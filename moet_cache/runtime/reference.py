@@ -27,7 +27,6 @@ def fused_moe_reference(x: torch.Tensor, planes: LayerPlanes, topk_weights: torc
     out = torch.zeros((T, H), dtype=torch.float32, device=x.device)
     if T == 0 or topk_ids.numel() == 0:
         return out
-    planes = planes.natural()
     xf = x.float()
     flat_ids = topk_ids.reshape(-1).long()
     flat_w = topk_weights.reshape(-1).float()
