@@ -287,16 +287,22 @@ def test_v4_cache_compact_scales(v4_cache, delta: str) -> None:
 def test_config_picks_each_regime_by_pairs() -> None:
     """launch.Config: decode kernels below the first prefill step, each prefill step from its pair count,
     Triton where neither tensor-core family runs, and Config.only pinning one block."""
-    from moet_cache.runtime.launch import DEFAULT, MMA_STEPS, PREFILL_STEPS, Config, Grouped, Mma, Pairs, Prefill
+    from moet_cache.runtime.launch import (DEFAULT, MMA_STEPS, MMA_STEPS_X4, PREFILL_STEPS, Config, Grouped, Mma,
+                                           Pairs, Prefill)
 
     starts = [start for start, _ in PREFILL_STEPS]
     assert starts == sorted(starts) and starts[0] <= DEFAULT.large_from
-    mma_starts = [start for start, _ in MMA_STEPS]
-    assert mma_starts[0] == 0 and mma_starts == sorted(mma_starts) and mma_starts[-1] < starts[0]
-    for (start, block), nxt in zip(MMA_STEPS, mma_starts[1:] + starts[:1]):
-        assert DEFAULT.pick(start) == block and DEFAULT.pick(nxt - 1) == block
-    assert DEFAULT.pick(6) == Mma(1, 2, 2, direct=True)  # decode: direct blocks, no align kernels
-    assert DEFAULT.pick(starts[0] - 1) == Mma(1, 2, 2, lean=True)
+    for steps, x4 in ((MMA_STEPS, False), (MMA_STEPS_X4, True)):
+        mma_starts = [start for start, _ in steps]
+        assert mma_starts[0] == 0 and mma_starts == sorted(mma_starts) and mma_starts[-1] < starts[0]
+        for (start, block), nxt in zip(steps, mma_starts[1:] + starts[:1]):
+            assert DEFAULT.pick(start, x4=x4) == block and DEFAULT.pick(nxt - 1, x4=x4) == block
+        # decode: direct blocks, no align kernels; every decode block launched dependent
+        assert DEFAULT.pick(6, x4=x4) == Mma(1, 2, 2, direct=True, pdl=True)
+        assert DEFAULT.pick(starts[0] - 1, x4=x4) == Mma(1, 2, 2, lean=True, pdl=True)
+        assert all(block.pdl for _, block in steps)
+    # x4 layers take the lean blocks sooner (their decode has half the ALU work)
+    assert DEFAULT.pick(30, x4=True).lean and not DEFAULT.pick(30).lean
     for (start, block), nxt in zip(PREFILL_STEPS, starts[1:] + [1 << 40]):
         assert DEFAULT.pick(start) == block and DEFAULT.pick(nxt - 1) == block
     assert isinstance(DEFAULT.pick(starts[0], prefill_runs=False), Mma)
@@ -304,8 +310,10 @@ def test_config_picks_each_regime_by_pairs() -> None:
     assert isinstance(DEFAULT.pick(6, mma_runs=False, prefill_runs=False), Pairs)
     only = Prefill(4, 8, 4)
     assert Config.only(only).pick(1) == only and Config(prefill=()).pick(1 << 20) == DEFAULT.large
+    assert Config.only(Mma(1, 1, 1)).pick(5, x4=True) == Mma(1, 1, 1)
     with pytest.raises(ValueError):
         Prefill(16, 2, 3)  # 2 warps: not a tested shape
     with pytest.raises(ValueError):
         Mma(2, 2, 2, direct=True)  # direct blocks are one column of 8 pairs
     assert Config(mma=()).pick(6) == DEFAULT.tiny  # no decode kernels: Triton
+    assert Config(mma_x4=()).pick(6, x4=True) == DEFAULT.tiny

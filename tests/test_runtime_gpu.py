@@ -3,6 +3,8 @@ H 4096, I 2048): skipped without CUDA (CI has none); run on the device machine."
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -13,6 +15,7 @@ from moet_cache.planes import X4_PATTERN
 from moet_cache.runtime.launch import DEFAULT, Config, Mma, Pairs, Prefill, fused_moe_cuda
 from moet_cache.runtime.reference import fused_moe_reference
 from moet_cache.runtime.synthetic_layer import random_layer
+from moet_cache.runtime import x4_table
 from moet_cache.runtime.x4_table import X4_NAMES, prepare, prepare_in_place
 
 pytestmark = [pytest.mark.gpu,
@@ -227,3 +230,39 @@ def test_x4_prepare_in_place_on_the_gpu(x4_layer: dict) -> None:
     x = torch.randn((3, H), device="cuda").to(torch.bfloat16)
     w, ids = _routing(3, 5)
     _check(fused_moe(x, prepared, w, ids), _reference(x, x4_layer, w, ids, None))
+
+
+def test_x4_repack_kernel_equals_the_torch_bit_moves(x4_layer: dict) -> None:
+    """The repack kernel (x4_repack.cu) moves the bits as the torch ops of the CPU path do, for the listed
+    experts only, and back."""
+    for name in X4_NAMES:
+        plane = x4_layer[name]
+        experts = [0, 3, 200, 255]
+        got = plane.clone()
+        x4_table._relayout_(got, experts, inverse=False)
+        want = plane.clone()
+        words, idx = want.view(torch.int32), torch.tensor(experts, device="cuda")
+        words[idx] = x4_table._move_bits(words[idx], inverse=False)
+        assert torch.equal(got, want)
+        assert torch.equal(got[1], plane[1]) and not torch.equal(got[0], plane[0])
+        x4_table._relayout_(got, experts, inverse=True)
+        assert torch.equal(got, plane)
+
+
+@pytest.mark.parametrize("T,block", [(1, Mma(1, 2, 2, direct=True, pdl=True)),
+                                     (16, Mma(1, 2, 2, direct=True, lean=True, pdl=True)),
+                                     (64, Mma(1, 2, 2, lean=True, pdl=True))])
+def test_dependent_launch_computes_the_same(x4_layer: dict, T: int, block: Mma) -> None:
+    """Launched dependent (each kernel may start before the one ahead ends and waits for its output
+    itself), a layer gives the same bits as launched plainly, eagerly and from CUDA graph replays (a
+    missing wait would read the activations before they are written)."""
+    prepared = LayerPlanes.from_tensors(prepare(x4_layer))
+    x = torch.randn((T, H), device="cuda").to(torch.bfloat16)
+    w, ids = _routing(T, 900 + T)
+    ids[0, :2] = x4_layer["delta_experts"][:2]
+    plain = dataclasses.replace(block, pdl=False)
+    want = fused_moe_cuda(x, prepared, w, ids, 7.0, Config.only(plain))
+    step = lambda: fused_moe_cuda(x, prepared, w, ids, 7.0, Config.only(block))  # noqa: E731
+    assert torch.equal(step(), want)
+    for _ in range(5):
+        _replay_equals_eager(step)

@@ -45,15 +45,24 @@ PREFILL_STEPS: tuple[tuple[int, Prefill], ...] = (
 
 
 #: the decode blocks by the pairs they take over from (launch.Config.mma), below the prefill steps: H200,
-#: V4-Flash layer, one process (docs/RUNTIME.md). Direct blocks, each expert's decode shared by its
-#: pairs (T = 16: 342 us against 351 one pair a block); lean blocks (more warps, one chunk in flight)
-#: from 97 pairs (T = 24: 461 against 467; T = 32: 522 against 551; T = 8: 196 against 191); sorted
-#: lean blocks from 224 pairs (T = 40: 724 against 749 direct; T = 48: 767 against 785; T = 32, direct:
-#: 522-535 against 573 sorted).
+#: V4-Flash layer, one process (docs/RUNTIME.md). Every one launched dependent (`pdl`: T = 1: 42.9 us
+#: against 45.6). Direct blocks, each expert's decode shared by its pairs; lean blocks (more warps, one
+#: chunk in flight, the tile prefetched into the L2) from 60 pairs (T = 12: 246.5 against 251.8; T = 8:
+#: 194.6 against 194.4; T = 16: 339.7 against 348.0); sorted lean blocks from 224 pairs (session 8: T = 40:
+#: 724 against 749 direct; T = 32, direct: 522-535 against 573 sorted).
 MMA_STEPS: tuple[tuple[int, Mma], ...] = (
-    (0, Mma(1, 2, 2, direct=True)),
-    (97, Mma(1, 2, 2, direct=True, lean=True)),
-    (224, Mma(1, 2, 2, lean=True)),
+    (0, Mma(1, 2, 2, direct=True, pdl=True)),
+    (60, Mma(1, 2, 2, direct=True, lean=True, pdl=True)),
+    (224, Mma(1, 2, 2, lean=True, pdl=True)),
+)
+
+#: the same for x4 layers (x4_table.py), whose decode has half the ALU work and so gains from the lean
+#: blocks' prefetch sooner: lean from 24 pairs (T = 4: 102.3 against 104.7; T = 2: 66.3 against 65.7; T = 16:
+#: 293.7 against 317.8).
+MMA_STEPS_X4: tuple[tuple[int, Mma], ...] = (
+    (0, Mma(1, 2, 2, direct=True, pdl=True)),
+    (24, Mma(1, 2, 2, direct=True, lean=True, pdl=True)),
+    (224, Mma(1, 2, 2, lean=True, pdl=True)),
 )
 
 
@@ -70,9 +79,10 @@ class Config:
     Below it, and below `large_from` where the prefill kernels cannot run, the decode tensor-core kernels
     (mma_moe.cu) run where they can, each of `mma`'s steps from its pair count on (`()`: none). The
     Triton kernels run the rest: everything where neither can run (no sm_80, dims that do not split),
-    Triton `large` from `large_from`."""
+    Triton `large` from `large_from`. Layers in the x4 layout take `mma_x4`'s steps in place of `mma`'s."""
 
     mma: tuple[tuple[int, Mma], ...] = MMA_STEPS  # (from P, block), ascending, the first from 0; () for none
+    mma_x4: tuple[tuple[int, Mma], ...] = MMA_STEPS_X4  # the same for x4 layers
     tiny_max: int = 12        # P up to this: Triton `tiny`
     pairs_max: int = 96       # then up to this: Triton `pairs`
     large_from: int = 2048    # from this: Triton `large` (and no decode kernels); between: Triton `mid`
@@ -82,13 +92,15 @@ class Config:
     large: Grouped = Grouped(128, 128, 4, 8, 3, False)
     prefill: tuple[tuple[int, Prefill], ...] = PREFILL_STEPS  # (from P, block), ascending; () for none
 
-    def pick(self, P: int, mma_runs: bool = True, prefill_runs: bool = True) -> Pairs | Grouped | Mma | Prefill:
+    def pick(self, P: int, mma_runs: bool = True, prefill_runs: bool = True,
+             x4: bool = False) -> Pairs | Grouped | Mma | Prefill:
         """The kernels for P pairs; `mma_runs` / `prefill_runs`: whether the tensor-core decode / prefill
-        kernels run this layer here."""
+        kernels run this layer here; `x4`: whether its planes are in the x4 layout (`mma_x4`'s steps)."""
+        mma = self.mma_x4 if x4 else self.mma
         if prefill_runs and self.prefill and P >= self.prefill[0][0]:
             return _step(self.prefill, P)
-        if self.mma and mma_runs and P < self.large_from:
-            return _step(self.mma, P)
+        if mma and mma_runs and P < self.large_from:
+            return _step(mma, P)
         if P <= self.tiny_max:
             return self.tiny
         if P <= self.pairs_max:
@@ -99,12 +111,12 @@ class Config:
     def only(cls, block: Pairs | Grouped | Mma | Prefill) -> "Config":
         """Always these kernels and blocks (tests, sweeps); Prefill where it cannot run: Triton `large`."""
         if isinstance(block, Prefill):
-            return cls(mma=(), tiny_max=0, pairs_max=0, large_from=0, prefill=((0, block),))
+            return cls(mma=(), mma_x4=(), tiny_max=0, pairs_max=0, large_from=0, prefill=((0, block),))
         if isinstance(block, Mma):
-            return cls(mma=((0, block),), large_from=1 << 62, prefill=())
+            return cls(mma=((0, block),), mma_x4=((0, block),), large_from=1 << 62, prefill=())
         if isinstance(block, Pairs):
-            return cls(mma=(), tiny_max=0, pairs_max=1 << 62, pairs=block, prefill=())
-        return cls(mma=(), tiny_max=0, pairs_max=0, large_from=1 << 62, mid=block, prefill=())
+            return cls(mma=(), mma_x4=(), tiny_max=0, pairs_max=1 << 62, pairs=block, prefill=())
+        return cls(mma=(), mma_x4=(), tiny_max=0, pairs_max=0, large_from=1 << 62, mid=block, prefill=())
 
 
 DEFAULT = Config()
@@ -138,16 +150,16 @@ def fused_moe_cuda(x: torch.Tensor, planes: LayerPlanes, topk_weights: torch.Ten
     dev = x.device
     x = x.contiguous()
     P = T * top_k
-    c = config.pick(P)
+    c = config.pick(P, x4=planes.x4_layout)
     if isinstance(c, Prefill):
         if mma_prefill.supported(planes, x, P, c):
             return mma_moe.sum_slots(
                 mma_prefill.fused_moe_prefill(x, planes, topk_weights, topk_ids, swiglu_limit, c), x.dtype)
-        c = config.pick(P, prefill_runs=False)
+        c = config.pick(P, prefill_runs=False, x4=planes.x4_layout)
     if isinstance(c, Mma):
         if mma_moe.supported(planes, dev, c):
             return mma_moe.sum_slots(mma_moe.fused_moe_mma(x, planes, topk_weights, topk_ids, swiglu_limit, c),
-                                     x.dtype)
+                                     x.dtype, c.pdl)
         c = config.pick(P, mma_runs=False, prefill_runs=False)
     planes = planes.natural()  # the Triton kernels read the natural layout only
     ids = topk_ids.reshape(-1).to(torch.int32).contiguous()

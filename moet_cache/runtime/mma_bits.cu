@@ -106,6 +106,29 @@ DEV void tier_regs(u32 wb, u32 wd, u32 sc, u32& lo, u32& hi) {
   hi = bmul2(((large1 & big1) | (small1 & ~big1)) | (neg1 & 0x80008000u), sc);
 }
 
+// Ask the L2 for `bytes` (a multiple of 16, 16-byte aligned) from p, with no register and no completion
+// to wait for (sm_90 bulk prefetch; a no-op below): the CTA's whole tile is on its way from DRAM at once,
+// where the register loads keep only a chunk or two in flight.
+DEV void prefetch_l2(const void* p, u32 bytes) {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
+#endif
+}
+
+// Programmatic dependent launch (a kernel launched with it may start before the kernel ahead of it in
+// the stream ends): wait_prior blocks until that kernel's writes are visible; let_next_start lets the
+// next kernel's CTAs be scheduled. Both are no-ops in a kernel launched without it.
+DEV void wait_prior() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+DEV void let_next_start() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;");
+#endif
+}
+
 // The delta row of expert e: its index in delta_experts, or -1. The warp compares 32 entries a round,
 // the loads independent of each other (a binary search would chain five dependent loads before the
 // CTA's first weight load: measurable at decode, where every CTA is short).

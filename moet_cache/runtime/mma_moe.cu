@@ -257,6 +257,13 @@ moe_mma(const u16* __restrict__ xin, const int* __restrict__ topk_ids, const int
     wrow[r] = base + ((size_t)e * rows_e + row) * Kw;
     srow[r] = scale + ((size_t)e * rows_e + row) * sk;
   }
+  // lean blocks keep one chunk a warp in flight: the tile's planes and scales are asked of the L2 at
+  // once, so that the register loads wait on the L2 instead of DRAM (T = 16, x4: 296 against 320 us)
+  if (LEAN && part == 0 && lane == 0) {
+    const size_t row0 = (size_t)e * rows_e + (size_t)tile * N + n0;
+    prefetch_l2(base + row0 * Kw, 16u * Kw * 4u);
+    prefetch_l2(scale + row0 * sk, 16u * sk);
+  }
   // the first D chunks before anything else: they depend on e alone
   const int per = (Kw >> 4) / KS, cb = part * per, ce = cb + per;
   Chunk ch[D];
@@ -303,6 +310,8 @@ moe_mma(const u16* __restrict__ xin, const int* __restrict__ topk_ids, const int
   for (int t = 0; t < NT; ++t)
 #pragma unroll
     for (int c = 0; c < 4; ++c) acc[t][c] = 0.f;
+  let_next_start();  // launched dependent (Mma.pdl): the next kernel may start loading its weights
+  wait_prior();      // xin is the kernel ahead's output
 
   if (tr >= 0)
     k_loop<NT, D, E8, true, false>(acc, ch, wrow, drow, srow, tlo, thi, xrow, q, cb, ce);
@@ -377,6 +386,7 @@ DEV u16 to_f16(float v) {
 template <int OUT>
 __global__ void moe_sum(const float* __restrict__ part, void* __restrict__ out, int top_k, int H) {
   const int t = blockIdx.y, h = 4 * (blockIdx.x * blockDim.x + threadIdx.x);
+  wait_prior();  // part is the w2 kernel's output (a no-op unless launched dependent)
   if (h >= H) return;
   F4 s{0.f, 0.f, 0.f, 0.f};
   for (int k = 0; k < top_k; ++k) {

@@ -13,6 +13,7 @@ import torch
 
 from .align import align_pairs
 from .dequant import LayerPlanes
+from .kernel_launch import launch
 
 #: words (16 codes each) of a chunk, the unit of K a warp reads per row (mma_moe.cu); K per warp must be
 #: a multiple of it
@@ -33,6 +34,7 @@ class Mma:
     ks2: int
     direct: bool = False
     lean: bool = False
+    pdl: bool = False
 
     def __post_init__(self) -> None:
         if (self.direct or self.lean) and self.nt != 1:
@@ -119,7 +121,7 @@ class Operands:
 _SUM_OUT = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 
 
-def sum_slots(part: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def sum_slots(part: torch.Tensor, dtype: torch.dtype, dependent: bool = False) -> torch.Tensor:
     """[T, top_k, H] float32 per pair (weighted) -> [T, H] in `dtype`: one kernel (moe_sum) for the sum
     and the cast, where torch takes two (5 us of a 50 us decode layer)."""
     T, top_k, H = part.shape
@@ -127,8 +129,8 @@ def sum_slots(part: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return part.sum(1).to(dtype)
     y = torch.empty((T, H), dtype=dtype, device=part.device)
     with torch.cuda.device(part.device):
-        _kernel(f"moe_sum<{_SUM_OUT[dtype]}>", part.device.index)(
-            grid=((H // 4 + 127) // 128, T, 1), block=(128, 1, 1), args=[part.contiguous(), y, top_k, H])
+        launch(_kernel(f"moe_sum<{_SUM_OUT[dtype]}>", part.device.index), ((H // 4 + 127) // 128, T, 1),
+               (128, 1, 1), [part.contiguous(), y, top_k, H], dependent)
     return y
 
 
@@ -152,11 +154,11 @@ def fused_moe_mma(x: torch.Tensor, planes: LayerPlanes, topk_weights: torch.Tens
     with torch.cuda.device(dev):  # the compile loads into, and the launch uses, dev's context
         flags = f"{str(block.lean).lower()}, {str(planes.x4_layout).lower()}"
         k13 = _kernel(f"moe_mma<2, {block.nt}, {block.ks13}, {str(ops.e8m0[0]).lower()}, {flags}>", dev.index)
-        k13(grid=(grid_x, I // 16, 1), block=(64 * block.ks13, 1, 1),
-            args=[xin, ids, sorted_pairs, block_expert, *ops.layer_args(0), act,
-                  top_k, H, I, limit, int(swiglu_limit is not None), int(block.direct)])
+        launch(k13, (grid_x, I // 16, 1), (64 * block.ks13, 1, 1),
+               [xin, ids, sorted_pairs, block_expert, *ops.layer_args(0), act,
+                top_k, H, I, limit, int(swiglu_limit is not None), int(block.direct)], block.pdl)
         k2 = _kernel(f"moe_mma<1, {block.nt}, {block.ks2}, {str(ops.e8m0[1]).lower()}, {flags}>", dev.index)
-        k2(grid=(grid_x, H // 16, 1), block=(32 * block.ks2, 1, 1),
-           args=[act, ids, sorted_pairs, block_expert, *ops.layer_args(1), out,
-                 top_k, I, H, 0.0, 0, int(block.direct)])
+        launch(k2, (grid_x, H // 16, 1), (32 * block.ks2, 1, 1),
+               [act, ids, sorted_pairs, block_expert, *ops.layer_args(1), out,
+                top_k, I, H, 0.0, 0, int(block.direct)], block.pdl)
     return out.view(T, top_k, H)

@@ -69,9 +69,31 @@ def _move_bits(words: torch.Tensor, inverse: bool) -> torch.Tensor:
     return out
 
 
+def _relayout_gpu_(plane: torch.Tensor, experts: list[int], inverse: bool) -> None:
+    """_relayout_ by one kernel (x4_repack.cu) on a CUDA plane: no temporaries, about a copy's time."""
+    from .mma_moe import compiled
+    groups = _groups(inverse)
+    dev = plane.device
+    masks = torch.tensor([_as_i32(m) for m, _ in groups], dtype=torch.int32, device=dev)
+    shifts = torch.tensor([s for _, s in groups], dtype=torch.int32, device=dev)
+    idx = torch.tensor(experts, dtype=torch.int64, device=dev)
+    words = plane.view(torch.int32)
+    per_expert = words[0].numel()
+    with torch.cuda.device(dev):
+        compiled("x4_repack.cu", "x4_move_bits", dev.index)(
+            grid=(min(1024, (per_expert + 255) // 256), len(experts), 1), block=(256, 1, 1),
+            args=[words, idx, per_expert, masks, shifts, len(groups)])
+
+
 def _relayout_(plane: torch.Tensor, experts: list[int], inverse: bool) -> None:
     """Move `experts`' rows of uint8 plane [E, rows, K/4] to (inverse: back from) the x4 layout, in place,
-    a few experts' temporaries at a time."""
+    a few experts' temporaries at a time (on a GPU the plane kernels run on: one kernel)."""
+    from .mma_moe import runs_here
+    if not experts:
+        return
+    if runs_here(plane.device) and plane.is_contiguous():
+        _relayout_gpu_(plane, experts, inverse)
+        return
     words = plane.view(torch.int32)
     for i in range(0, len(experts), _EXPERTS_A_STEP):
         idx = torch.tensor(experts[i : i + _EXPERTS_A_STEP], dtype=torch.long, device=plane.device)
@@ -117,14 +139,14 @@ def scales_fit(tensors: dict[str, torch.Tensor]) -> bool:
 
 
 def kernels_take(tensors: dict[str, torch.Tensor]) -> bool:
-    """Whether the plane kernels run this layer on its device at every decode block (launch.MMA_STEPS):
+    """Whether the plane kernels run this layer on its device at every decode block (launch.MMA_STEPS_X4):
     an x4 layer the Triton kernels would have to read put back on every call (slow, and not in a CUDA
     graph), so it is repacked only where they never do."""
     from .dequant import LayerPlanes
-    from .launch import MMA_STEPS
+    from .launch import MMA_STEPS_X4
     from .mma_moe import supported
     planes = LayerPlanes.from_tensors(tensors)
-    return all(supported(planes, planes.w13_base.device, block) for _, block in MMA_STEPS)
+    return all(supported(planes, planes.w13_base.device, block) for _, block in MMA_STEPS_X4)
 
 
 def prepare_in_place(tensors: dict[str, torch.Tensor]) -> bool:
