@@ -36,7 +36,8 @@
 // Nsight Compute at T = 16), so more warps beat deeper loads: one token column is held to 80 registers
 // (6 CTAs of 128 threads an SM), which measured the same as 4 chunks at 128 registers at T = 1 and 4,
 // faster from T = 16 (353 against 358 us; T = 64: 862 against 897) and 18% faster with a 10% tier;
-// LEAN blocks go further (56 registers, one chunk, 9 CTAs an SM) for the mid regime (MIN_THREADS_SM).
+// LEAN blocks go further (56 registers, one chunk, 9 CTAs an SM) and ask the L2 for their whole tile at
+// the start (prefetch_l2), so that their one chunk waits on the L2, not DRAM (MIN_THREADS_SM).
 // The activation loads are volatile so ptxas does not hoist a whole chunk's worth of them (it took up
 // to 246 registers). A shared-memory ring filled by cp.async measured no faster (docs/RUNTIME.md).
 //

@@ -124,8 +124,10 @@ def test_a_table_of_the_other_form_is_a_mismatch(lossless: tuple[Path, Path], wo
     assert rc == 1 and doc["state"] == "corrupt", doc
     (p,) = doc["problems"]
     assert p["tensor"] == "w13_table" and "up_proj: x4 table" in p["detail"], p
-    cache = link_copy(ref, work / "cache")
+    cache = work / "fitted"
+    build_cache(src, cache, BuildOptions(delta_budget="30%", lossless=True, base_table="fitted"))
     doc = json.loads((cache / CACHE_MANIFEST).read_bytes())
+    assert "base_table" not in doc["build"]  # written for x4 caches only
     doc["build"]["base_table"] = "x4"
     rewrite_json(cache / CACHE_MANIFEST, doc)
     recommit(cache)
