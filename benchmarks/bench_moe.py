@@ -214,12 +214,16 @@ def sweep_configs(T: int, triton: bool) -> list:
     Triton pairs kernels up to T = 16 and the Triton grouped ones from T = 4."""
     from moet_cache.runtime.launch import Config, Grouped, Mma, Pairs, Prefill
     out = []
+    # the decode steps launch dependent (pdl); a plain launch of the first block shows what that buys
     if T <= 16:
-        out += [Config.only(Mma(*m)) for m in ((1, 2, 2, True), (1, 1, 1, True), (1, 4, 4, True), (1, 2, 1, True),
-                                               (1, 2, 2), (2, 2, 2))]
+        out += [Config.only(m) for m in (
+            Mma(1, 2, 2, direct=True), Mma(1, 2, 2, direct=True, pdl=True), Mma(1, 2, 2, direct=True, lean=True, pdl=True),
+            Mma(1, 1, 1, direct=True, pdl=True), Mma(1, 4, 4, direct=True, pdl=True), Mma(1, 2, 1, direct=True, pdl=True),
+            Mma(1, 2, 2), Mma(2, 2, 2))]
     elif T <= 256:
-        out += [Config.only(Mma(*m)) for m in ((1, 2, 2, True, True), (1, 2, 2, False, True), (1, 2, 2),
-                                               (2, 2, 2), (2, 4, 4), (4, 1, 1))]
+        out += [Config.only(m) for m in (
+            Mma(1, 2, 2, direct=True, lean=True), Mma(1, 2, 2, direct=True, lean=True, pdl=True),
+            Mma(1, 2, 2, lean=True, pdl=True), Mma(1, 2, 2), Mma(2, 2, 2), Mma(2, 4, 4), Mma(4, 1, 1))]
         out += [Config.only(Prefill(*b)) for b in ((2, 8, 4, True, 2), (4, 8, 4, True, 2))]
     else:
         out += [Config.only(Mma(*m)) for m in ((1, 2, 2), (4, 1, 1))]
@@ -283,11 +287,12 @@ def speed(args: argparse.Namespace) -> list[dict]:
         res: list[Result] = []
         if args.sweep:
             for cfg in sweep_configs(T, args.sweep_triton):
-                try:
-                    r = bench_planes(f"sweep {cfg}", none8, x, w, ids, cfg)
-                    print(f"  T={T} {r.us:9.1f} us {r.gbps:7.0f} GB/s  {cfg}", flush=True)
-                except Exception as e:  # noqa: BLE001
-                    print(f"  T={T} config failed {cfg}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+                for form, layer in (("fitted", none8), ("x4", x4_none8)):
+                    try:
+                        r = bench_planes(f"sweep {form} {cfg}", layer, x, w, ids, cfg)
+                        print(f"  T={T} {form:6s} {r.us:9.1f} us {r.gbps:7.0f} GB/s  {cfg}", flush=True)
+                    except Exception as e:  # noqa: BLE001
+                        print(f"  T={T} {form} config failed {cfg}: {type(e).__name__}: {str(e)[:200]}", flush=True)
         res.append(bench_planes("planes e8m0 base-only", none8, x, w, ids))
         res.append(bench_planes("planes e8m0 tier10%", planes8, x, w, ids))
         res.append(bench_planes("planes e4m3 base-only", none4, x, w, ids))
@@ -346,8 +351,8 @@ def fidelity(args: argparse.Namespace) -> list[dict]:
         counts = (pop * 100000).astype(int).tolist()
         profile.write_text(json.dumps({"format": "moet-cache-routing-profile", "format_version": 1,
                                        "layers": [{"layer": layer, "counts": counts}]}))
-        build_cache(src, Path(tmp) / "uni", BuildOptions(lossless=True, delta_budget="10%"))
-        build_cache(src, Path(tmp) / "wtd", BuildOptions(lossless=True, delta_budget="10%",
+        build_cache(src, Path(tmp) / "uni", BuildOptions(lossless=True, delta_budget="10%", base_table="fitted"))
+        build_cache(src, Path(tmp) / "wtd", BuildOptions(lossless=True, delta_budget="10%", base_table="fitted",
                                                          profile=str(profile)))
         build_cache(src, Path(tmp) / "x4", BuildOptions(lossless=True, delta_budget="10%", profile=str(profile),
                                                         base_table="x4"))
