@@ -110,6 +110,21 @@ def test_wrong_shapes_are_refused(lossless) -> None:
         load_into_model(model, PluginOptions(cache=str(lossless[1])))
 
 
+def test_a_reload_into_repacked_planes_is_refused(lossless) -> None:
+    """After the quant method's x4 repack (its parameters renamed w13_base_x4 / w2_base_x4), loading again
+    would put natural-layout planes where the kernels read the x4 layout: refused with what to do."""
+    model = _FakeModel(planes=True)
+    for layer in model.model.layers[1:]:
+        ex = layer.mlp.experts
+        for natural in ("w13_base", "w2_base"):
+            param = getattr(ex, natural)
+            delattr(ex, natural)
+            ex.register_parameter(natural + "_x4", param)
+    with pytest.raises(InputError, match="repacked for the x4 decode") as err:
+        load_into_model(model, PluginOptions(cache=str(lossless[1])))
+    assert "restart vLLM" in str(err.value.hint)
+
+
 def test_a_model_without_fused_moe_is_refused(lossless) -> None:
     with pytest.raises(InputError, match="no fused-MoE parameters"):
         load_into_model(nn.Linear(2, 2), PluginOptions(cache=str(lossless[1])))
