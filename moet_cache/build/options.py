@@ -105,7 +105,7 @@ class BuildOptions:
     """What a build writes (BuildTuning: how it uses the machine).
 
     base_table: the form of every base table (enums.BaseTable): x4, the default (a * X4_PATTERN, decoded
-      by the GPU with bit arithmetic: 4-14% faster decode at up to 16 tokens on an H200, for ~1.5% more
+      by the GPU with bit arithmetic: 5-16% faster decode at up to 16 tokens on an H200, for ~1.5% more
       per-weight base error), or fitted (the mean FP4 value of each base code: the smallest base error).
       Recorded in the cache manifest; a rerun with the other form rebuilds every layer, as a changed
       --lossless does.
