@@ -44,26 +44,25 @@ PREFILL_STEPS: tuple[tuple[int, Prefill], ...] = (
 )
 
 
-#: the decode blocks by the pairs they take over from (launch.Config.mma), below the prefill steps: H200,
-#: V4-Flash layer, one process (docs/RUNTIME.md). Every one launched dependent (`pdl`: T = 1: 42.9 us
-#: against 45.6). Direct blocks, each expert's decode shared by its pairs; lean blocks (more warps, one
-#: chunk in flight, the tile prefetched into the L2) from 60 pairs (T = 12: 246.5 against 251.8; T = 8:
-#: 194.6 against 194.4; T = 16: 339.7 against 348.0); sorted lean blocks from 224 pairs (session 8: T = 40:
-#: 724 against 749 direct; T = 32, direct: 522-535 against 573 sorted).
-MMA_STEPS: tuple[tuple[int, Mma], ...] = (
-    (0, Mma(1, 2, 2, direct=True, pdl=True)),
-    (60, Mma(1, 2, 2, direct=True, lean=True, pdl=True)),
-    (224, Mma(1, 2, 2, lean=True, pdl=True)),
-)
+def _decode_steps(lean_from: int) -> tuple[tuple[int, Mma], ...]:
+    """The decode blocks by the pairs they take over from (launch.Config.mma), below the prefill steps; the
+    two table forms differ only in where the lean blocks start. Every one launched dependent (`pdl`: T = 1:
+    42.9 us against 45.6). Direct blocks, each expert's decode shared by its pairs; lean blocks (more
+    warps, one chunk in flight, the tile prefetched into the L2) from `lean_from`; sorted lean blocks from
+    224 pairs (session 8: T = 40: 724 against 749 direct; T = 32, direct: 522-535 against 573 sorted)."""
+    return ((0, Mma(1, 2, 2, direct=True, pdl=True)),
+            (lean_from, Mma(1, 2, 2, direct=True, lean=True, pdl=True)),
+            (224, Mma(1, 2, 2, lean=True, pdl=True)))
 
-#: the same for x4 layers (x4_table.py), whose decode has half the ALU work and so gains from the lean
-#: blocks' prefetch sooner: lean from 24 pairs (T = 4: 102.3 against 104.7; T = 2: 66.3 against 65.7; T = 16:
-#: 293.7 against 317.8).
-MMA_STEPS_X4: tuple[tuple[int, Mma], ...] = (
-    (0, Mma(1, 2, 2, direct=True, pdl=True)),
-    (24, Mma(1, 2, 2, direct=True, lean=True, pdl=True)),
-    (224, Mma(1, 2, 2, lean=True, pdl=True)),
-)
+
+#: fitted tables: lean from 60 pairs (H200, V4-Flash layer, one process, docs/RUNTIME.md: T = 12: 246.5 us
+#: against 251.8; T = 8: 194.6 against 194.4; T = 16: 339.7 against 348.0)
+MMA_STEPS = _decode_steps(60)
+
+#: x4 layers (x4_table.py), whose decode has half the ALU work and so gains from the lean blocks' prefetch
+#: sooner: lean from 24 pairs (T = 4: 102.3 against 104.7; T = 2: 66.3 against 65.7; T = 16: 293.7 against
+#: 317.8)
+MMA_STEPS_X4 = _decode_steps(24)
 
 
 def _step(steps: tuple[tuple[int, Mma | Prefill], ...], P: int) -> Mma | Prefill:

@@ -106,6 +106,11 @@ def base_experts(num_experts: int, delta_experts: torch.Tensor) -> list[int]:
     return [e for e in range(num_experts) if e not in tier]
 
 
+def _base_experts_of(tensors: dict[str, torch.Tensor]) -> list[int]:
+    """base_experts of a layer's tensors (a layer loaded with delta="none" has no delta_experts)."""
+    return base_experts(tensors["w13_base"].shape[0], tensors.get("delta_experts", torch.empty(0, dtype=torch.long)))
+
+
 def to_x4(plane: torch.Tensor, experts: list[int]) -> torch.Tensor:
     """uint8 plane [E, rows, K/4] with the rows of `experts` in the x4 layout (a copy)."""
     out = plane.contiguous().clone()
@@ -156,8 +161,7 @@ def prepare_in_place(tensors: dict[str, torch.Tensor]) -> bool:
     whether it did; planes already under X4_NAMES (a second call) are left as they are."""
     if "w13_base" not in tensors or not (is_x4(tensors) and scales_fit(tensors) and kernels_take(tensors)):
         return False
-    b13 = tensors["w13_base"]
-    experts = base_experts(b13.shape[0], tensors.get("delta_experts", torch.empty(0, dtype=torch.long)))
+    experts = _base_experts_of(tensors)
     for natural in X4_NAMES:
         _relayout_(tensors[natural], experts, inverse=False)
     return True
@@ -169,9 +173,7 @@ def prepare(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     benchmarks (the vLLM method repacks its parameters in place, `prepare_in_place`)."""
     if not (is_x4(tensors) and scales_fit(tensors)):
         return tensors
-    E = tensors["w13_base"].shape[0]
-    tier = tensors.get("delta_experts", torch.empty(0, dtype=torch.long))
-    experts = base_experts(E, tier)
+    experts = _base_experts_of(tensors)
     out = {k: v for k, v in tensors.items() if k not in X4_NAMES}
     for natural, x4 in X4_NAMES.items():
         out[x4] = to_x4(tensors[natural], experts)
