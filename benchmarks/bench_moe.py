@@ -91,14 +91,14 @@ def plane_bytes_per_expert(t: dict[str, torch.Tensor]) -> int:
 
 
 def x4_layer(t: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], float]:
-    """t as built with --base-table x4 (each table a * (1, 4, -1, -4), a from its first entry), its base
-    experts' planes repacked as the vLLM method does at load; and the repack's time in ms."""
+    """t as built with --base-table x4 (each table a * (1, 4, -1, -4), a from its first entry), its planes
+    repacked (copies: t's stay as they are) as the vLLM method does at load; and the repack's time in ms."""
     from moet_cache.planes import X4_PATTERN
     from moet_cache.runtime.x4_table import X4_NAMES, prepare_in_place
 
     pattern = torch.as_tensor(X4_PATTERN, device=t["w13_table"].device)
     out = dict(t, w13_table=t["w13_table"][..., :1].abs() * pattern, w2_table=t["w2_table"][..., :1].abs() * pattern,
-               w13_base=t["w13_base"].clone(), w2_base=t["w2_base"].clone())
+               **{n: t[n].clone() for n in X4_NAMES if n in t})
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     assert prepare_in_place(out)

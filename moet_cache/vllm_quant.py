@@ -128,16 +128,19 @@ def quant_classes() -> tuple[type, type]:
             return FUSED_MOE_UNQUANTIZED_CONFIG  # activations stay as they come; the planes are ours
 
         def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
-            # The planes are used as loaded, except that a layer built with --base-table x4 has its base
-            # experts' planes repacked in place for the x4 decode on the GPU (docs/RUNTIME.md), and
-            # renamed so that what each name holds stays true.
+            # The planes are used as loaded, except that a layer built with --base-table x4 has its
+            # planes (base parameters, tier buffers) repacked in place for the x4 decode on the GPU
+            # (docs/RUNTIME.md), and renamed so that what each name holds stays true.
             from .runtime.x4_table import X4_NAMES, prepare_in_place
             if not prepare_in_place({n: getattr(layer, n) for n in layer.moet_tensor_names}):
                 return
-            for natural, x4 in X4_NAMES.items():
-                param = getattr(layer, natural)
+            for natural in set(X4_NAMES) & set(layer.moet_tensor_names):
+                is_param, tensor = natural in layer._parameters, getattr(layer, natural)
                 delattr(layer, natural)
-                layer.register_parameter(x4, param)
+                if is_param:
+                    layer.register_parameter(X4_NAMES[natural], tensor)
+                else:
+                    layer.register_buffer(X4_NAMES[natural], tensor, persistent=False)
             layer.moet_tensor_names = tuple(X4_NAMES.get(n, n) for n in layer.moet_tensor_names)
 
         def apply(self, layer: torch.nn.Module, x: torch.Tensor, topk_weights: torch.Tensor,

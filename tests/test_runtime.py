@@ -302,7 +302,7 @@ def test_config_picks_each_regime_by_pairs() -> None:
         assert DEFAULT.pick(starts[0] - 1, x4=x4) == Mma(1, 2, 2, lean=True, pdl=True)
         assert all(block.pdl for _, block in steps)
     # x4 layers take the lean blocks sooner (their decode has half the ALU work)
-    assert DEFAULT.pick(30, x4=True).lean and not DEFAULT.pick(30).lean
+    assert DEFAULT.pick(50, x4=True).lean and not DEFAULT.pick(50).lean
     for (start, block), nxt in zip(PREFILL_STEPS, starts[1:] + [1 << 40]):
         assert DEFAULT.pick(start) == block and DEFAULT.pick(nxt - 1) == block
     assert isinstance(DEFAULT.pick(starts[0], prefill_runs=False), Mma)

@@ -208,7 +208,7 @@ def x4_layer(request: pytest.FixtureRequest) -> dict[str, torch.Tensor]:
 def test_x4_layers_equal_reference(x4_layer: dict, T: int, config: Config) -> None:
     """Planes repacked for the x4 decode (x4_table.prepare) through every kernel family: the decode
     blocks (direct, lean, sorted), the prefill blocks, and Triton, which reads them put back; tier
-    experts (natural layout) routed beside the x4 ones."""
+    experts (their exact FP4 decode, x4_tier_reg) routed beside the base ones."""
     prepared = prepare(x4_layer)
     planes = LayerPlanes.from_tensors(prepared)
     assert planes.x4_layout
@@ -233,20 +233,34 @@ def test_x4_prepare_in_place_on_the_gpu(x4_layer: dict) -> None:
 
 
 def test_x4_repack_kernel_equals_the_torch_bit_moves(x4_layer: dict) -> None:
-    """The repack kernel (x4_repack.cu) moves the bits as the torch ops of the CPU path do, for the listed
-    experts only, and back."""
+    """The repack kernel (x4_repack.cu) moves the bits of base and delta planes as the torch ops of the CPU
+    path do, and back."""
     for name in X4_NAMES:
+        delta = name.endswith("_delta")
         plane = x4_layer[name]
-        experts = [0, 3, 200, 255]
         got = plane.clone()
-        x4_table._relayout_(got, experts, inverse=False)
-        want = plane.clone()
-        words, idx = want.view(torch.int32), torch.tensor(experts, device="cuda")
-        words[idx] = x4_table._move_bits(words[idx], inverse=False)
-        assert torch.equal(got, want)
-        assert torch.equal(got[1], plane[1]) and not torch.equal(got[0], plane[0])
-        x4_table._relayout_(got, experts, inverse=True)
+        x4_table._relayout_(got, delta, inverse=False)
+        want = x4_table._move_bits(plane.view(torch.int32), delta, inverse=False).view(torch.uint8)
+        assert torch.equal(got, want) and not torch.equal(got, plane)
+        x4_table._relayout_(got, delta, inverse=True)
         assert torch.equal(got, plane)
+
+
+@pytest.mark.parametrize("T,config", [(1, DEFAULT), (16, DEFAULT), (64, DEFAULT), (300, Config.only(Prefill())),
+                                      (300, Config.only(Prefill(16, 4, 2, True, 1)))])
+def test_x4_layer_with_every_expert_in_the_tier(x4_layer: dict, T: int, config: Config) -> None:
+    """Every expert on the x4 tier decode (x4_tier_reg: exact FP4 through bf16 subnormals, the scale x
+    2^118, the 2^8 in the epilogue), decode and prefill blocks. Codes 0.5 lost as flushed subnormals
+    would be about 6% error: far over the bound."""
+    full = dict(x4_layer, delta_experts=torch.arange(E, device="cuda"))
+    g = torch.Generator(device="cuda").manual_seed(40)
+    full["w13_delta"] = torch.randint(0, 256, (E, 2 * I, H // 4), generator=g, dtype=torch.uint8, device="cuda")
+    full["w2_delta"] = torch.randint(0, 256, (E, H, I // 4), generator=g, dtype=torch.uint8, device="cuda")
+    planes = LayerPlanes.from_tensors(prepare(full))
+    assert planes.x4_layout
+    x = torch.randn((T, H), generator=g, device="cuda").to(torch.bfloat16)
+    w, ids = _routing(T, 40 + T, all_hot=T >= 64)
+    _check(fused_moe_cuda(x, planes, w, ids, 7.0, config), _reference(x, full, w, ids, 7.0))
 
 
 @pytest.mark.parametrize("T,block", [(1, Mma(1, 2, 2, direct=True, pdl=True)),

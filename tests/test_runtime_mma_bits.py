@@ -6,6 +6,7 @@ GPU (tests/test_runtime_gpu.py); this proves the algebra they rest on in CI."""
 from __future__ import annotations
 
 import itertools
+import math
 import random
 
 import torch
@@ -145,7 +146,7 @@ def test_x4_regs_are_sign_and_x4_times_the_scale_for_every_code() -> None:
     rng = random.Random(9)
     words = [rng.getrandbits(32) for _ in range(300)] + [0, M32, 0x55555555, 0xAAAAAAAA]
     plane = torch.tensor([[[w - (1 << 32) if w >= 1 << 31 else w for w in words]]], dtype=torch.int32)
-    packed = to_x4(plane.view(torch.uint8), [0]).view(torch.int32).reshape(-1).tolist()
+    packed = to_x4(plane.view(torch.uint8)).view(torch.int32).reshape(-1).tolist()
     pattern = (1.0, 4.0, -1.0, -4.0)
     for byte, e8 in ((127, True), (1, True), (252, True), (120, True), (0x38, False), (0x7E, False), (0x03, False)):
         sreg = byte << 16 | 0x5A  # the byte in position 2 of its scale word
@@ -159,6 +160,50 @@ def test_x4_regs_are_sign_and_x4_times_the_scale_for_every_code() -> None:
                 assert reg == x4_reg_rt(r, rw & M32, sc)
                 for half, code in ((reg & 0xFFFF, j + 8 * h), (reg >> 16, j + 4 + 8 * h)):
                     assert bf16_value(half) == pattern[(w >> (2 * code)) & 3] * s, (r, code, byte)
+
+
+def x4_tier_reg(r: int, wb: int, wd: int, sc: int) -> int:
+    """mma_bits.cu x4_tier_consts + x4_tier_reg, op by op in 32 bits."""
+    k = r >> 1
+    mb, kb, mb2, md, s, dshift = ((0x81008100 >> r, 1 << (r & 1), M32, 0x00C000C0 >> (2 * k), 2 * k, 8 * (r & 1))
+                                  if r < 7 else (0x00030003, 0x104, 0x02040204, 0x00030003, 6, 8))
+    return bmul2((((((wb & mb) * kb) & M32 & mb2) | ((wd >> dshift) & md)) << s) & M32, sc)
+
+
+def x4_tier_scale(sc: int, e8: bool) -> int:
+    """mma_bits.cu x4_tier_scale."""
+    return (sc + 0x3B003B00) & M32 if e8 else bmul2(sc, 0x7A807A80)
+
+
+def test_x4_tier_regs_are_the_exact_fp4_values_for_every_code() -> None:
+    """A tier expert's base and delta words repacked by x4_table.to_x4 give, in register r = j + 4h, the
+    exact E2M1 values of the codes j + 8h (low half) and j + 4 + 8h (high half) x the block scale x 2^-8
+    (X4_TIER_POST), bit for bit: every code, -0 included, for e8m0 bytes from 3 to MAX_TIER_E8M0_BYTE and
+    e4m3 bytes from a subnormal to 448. The codes 0 and 0.5 pass through bf16 subnormals. (Bytes 0 to 2,
+    scales of 2^-125 and less, lose their small codes below bf16's subnormals.)"""
+    from moet_cache.runtime.x4_table import MAX_TIER_E8M0_BYTE, to_x4
+    rng = random.Random(11)
+    n = 200
+    wb = [rng.getrandbits(32) for _ in range(n)] + [0, M32, 0x55555555, 0xAAAAAAAA]
+    wd = [rng.getrandbits(32) for _ in range(n)] + [M32, 0, 0xAAAAAAAA, 0x55555555]
+
+    def packed(words: list[int], delta: bool) -> list[int]:
+        plane = torch.tensor([[[w - (1 << 32) if w >= 1 << 31 else w for w in words]]], dtype=torch.int32)
+        return [w & M32 for w in to_x4(plane.view(torch.uint8), delta).view(torch.int32).reshape(-1).tolist()]
+
+    pb, pd = packed(wb, False), packed(wd, True)
+    for byte, e8 in ((3, True), (4, True), (100, True), (127, True), (MAX_TIER_E8M0_BYTE, True),
+                     (0x01, False), (0x03, False), (0x38, False), (0x7E, False), (0x35, False)):
+        scale = 2.0 ** (byte - 127) if e8 else float(torch.tensor([byte], dtype=torch.uint8).view(torch.float8_e4m3fn))
+        sc = x4_tier_scale(scale_pair(byte, e8), e8)
+        for b, d, rb, rd in zip(wb, wd, pb, pd):
+            for r in range(8):
+                j, h = r & 3, r >> 2
+                reg = x4_tier_reg(r, rb, rd, sc)
+                for half, code in ((reg & 0xFFFF, j + 8 * h), (reg >> 16, j + 4 + 8 * h)):
+                    c = ((b >> (2 * code)) & 3) << 2 | ((d >> (2 * code)) & 3)
+                    got, want = bf16_value(half) * 256.0, E2M1[c] * scale
+                    assert got == want and math.copysign(1, got) == math.copysign(1, want), (byte, r, c)
 
 
 def test_chunk_fragments_give_w_times_x() -> None:
@@ -323,9 +368,10 @@ def test_prefill_act_columns_are_the_k_permutation() -> None:
 
 
 def test_prefill_e4m3_scale_times_2p120_is_the_scale() -> None:
-    """mma_prefill.cu e4m3_pair_lo: the e4m3 byte's bits moved into bf16's places give value x 2^-120
+    """mma_bits.cu e4m3_pair_lo: the e4m3 byte's bits moved into bf16's places give value x 2^-120
     (subnormal scales included); the tables carry 2^120, so table x scale is the same bf16 as with
-    scale_pair, and the tier's scale (x 2^120 back) is scale_pair's exactly."""
+    scale_pair, and e4m3_pair (x 2^120 back: the tier's and the x4 kernels' scale) is scale_pair's
+    exactly."""
     two120 = 0x7B807B80
     assert bf16_value(two120 & 0xFFFF) == 2.0 ** 120
     table = [0.8125, 3.25, -0.75, -3.5, 5.9, -0.0078125]

@@ -11,8 +11,8 @@ from moet_cache.planes import X4_PATTERN
 from moet_cache.runtime import fused_moe
 from moet_cache.runtime.dequant import LayerPlanes, unpack_plane
 from moet_cache.runtime.synthetic_layer import random_layer
-from moet_cache.runtime.x4_table import (X4_NAMES, base_experts, bit_moves, is_x4, prepare, prepare_in_place,
-                                         scales_fit, to_natural, to_x4)
+from moet_cache.runtime.x4_table import (MAX_TIER_E8M0_BYTE, X4_NAMES, bit_moves, delta_bit_moves, is_x4, prepare,
+                                         prepare_in_place, scales_fit, to_natural, to_x4)
 
 E, H, I = 8, 64, 32
 
@@ -32,21 +32,23 @@ def layer(request: pytest.FixtureRequest) -> dict[str, torch.Tensor]:
     return x4_tables(random_layer(E, H, I, n_tier=3, e8m0=request.param == "e8m0", device="cpu", seed=4))
 
 
-def test_bit_moves_are_a_permutation_of_the_word() -> None:
-    src, dst = zip(*bit_moves())
+@pytest.mark.parametrize("moves", [bit_moves, delta_bit_moves])
+def test_bit_moves_are_a_permutation_of_the_word(moves) -> None:
+    src, dst = zip(*moves())
     assert sorted(src) == sorted(dst) == list(range(32))
 
 
-def test_to_x4_round_trips_and_leaves_other_experts_alone() -> None:
+@pytest.mark.parametrize("delta", [False, True])
+def test_to_x4_round_trips_every_expert(delta: bool) -> None:
     plane = torch.randint(0, 256, (5, 6, 16), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
-    packed = to_x4(plane, [0, 2, 3])
-    assert torch.equal(packed[[1, 4]], plane[[1, 4]])
-    assert not torch.equal(packed[0], plane[0])
-    assert torch.equal(to_natural(packed, [0, 2, 3]), plane)
-    # every code's two bits went where bit_moves says, word by word
-    w, pw = plane.view(torch.int32)[0].reshape(-1).tolist(), packed.view(torch.int32)[0].reshape(-1).tolist()
+    packed = to_x4(plane, delta)
+    assert all(not torch.equal(packed[e], plane[e]) for e in range(5))
+    assert torch.equal(to_natural(packed, delta), plane)
+    assert not torch.equal(to_x4(plane, not delta), packed)  # the two layouts differ
+    # every code's two bits went where the moves say, word by word
+    w, pw = plane.view(torch.int32)[3].reshape(-1).tolist(), packed.view(torch.int32)[3].reshape(-1).tolist()
     for a, b in zip(w, pw):
-        for s, d in bit_moves():
+        for s, d in (delta_bit_moves() if delta else bit_moves()):
             assert (a >> s) & 1 == (b >> d) & 1
 
 
@@ -62,13 +64,19 @@ def test_prepare_leaves_fitted_layers_and_moves_x4_ones(layer: dict) -> None:
     assert not is_x4(fitted) and prepare(fitted) is fitted
     prepared = prepare(layer)
     assert set(prepared) == (set(layer) - set(X4_NAMES)) | set(X4_NAMES.values())
-    tier = layer["delta_experts"].tolist()
-    for natural, x4 in X4_NAMES.items():
-        assert torch.equal(prepared[x4][tier], layer[natural][tier])  # tier experts keep their layout
-        assert torch.equal(to_natural(prepared[x4], base_experts(E, layer["delta_experts"])), layer[natural])
+    for natural, x4 in X4_NAMES.items():  # every expert's base plane, every tier row's delta plane
+        delta = natural.endswith("_delta")
+        assert torch.equal(prepared[x4], to_x4(layer[natural], delta))
+        assert torch.equal(to_natural(prepared[x4], delta), layer[natural])
     planes = LayerPlanes.from_tensors(prepared)
     assert planes.x4_layout and not LayerPlanes.from_tensors(layer).x4_layout
-    assert torch.equal(planes.natural().w13_base, layer["w13_base"])
+    natural = planes.natural()
+    for name in ("w13_base", "w2_base", "w13_delta", "w2_delta"):
+        assert torch.equal(getattr(natural, name), layer[name])
+    # a layer loaded with delta="none" has base planes only
+    base_only = {k: v for k, v in layer.items() if k not in ("w13_delta", "w2_delta", "delta_experts")}
+    assert set(prepare(base_only)) == (set(base_only) - {"w13_base", "w2_base"}) | {"w13_base_x4", "w2_base_x4"}
+    assert LayerPlanes.from_tensors(prepare(base_only)).delta_experts.numel() == 0
 
 
 def test_prepared_layer_computes_the_same_on_the_reference(layer: dict) -> None:
@@ -94,6 +102,18 @@ def test_scales_too_large_for_x4_keep_the_natural_layout() -> None:
     big[0, 0, 0] = 253  # 2^126: x4 would overflow bf16's exponent
     t["w2_weight_scale"] = big.view(torch.float8_e8m0fnu)
     assert not scales_fit(t) and prepare(t) is t
+
+
+def test_a_tier_expert_takes_smaller_scales_than_a_base_one(layer: dict) -> None:
+    """A tier expert's scale x 2^118 must stay a finite bf16 (mma_bits.cu x4_tier_scale): 2^9 at most."""
+    if layer["w13_weight_scale"].dtype != torch.float8_e8m0fnu:
+        assert scales_fit(layer)  # e4m3 tops out at 448
+        return
+    tier, base = int(layer["delta_experts"][0]), min(set(range(E)) - set(layer["delta_experts"].tolist()))
+    for expert, fits in ((base, True), (tier, True), (tier, False)):
+        s = layer["w13_weight_scale"].view(torch.uint8).clone()
+        s[expert, 1, 0] = MAX_TIER_E8M0_BYTE + (0 if fits and expert == tier else 1)
+        assert scales_fit(dict(layer, w13_weight_scale=s.view(torch.float8_e8m0fnu))) == fits
 
 
 def test_prepare_in_place_only_where_the_kernels_run(layer: dict, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -173,6 +173,9 @@ def test_an_x4_cache_is_repacked_after_loading_and_computes_the_same(ckpt_modelo
     params = dict(experts.named_parameters(recurse=False))
     assert "w13_base_x4" in params and "w2_base_x4" in params and "w13_base" not in params
     assert "w13_base_x4" in experts.moet_tensor_names and not torch.equal(experts.w13_base_x4, natural)
+    buffers = dict(experts.named_buffers(recurse=False))  # the tier's delta planes, repacked too
+    assert {"w13_delta_x4", "w2_delta_x4"} <= set(buffers) and "w13_delta" not in buffers
+    assert {"w13_delta_x4", "w2_delta_x4"} <= set(experts.moet_tensor_names)
     out = experts.quant_method.apply(experts, x, w, ids, None, None)
     assert torch.equal(out, before) and torch.equal(out, fused_moe(x, want, w, ids, swiglu_limit=LIMIT))
 

@@ -53,7 +53,7 @@ class LayerPlanes:
     w13_delta: torch.Tensor         # uint8 [n, 2I, H/4]
     w2_delta: torch.Tensor          # uint8 [n, H, I/4]
     delta_experts: torch.Tensor     # int64 [n]
-    x4_layout: bool = False         # the base experts' planes repacked for the x4 decode (x4_table.py)
+    x4_layout: bool = False         # the planes repacked for the x4 decode (x4_table.py)
 
     @property
     def num_experts(self) -> int:
@@ -71,7 +71,8 @@ class LayerPlanes:
     def from_tensors(cls, t: dict[str, torch.Tensor]) -> "LayerPlanes":
         """Check names, shapes and dtypes; a layer loaded with delta="none" gets an empty tier."""
         x4 = "w13_base_x4" in t  # prepared by x4_table.prepare: the same planes, bits moved
-        base_names = ("w13_base_x4", "w2_base_x4") if x4 else ("w13_base", "w2_base")
+        suffix = "_x4" if x4 else ""
+        base_names = ("w13_base" + suffix, "w2_base" + suffix)
         missing = [n for n in (*base_names, "w13_weight_scale", "w2_weight_scale",
                                "w13_weight_scale_2", "w2_weight_scale_2", "w13_table", "w2_table")
                    if n not in t]
@@ -86,7 +87,7 @@ class LayerPlanes:
                              "[E, 2I, H/4] and [E, H, I/4] uint8")
         dev = b13.device
         if "delta_experts" in t:
-            d13, d2, idx = t["w13_delta"], t["w2_delta"], t["delta_experts"]
+            d13, d2, idx = t["w13_delta" + suffix], t["w2_delta" + suffix], t["delta_experts"]
         else:
             d13 = torch.empty((0, two_i, h4), dtype=torch.uint8, device=dev)
             d2 = torch.empty((0, H, I // 4), dtype=torch.uint8, device=dev)
@@ -112,10 +113,10 @@ class LayerPlanes:
         expert at a time)."""
         if not self.x4_layout:
             return self
-        from .x4_table import base_experts, to_natural
-        experts = base_experts(self.num_experts, self.delta_experts)
-        return replace(self, w13_base=to_natural(self.w13_base, experts),
-                       w2_base=to_natural(self.w2_base, experts), x4_layout=False)
+        from .x4_table import to_natural
+        return replace(self, w13_base=to_natural(self.w13_base), w2_base=to_natural(self.w2_base),
+                       w13_delta=to_natural(self.w13_delta, delta=True),
+                       w2_delta=to_natural(self.w2_delta, delta=True), x4_layout=False)
 
     def tier_rows(self) -> dict[int, int]:
         """expert -> its row in the tier planes."""
@@ -131,19 +132,25 @@ def _values(base: torch.Tensor, delta: torch.Tensor | None, table: torch.Tensor)
     return torch.gather(table, 1, codes)
 
 
+def _natural_row(plane: torch.Tensor, i: int, x4: bool, delta: bool) -> torch.Tensor:
+    """Row i of a plane [n, rows, K/4] in the natural layout (`x4`: put back, this row only)."""
+    if not x4:
+        return plane[i]
+    from .x4_table import to_natural
+    return to_natural(plane[i : i + 1], delta)[0]
+
+
 def dequant_expert(planes: LayerPlanes, expert: int, tier_row: int | None) -> tuple[torch.Tensor, torch.Tensor]:
     """float32 (w13 [2I, H], w2 [H, I]) of one expert: its FP4 codes when tier_row is given, else its tables."""
     I, H = planes.inter, planes.hidden
-    b13, b2 = planes.w13_base[expert : expert + 1], planes.w2_base[expert : expert + 1]
-    if planes.x4_layout and expert not in planes.tier_rows():  # this expert's rows only, put back
-        from .x4_table import to_natural
-        b13, b2 = to_natural(b13, [0]), to_natural(b2, [0])
-    d13 = planes.w13_delta[tier_row] if tier_row is not None else None
-    d2 = planes.w2_delta[tier_row] if tier_row is not None else None
+    b13, b2 = (_natural_row(p, expert, planes.x4_layout, False) for p in (planes.w13_base, planes.w2_base))
+    d13 = d2 = None
+    if tier_row is not None:
+        d13, d2 = (_natural_row(p, tier_row, planes.x4_layout, True) for p in (planes.w13_delta, planes.w2_delta))
     t13 = planes.w13_table[expert]  # [2, 4]: gate rows take row 0, up rows row 1
     row_table = t13.repeat_interleave(I, dim=0)  # [2I, 4]
-    v13 = _values(b13[0], d13, row_table)
-    v2 = _values(b2[0], d2, planes.w2_table[expert].expand(H, 4))
+    v13 = _values(b13, d13, row_table)
+    v2 = _values(b2, d2, planes.w2_table[expert].expand(H, 4))
     s2_13 = planes.w13_scale_2[expert].repeat_interleave(I).unsqueeze(1)  # [2I, 1]
     w13 = v13 * expand_block_scale(planes.w13_scale[expert], H) * s2_13
     w2 = v2 * expand_block_scale(planes.w2_scale[expert], I) * planes.w2_scale_2[expert]

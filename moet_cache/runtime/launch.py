@@ -60,9 +60,10 @@ def _decode_steps(lean_from: int) -> tuple[tuple[int, Mma], ...]:
 MMA_STEPS = _decode_steps(60)
 
 #: x4 layers (x4_table.py), whose decode has half the ALU work and so gains from the lean blocks' prefetch
-#: sooner: lean from 24 pairs (T = 4: 102.3 against 104.7; T = 2: 66.3 against 65.7; T = 16: 293.7 against
-#: 317.8)
-MMA_STEPS_X4 = _decode_steps(24)
+#: sooner: lean from 48 pairs (session 11, the direct kernel's spill gone and the tier's decode cut: T = 4
+#: 101.2 against 102.8 direct, 109.2 against 113.6 with a 10% tier; T = 6: 138.3 against 139.4; T = 8:
+#: lean 172.6 against 174.5; T = 16: 293.7 against 317.8, session 10)
+MMA_STEPS_X4 = _decode_steps(48)
 
 
 def _step(steps: tuple[tuple[int, Mma | Prefill], ...], P: int) -> Mma | Prefill:

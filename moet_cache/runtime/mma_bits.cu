@@ -66,6 +66,21 @@ DEV void base_regs(u32 ws, u32 tlo, u32 thi, u32& lo, u32& hi) {
   hi = prmt(tlo, thi, sel >> 16);
 }
 
+// e4m3 scale byte -> a bf16 pair of its value x 2^-120: the byte's exponent and mantissa bits moved into
+// bf16's places (bias 127 where e4m3 has 7: the 2^-120); e = 0 lands on a bf16 subnormal of the same
+// m / 8 x 2^-126, so subnormal scales stay exact. Four integer ops where scale_pair<false> takes about
+// ten; the tables are pre-multiplied by 2^120 (exact), so table x scale rounds as with the true scale
+// (mma_prefill.cu).
+DEV u32 e4m3_pair_lo(u32 sreg, int byte) {
+  const u32 x = prmt(sreg, 0u, 0x4040u | ((byte & 3) << 8) | (byte & 3));  // the byte at bits 0 and 16
+  return ((x << 4) & 0x07F007F0u) | ((x << 8) & 0x80008000u);
+}
+#define BF16X2_2P120 0x7B807B80u  // 2^120 in both halves
+
+// An e4m3 scale byte of sreg as its true value's bf16 pair, exactly (subnormal scales too, through a bf16
+// subnormal): e4m3_pair_lo times 2^120, five ops where scale_pair<false> takes about ten (the x4 kernels).
+DEV u32 e4m3_pair(u32 sreg, int byte) { return bmul2(e4m3_pair_lo(sreg, byte), BF16X2_2P120); }
+
 // x4 base decode (a layer whose tables are all a x (1, 4, -1, -4): x4_table.py has the layout and the
 // why): register r (0..7) of a repacked word -> the bf16 pair s x {1, 4} x scale, sc being the block
 // scale's bf16 bits in both halves (a is applied in the fp32 epilogue). r < 7: the mask, then one IMAD
@@ -87,6 +102,34 @@ DEV X4Consts x4_consts(int r) {
                : X4Consts{0x00030003u, 0x4100u, 0x81008100u, 0x01000001u};
 }
 DEV u32 x4_reg_rt(const X4Consts& c, u32 w, u32 sc) { return ((w & c.m1) * c.k1 & c.m2) * c.k2 + sc; }
+
+// x4 tier decode (a tier expert of an x4 layer, its base and delta planes both repacked: x4_table.py):
+// register r's bf16 pair of exact FP4 values x 2^-8, from its base word wb, its delta word wd and sc, the
+// block scale x 2^118 (x4_tier_scale). With k = r >> 1: the base bits moved by r & 1 (r = 7: from bits
+// 0, 1, by a multiply and a mask) and the delta bits (of wd >> 8 for odd r) ORed in put s, e1, e0, m at
+// bits 15 - 2k, 8 - 2k, 7 - 2k, 6 - 2k; shifted by 2k they are the code's value E2M1 x 2^-126 (bf16
+// subnormals for the codes 0 and 0.5), and the multiply by sc is exact. Three to five integer ops a
+// register where tier_regs takes about ten. The constants of an r known at compile time (mma_moe.cu)
+// fold into the instructions; mma_prefill.cu keeps them in registers (r = q, q + 4).
+struct X4Tier {
+  u32 mb, kb, mb2, md;
+  int s, dshift;
+};
+DEV X4Tier x4_tier_consts(int r) {
+  return r < 7 ? X4Tier{0x81008100u >> r, 1u << (r & 1), 0xFFFFFFFFu, 0x00C000C0u >> (2 * (r >> 1)), 2 * (r >> 1), 8 * (r & 1)}
+               : X4Tier{0x00030003u, 0x104u, 0x02040204u, 0x00030003u, 6, 8};
+}
+DEV u32 x4_tier_reg(const X4Tier& c, u32 wb, u32 wd, u32 sc) {
+  return bmul2(((((wb & c.mb) * c.kb) & c.mb2) | ((wd >> c.dshift) & c.md)) << c.s, sc);
+}
+
+// A tier expert's block scale in an x4 layer as x4_tier_reg's sc, from the true scale's bf16 pair: its
+// value x 2^118, so the weights come out x 2^-8 (X4_TIER_POST in the epilogue puts it back). e8m0: 118
+// added to the exponent, exact for the bytes 3 to x4_table.MAX_TIER_E8M0_BYTE (at 2^-125 and below, the
+// weights x 2^-8 fall under bf16's subnormals); e4m3 (448 at most, 2^-9 at least): one bf16 multiply.
+template <bool E8>
+DEV u32 x4_tier_scale(u32 sc) { return E8 ? sc + 0x3B003B00u : bmul2(sc, 0x7A807A80u); }
+#define X4_TIER_POST 256.f
 
 // An e8m0 scale byte of sreg as x4_reg's sc: the byte into both halves by PRMT, then one shift (with the
 // multiply of scale_pair, ptxas folds the multiply into every x4_reg IMAD and splits the shift out).

@@ -23,10 +23,11 @@
 // Base code -> bf16 table value, two codes per op: the row's 4-entry table, pre-multiplied by the
 // block scale (bf16x2 multiply, once per row and scale group), sits in two registers (8 bytes); PRMT
 // picks bytes 2c and 2c + 1 for each code, and the selector is one IMAD: m * 0x22 + 0x1010.
-// X4 (a layer built with --base-table x4, its base experts' planes repacked at load: x4_table.py): no
-// table; x4_reg makes each register from its repacked word with one LOP3 and one IMAD (mma_bits.cu), and
-// the epilogue multiplies by the tables' factor a.
-// Tier code (base << 2 | delta) -> exact E2M1: two PRMTs into the tables {0, .5, 1, 1.5} and
+// X4 (a layer built with --base-table x4, its planes repacked at load: x4_table.py): no table; x4_reg
+// makes each register from its repacked word with one LOP3 and one IMAD (mma_bits.cu), and the epilogue
+// multiplies by the tables' factor a. A tier expert's registers take x4_tier_reg (its base and delta
+// words, a few integer ops and one bf16 multiply), and the epilogue the 2^8 it leaves out.
+// Tier code (base << 2 | delta) -> exact E2M1 (natural layout: fitted-table layers): two PRMTs into the tables {0, .5, 1, 1.5} and
 // {2, 3, 4, 6} by the delta bits, a select by the base's low bit and the sign from its high bit
 // (PRMT sign-replicate mode), then the block scale (exact: E2M1 x power of two or e4m3).
 //
@@ -77,15 +78,20 @@ DEV U4 load_x(const u16* p) {
   return v;
 }
 
-template <bool E8>
-DEV void load_chunk(Chunk& ch, const u32* const (&wrow)[2], const u8* const (&srow)[2], int c, int q) {
+// ONE_ROW (x4 kernels): row g + 8 addressed from row g's pointers (Kw words a row), four registers fewer
+// held through the K loop: otherwise the 80-register direct kernel, whose tier loop needs more, spills
+// the refilled chunk's scales in its base loop, each store waiting for its load (T = 1-2 4-6% slower).
+template <bool E8, bool ONE_ROW>
+DEV void load_chunk(Chunk& ch, const u32* const (&wrow)[2], const u8* const (&srow)[2], int c, int q, int Kw) {
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    ch.w[r] = load_words(wrow[r] + 16 * c + 4 * q);
+    const u32* w = ONE_ROW ? wrow[0] + (size_t)(8 * r) * Kw : wrow[r];
+    const u8* s = ONE_ROW ? srow[0] + (size_t)(8 * r) * (E8 ? Kw >> 1 : Kw) : srow[r];
+    ch.w[r] = load_words(w + 16 * c + 4 * q);
     if (E8)
-      ch.s[r] = __ldg(reinterpret_cast<const u16*>(srow[r] + 8 * c + 2 * q));
+      ch.s[r] = __ldg(reinterpret_cast<const u16*>(s + 8 * c + 2 * q));
     else
-      ch.s[r] = __ldg(reinterpret_cast<const u32*>(srow[r] + 16 * c + 4 * q));
+      ch.s[r] = __ldg(reinterpret_cast<const u32*>(s + 16 * c + 4 * q));
   }
 }
 
@@ -104,7 +110,9 @@ DEV void compute_chunk(float (&acc)[NT][4], const Chunk& ch, const U4 (&dl)[2], 
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         int byte = E8 ? (i >> 1) : i;
-        sc[r] = X4 && E8 ? x4_scale_e8(ch.s[r], byte) : scale_pair<E8>(prmt(ch.s[r], 0u, 0x4440u | byte));
+        sc[r] = !X4 ? scale_pair<E8>(prmt(ch.s[r], 0u, 0x4440u | byte))
+                : E8 ? x4_scale_e8(ch.s[r], byte) : e4m3_pair(ch.s[r], byte);
+        if (TIER && X4) sc[r] = x4_tier_scale<E8>(sc[r]);
         if (!TIER && !X4) {
           tl[r] = bmul2(tlo, sc[r]);
           th[r] = bmul2(thi, sc[r]);
@@ -125,7 +133,13 @@ DEV void compute_chunk(float (&acc)[NT][4], const Chunk& ch, const U4 (&dl)[2], 
     for (int j = 0; j < 4; ++j) {
       // row g gives a0 (codes j, j + 4) and a2 (j + 8, j + 12); row g + 8 gives a1 and a3
       u32 a0, a1, a2, a3;
-      if (TIER) {
+      if (TIER && X4) {
+        const X4Tier lo = x4_tier_consts(j), hi = x4_tier_consts(j + 4);
+        a0 = x4_tier_reg(lo, wg, word_of(dl[0], i), sc[0]);
+        a2 = x4_tier_reg(hi, wg, word_of(dl[0], i), sc[0]);
+        a1 = x4_tier_reg(lo, wh, word_of(dl[1], i), sc[1]);
+        a3 = x4_tier_reg(hi, wh, word_of(dl[1], i), sc[1]);
+      } else if (TIER) {
         tier_regs(wg >> (2 * j), word_of(dl[0], i) >> (2 * j), sc[0], a0, a2);
         tier_regs(wh >> (2 * j), word_of(dl[1], i) >> (2 * j), sc[1], a1, a3);
       } else if (X4) {
@@ -153,7 +167,7 @@ DEV void compute_chunk(float (&acc)[NT][4], const Chunk& ch, const U4 (&dl)[2], 
 template <int NT, int D, bool E8, bool TIER, bool X4>
 DEV void k_loop(float (&acc)[NT][4], Chunk (&ch)[D], const u32* const (&wrow)[2],
                 const u32* const (&drow)[2], const u8* const (&srow)[2], u32 tlo, u32 thi,
-                const u16* const (&xrow)[NT], int q, int cb, int ce) {
+                const u16* const (&xrow)[NT], int q, int cb, int ce, int Kw) {
   U4 dl[D][2], xa[NT], xb[NT];
 #pragma unroll
   for (int t = 0; t < NT; ++t) xa[t] = xb[t] = U4{0u, 0u, 0u, 0u};
@@ -172,7 +186,7 @@ DEV void k_loop(float (&acc)[NT][4], Chunk (&ch)[D], const u32* const (&wrow)[2]
       if (c < ce) {
         compute_chunk<NT, E8, TIER, X4>(acc, ch[d], dl[d], tlo, thi, xrow, xa, xb, q, c);
         if (c + D < ce) {
-          load_chunk<E8>(ch[d], wrow, srow, c + D, q);
+          load_chunk<E8, X4>(ch[d], wrow, srow, c + D, q, Kw);
           if (TIER) {
 #pragma unroll
             for (int r = 0; r < 2; ++r) dl[d][r] = load_words(drow[r] + 16 * (c + D) + 4 * q);
@@ -270,7 +284,7 @@ moe_mma(const u16* __restrict__ xin, const int* __restrict__ topk_ids, const int
   Chunk ch[D];
 #pragma unroll
   for (int d = 0; d < D; ++d)
-    if (cb + d < ce) load_chunk<E8>(ch[d], wrow, srow, cb + d, q);
+    if (cb + d < ce) load_chunk<E8, X4>(ch[d], wrow, srow, cb + d, q, Kw);
   // a direct block's group, once its first loads are on their way (they depend on e alone), kept in
   // shared memory (each warp its own copy) so that no register holds it through the K loop
   __shared__ int group[W][BM];
@@ -298,7 +312,9 @@ moe_mma(const u16* __restrict__ xin, const int* __restrict__ topk_ids, const int
   // x4 base experts: the tables' factor a (gate, up / down), which the decode leaves out for the
   // epilogue; loaded here so that the loads are long done by then
   const float* tx = table + (size_t)e * TILES * 4;
-  const float a_first = X4 && tr < 0 ? tx[0] : 1.f, a_last = X4 && tr < 0 ? tx[4 * (TILES - 1)] : 1.f;
+  // (tier experts: the 2^8 that x4_tier_reg leaves out)
+  const float a_first = X4 ? (tr < 0 ? tx[0] : X4_TIER_POST) : 1.f,
+              a_last = X4 ? (tr < 0 ? tx[4 * (TILES - 1)] : X4_TIER_POST) : 1.f;
   const u16* xrow[NT];
 #pragma unroll
   for (int t = 0; t < NT; ++t) {
@@ -315,9 +331,9 @@ moe_mma(const u16* __restrict__ xin, const int* __restrict__ topk_ids, const int
   wait_prior();      // xin is the kernel ahead's output
 
   if (tr >= 0)
-    k_loop<NT, D, E8, true, false>(acc, ch, wrow, drow, srow, tlo, thi, xrow, q, cb, ce);
+    k_loop<NT, D, E8, true, X4>(acc, ch, wrow, drow, srow, tlo, thi, xrow, q, cb, ce, Kw);
   else
-    k_loop<NT, D, E8, false, X4>(acc, ch, wrow, drow, srow, tlo, thi, xrow, q, cb, ce);
+    k_loop<NT, D, E8, false, X4>(acc, ch, wrow, drow, srow, tlo, thi, xrow, q, cb, ce, Kw);
 
   // every tile's parts summed into warp 0
   float sum[TILES][NT][4];

@@ -3,8 +3,9 @@
 // Compiled at first use by NVRTC (mma_prefill.py), after mma_bits.cu (prmt, base_regs, tier_regs,
 // scale_pair, mma, word_of, tier_row_of).
 //
-// X4: base experts repacked for the x4 table (x4_table.py), decoded by x4_reg with the register index
-// (q, q + 4) known at run time (x4_reg_rt), the true block scale (no 2^-120: no table carries it).
+// X4: planes repacked for the x4 table (x4_table.py), base experts decoded by x4_reg with the register
+// index (q, q + 4) known at run time (x4_reg_rt), tier experts by x4_tier_reg, the true block scale (no
+// 2^-120: no table carries it).
 // Roles as in mma_moe.cu: the weights are mma's A operand (16 rows x 16 k: one int32 word of 16 codes
 // of each row, decoded in registers by PRMT), the pairs its B operand (8 pairs an n-tile). The K order
 // is this file's own (not mma_moe.cu's chunk order): inside each word, mma column 2q + s + 8h stands
@@ -73,15 +74,6 @@ struct PrefillShape {
   static constexpr int XC = BM * 16 / R;        // x chunks a thread copies a stage
 };
 
-// e4m3 scale byte -> a bf16 pair of its value x 2^-120: the byte's exponent and mantissa bits moved into
-// bf16's places (bias 127 where e4m3 has 7: the 2^-120); e = 0 lands on a bf16 subnormal of the same
-// m / 8 x 2^-126, so subnormal scales stay exact. Four integer ops where scale_pair<false> takes about
-// ten; the tables are pre-multiplied by 2^120 (exact), so table x scale rounds as with the true scale.
-DEV u32 e4m3_pair_lo(u32 sreg, int byte) {
-  const u32 x = prmt(sreg, 0u, 0x4040u | ((byte & 3) << 8) | (byte & 3));  // the byte at bits 0 and 16
-  return ((x << 4) & 0x07F007F0u) | ((x << 8) & 0x80008000u);
-}
-#define BF16X2_2P120 0x7B807B80u  // 2^120 in both halves
 
 // One stage's arithmetic: 8 k16 steps. Thread (g, q) of warp w: m-tile i rows 32w + 16i + g (+ 8).
 // A step: fetch (the B fragments of all n-tile pairs by ldmatrix.x4, the thread's 4 words from shared
@@ -104,6 +96,7 @@ struct PrefillStage {
   u32 sreg[2][2][2];
   u32 sc[2][2], tl[2][2], th[2][2];
   X4Consts x4lo, x4hi;  // X4: x4_reg_rt's constants for registers q (lo: a0, a1) and q + 4 (hi: a2, a3)
+  X4Tier x4tlo, x4thi;  // X4 tier experts: x4_tier_reg's, the same registers
 
   DEV void fetch(int j, PrefillFrag<NT, TIER>& f) const {
     // chunk 2j (+1 for odd matrices) of the row, XORed as stored: (2j + c) ^ r == (2j << 4 ^ (c ^ r) << 4) >> 4
@@ -129,13 +122,13 @@ struct PrefillStage {
 #pragma unroll
         for (int rr = 0; rr < 2; ++rr) {
           const u32 sr = sreg[i][rr][byte >> 2];
-          if (X4 && !TIER) {  // the true scale (no 2^-120: there is no table to carry it)
-            sc[i][rr] = E8 ? x4_scale_e8(sr, byte & 3) : scale_pair<false>(prmt(sr, 0u, 0x4440u | (byte & 3)));
+          if (X4) {  // the true scale (no 2^-120: there is no table to carry it); tier experts x 2^118
+            sc[i][rr] = E8 ? x4_scale_e8(sr, byte & 3) : e4m3_pair(sr, byte);
+            if (TIER) sc[i][rr] = x4_tier_scale<E8>(sc[i][rr]);
           } else if (E8) {
             sc[i][rr] = scale_pair<true>(prmt(sr, 0u, 0x4440u | (byte & 3)));
           } else {
-            sc[i][rr] = e4m3_pair_lo(sr, byte);  // x 2^-120: the tables carry the 2^120
-            if (TIER) sc[i][rr] = bmul2(sc[i][rr], BF16X2_2P120);
+            sc[i][rr] = TIER ? e4m3_pair(sr, byte) : e4m3_pair_lo(sr, byte);  // base: the tables carry 2^120
           }
           if (!TIER && !X4) {
             tl[i][rr] = bmul2(tlo[i], sc[i][rr]);
@@ -146,7 +139,13 @@ struct PrefillStage {
     // row g gives a0 (codes q, q + 4) and a2 (q + 8, q + 12); row g + 8 gives a1, a3
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
-      if (TIER) {
+      if (TIER && X4) {
+#pragma unroll
+        for (int rr = 0; rr < 2; ++rr) {
+          a[i][rr] = x4_tier_reg(x4tlo, f.w[i][rr], f.d[i][rr], sc[i][rr]);
+          a[i][rr + 2] = x4_tier_reg(x4thi, f.w[i][rr], f.d[i][rr], sc[i][rr]);
+        }
+      } else if (TIER) {
         tier_regs(f.w[i][0] >> q2, f.d[i][0] >> q2, sc[i][0], a[i][0], a[i][2]);
         tier_regs(f.w[i][1] >> q2, f.d[i][1] >> q2, sc[i][1], a[i][1], a[i][3]);
       } else if (X4) {  // register q < 7 needs only the mask and the IMAD
@@ -185,7 +184,10 @@ DEV void prefill_compute(float (&acc)[2][NT][4], const unsigned char* st, const 
   ps.x_row = x_row;
   ps.x_chunk = x_chunk;
   ps.q2 = 2 * q;
-  if (X4) {
+  if (X4 && TIER) {
+    ps.x4tlo = x4_tier_consts(q);
+    ps.x4thi = x4_tier_consts(q + 4);
+  } else if (X4) {
     ps.x4lo = x4_consts(q);
     ps.x4hi = x4_consts(q + 4);
   }
@@ -338,18 +340,18 @@ moe_prefill(const u16* __restrict__ xin, const int* __restrict__ sorted_pairs, c
     const unsigned char* st = smem + s * S::STAGE;
     const u32 x_row = sbase + s * S::STAGE + xr * 256;
     if (tr >= 0)
-      prefill_compute<NT, W, E8, true, PIPE, false>(acc, st, tlo, thi, x_row, x_chunk, warp, g, q, nvalid);
+      prefill_compute<NT, W, E8, true, PIPE, X4>(acc, st, tlo, thi, x_row, x_chunk, warp, g, q, nvalid);
     else
       prefill_compute<NT, W, E8, false, PIPE, X4>(acc, st, tlo, thi, x_row, x_chunk, warp, g, q, nvalid);
   }
   cp_async_wait<0>();
 
   // C fragment: c0, c1 -> row g, pair columns 2q, 2q + 1; c2, c3 -> row g + 8
-  // x4 base experts: the tables' factor a (gate, up / down), which the decode leaves out
+  // x4 base experts: the tables' factor a (gate, up / down), which the decode leaves out; x4 tier experts:
+  // the 2^8 x4_tier_reg leaves out
   const float* tx = table + (size_t)e * TILES * 4;
-  const bool x4e = X4 && tr < 0;
-  const float s2a = scale2[TILES == 2 ? 2 * e : e] * (x4e ? tx[0] : 1.f),
-              s2u = TILES == 2 ? scale2[2 * e + 1] * (x4e ? tx[4] : 1.f) : 0.f;
+  const float s2a = scale2[TILES == 2 ? 2 * e : e] * (X4 ? (tr < 0 ? tx[0] : X4_TIER_POST) : 1.f),
+              s2u = TILES == 2 ? scale2[2 * e + 1] * (X4 ? (tr < 0 ? tx[4] : X4_TIER_POST) : 1.f) : 0.f;
   const float L = (float)limit;
 #pragma unroll
   for (int n = 0; n < NT; ++n)
