@@ -116,7 +116,8 @@ struct X4Tier {
   int s, dshift;
 };
 DEV X4Tier x4_tier_consts(int r) {
-  return r < 7 ? X4Tier{0x81008100u >> r, 1u << (r & 1), 0xFFFFFFFFu, 0x00C000C0u >> (2 * (r >> 1)), 2 * (r >> 1), 8 * (r & 1)}
+  const int k = r >> 1;
+  return r < 7 ? X4Tier{0x81008100u >> r, 1u << (r & 1), 0xFFFFFFFFu, 0x00C000C0u >> (2 * k), 2 * k, 8 * (r & 1)}
                : X4Tier{0x00030003u, 0x104u, 0x02040204u, 0x00030003u, 6, 8};
 }
 DEV u32 x4_tier_reg(const X4Tier& c, u32 wb, u32 wd, u32 sc) {

@@ -27,9 +27,9 @@
 // makes each register from its repacked word with one LOP3 and one IMAD (mma_bits.cu), and the epilogue
 // multiplies by the tables' factor a. A tier expert's registers take x4_tier_reg (its base and delta
 // words, a few integer ops and one bf16 multiply), and the epilogue the 2^8 it leaves out.
-// Tier code (base << 2 | delta) -> exact E2M1 (natural layout: fitted-table layers): two PRMTs into the tables {0, .5, 1, 1.5} and
-// {2, 3, 4, 6} by the delta bits, a select by the base's low bit and the sign from its high bit
-// (PRMT sign-replicate mode), then the block scale (exact: E2M1 x power of two or e4m3).
+// Tier code (base << 2 | delta) -> exact E2M1 (fitted-table layers, natural layout): two PRMTs into the
+// tables {0, .5, 1, 1.5} and {2, 3, 4, 6} by the delta bits, a select by the base's low bit and the sign
+// from its high bit (PRMT sign-replicate mode), then the block scale (exact: E2M1 x power of two or e4m3).
 //
 // Loads in flight: each warp keeps D chunks (D x 1 KB of its 16 rows; a tier expert's delta words too)
 // in registers in flight, refilling a chunk's registers as soon as it is computed: D = 2 for one or two

@@ -74,7 +74,6 @@ struct PrefillShape {
   static constexpr int XC = BM * 16 / R;        // x chunks a thread copies a stage
 };
 
-
 // One stage's arithmetic: 8 k16 steps. Thread (g, q) of warp w: m-tile i rows 32w + 16i + g (+ 8).
 // A step: fetch (the B fragments of all n-tile pairs by ldmatrix.x4, the thread's 4 words from shared
 // memory), decode (scales at a new group, the A fragments by PRMT), the mmas. The mmas of pairs past the
