@@ -152,8 +152,8 @@ def test_an_x4_cache_is_repacked_after_loading_and_computes_the_same(ckpt_modelo
                                                                      vllm_config: Any,
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """process_weights_after_loading on a --base-table x4 cache: where the plane kernels take the layer
-    (the CPU stands in for a GPU here) the base experts' planes are repacked in place once and renamed
-    w13_base_x4 / w2_base_x4, and apply computes what it did before."""
+    (the CPU stands in for a GPU here) the planes are repacked in place once and renamed w13_base_x4 /
+    w2_base_x4 (parameters) and w13_delta_x4 / w2_delta_x4 (buffers), and apply computes what it did before."""
     from moet_cache import BuildOptions, build_cache
     from moet_cache.runtime import fused_moe, x4_table
     cache = tmp_path / "cache"

@@ -149,7 +149,7 @@ def is_x4(tensors: dict[str, torch.Tensor]) -> bool:
 
 #: the largest e8m0 block-scale byte the x4 decode takes: 2^125, whose x4 is still a finite bf16
 MAX_E8M0_BYTE = 252
-#: the largest one of a tier expert: 2^9, whose x 2^118 (mma_bits.cu X4_TIER_SCALE) is still a finite bf16
+#: the largest one of a tier expert: 2^9, whose x 2^118 (mma_bits.cu x4_tier_scale) is still a finite bf16
 MAX_TIER_E8M0_BYTE = 136
 
 
