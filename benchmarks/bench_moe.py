@@ -114,7 +114,7 @@ def layer_bytes(t: dict[str, torch.Tensor]) -> int:
 def bench_planes(name: str, t: dict[str, torch.Tensor], x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor,
                  config=None) -> Result:
     from moet_cache.runtime.dequant import LayerPlanes
-    from moet_cache.runtime.launch import DEFAULT, fused_moe_cuda
+    from moet_cache.runtime.launch import DEFAULT, fused_moe_cuda, layer_form
 
     planes = LayerPlanes.from_tensors(t)
     cfg = config or DEFAULT
@@ -123,7 +123,7 @@ def bench_planes(name: str, t: dict[str, torch.Tensor], x: torch.Tensor, w: torc
     tier = set(t["delta_experts"].tolist()) if "delta_experts" in t else set()
     delta = t["w13_delta"][0].numel() + t["w2_delta"][0].numel() if tier else 0
     nbytes = len(hit) * plane_bytes_per_expert(t) + len(hit & tier) * delta
-    picked = cfg.pick(ids.numel())
+    picked = cfg.pick(ids.numel(), **layer_form(planes))
     return Result(name, x.shape[0], us, nbytes, f"{note}; {type(picked).__name__.lower()} {picked}")
 
 

@@ -287,22 +287,25 @@ def test_v4_cache_compact_scales(v4_cache, delta: str) -> None:
 def test_config_picks_each_regime_by_pairs() -> None:
     """launch.Config: decode kernels below the first prefill step, each prefill step from its pair count,
     Triton where neither tensor-core family runs, and Config.only pinning one block."""
-    from moet_cache.runtime.launch import (DEFAULT, MMA_STEPS, MMA_STEPS_X4, PREFILL_STEPS, Config, Grouped, Mma,
-                                           Pairs, Prefill)
+    from moet_cache.runtime.launch import (DEFAULT, MMA_STEPS, MMA_STEPS_X4, MMA_STEPS_X4_E4M3, PREFILL_STEPS,
+                                           Config, Grouped, Mma, Pairs, Prefill)
 
     starts = [start for start, _ in PREFILL_STEPS]
     assert starts == sorted(starts) and starts[0] <= DEFAULT.large_from
-    for steps, x4 in ((MMA_STEPS, False), (MMA_STEPS_X4, True)):
+    for steps, form in ((MMA_STEPS, {}), (MMA_STEPS_X4, {"x4": True}), (MMA_STEPS_X4_E4M3, {"x4": True, "e4m3": True}),
+                        (MMA_STEPS, {"e4m3": True})):
         mma_starts = [start for start, _ in steps]
         assert mma_starts[0] == 0 and mma_starts == sorted(mma_starts) and mma_starts[-1] < starts[0]
         for (start, block), nxt in zip(steps, mma_starts[1:] + starts[:1]):
-            assert DEFAULT.pick(start, x4=x4) == block and DEFAULT.pick(nxt - 1, x4=x4) == block
+            assert DEFAULT.pick(start, **form) == block and DEFAULT.pick(nxt - 1, **form) == block
         # decode: direct blocks, no align kernels; every decode block launched dependent
-        assert DEFAULT.pick(6, x4=x4) == Mma(1, 2, 2, direct=True, pdl=True)
-        assert DEFAULT.pick(starts[0] - 1, x4=x4) == Mma(1, 2, 2, lean=True, pdl=True)
+        assert DEFAULT.pick(6, **form) == Mma(1, 2, 2, direct=True, pdl=True)
+        assert DEFAULT.pick(starts[0] - 1, **form) == Mma(1, 2, 2, lean=True, pdl=True)
         assert all(block.pdl for _, block in steps)
-    # x4 layers take the lean blocks sooner (their decode has half the ALU work)
+    # x4 layers take the lean blocks sooner (their decode has half the ALU work), except with e4m3 scales
+    # (a scale every 16 codes): those keep the direct blocks up to the sorted ones
     assert DEFAULT.pick(50, x4=True).lean and not DEFAULT.pick(50).lean
+    assert not DEFAULT.pick(223, x4=True, e4m3=True).lean and DEFAULT.pick(224, x4=True, e4m3=True).lean
     for (start, block), nxt in zip(PREFILL_STEPS, starts[1:] + [1 << 40]):
         assert DEFAULT.pick(start) == block and DEFAULT.pick(nxt - 1) == block
     assert isinstance(DEFAULT.pick(starts[0], prefill_runs=False), Mma)
@@ -317,3 +320,22 @@ def test_config_picks_each_regime_by_pairs() -> None:
         Mma(2, 2, 2, direct=True)  # direct blocks are one column of 8 pairs
     assert Config(mma=()).pick(6) == DEFAULT.tiny  # no decode kernels: Triton
     assert Config(mma_x4=()).pick(6, x4=True) == DEFAULT.tiny
+    assert Config(mma_x4_e4m3=()).pick(6, x4=True, e4m3=True) == DEFAULT.tiny
+    assert Config.only(Mma(1, 1, 1)).pick(5, x4=True, e4m3=True) == Mma(1, 1, 1)
+
+
+def test_layer_form_reads_the_layout_and_the_scales() -> None:
+    """launch.layer_form: what fused_moe_cuda hands Config.pick for a layer (x4 layout, e4m3 scales)."""
+    from moet_cache.planes import X4_PATTERN
+    from moet_cache.runtime import x4_table
+    from moet_cache.runtime.dequant import LayerPlanes
+    from moet_cache.runtime.launch import layer_form
+    from moet_cache.runtime.synthetic_layer import random_layer
+
+    for e8m0 in (True, False):
+        t = random_layer(4, 256, 256, n_tier=0, e8m0=e8m0, device="cpu", seed=1)
+        assert layer_form(LayerPlanes.from_tensors(t)) == {"x4": False, "e4m3": not e8m0}
+        pattern = torch.as_tensor(X4_PATTERN)
+        x4 = x4_table.prepare(dict(t, w13_table=t["w13_table"][..., :1].abs() * pattern,
+                                   w2_table=t["w2_table"][..., :1].abs() * pattern))
+        assert layer_form(LayerPlanes.from_tensors(x4)) == {"x4": True, "e4m3": not e8m0}

@@ -200,14 +200,16 @@ def x4_layer(request: pytest.FixtureRequest) -> dict[str, torch.Tensor]:
     return t
 
 
-@pytest.mark.parametrize("T,config", [(1, DEFAULT), (7, DEFAULT), (16, Config.only(Mma(1, 2, 2, True, True))),
+@pytest.mark.parametrize("T,config", [(1, DEFAULT), (7, DEFAULT), (16, DEFAULT), (30, DEFAULT),
+                                      (16, Config.only(Mma(1, 2, 2, True, True))),
                                       (40, Config.only(Mma(1, 2, 2))), (64, DEFAULT),
                                       (300, Config.only(Prefill())), (300, Config.only(Prefill(4, 8, 4))),
                                       (300, Config.only(Prefill(16, 4, 2, True, 1))), (4096, DEFAULT),
                                       (5, Config.only(Pairs(64, 8, 2)))])
 def test_x4_layers_equal_reference(x4_layer: dict, T: int, config: Config) -> None:
     """Planes repacked for the x4 decode (x4_table.prepare) through every kernel family: the decode
-    blocks (direct, lean, sorted), the prefill blocks, and Triton, which reads them put back; tier
+    blocks (direct, lean, sorted; DEFAULT at T = 16 and 30 takes lean blocks for e8m0 scales, direct ones
+    with their two accumulator sets for e4m3), the prefill blocks, and Triton, which reads them put back; tier
     experts (their exact FP4 decode, x4_tier_reg) routed beside the base ones."""
     prepared = prepare(x4_layer)
     planes = LayerPlanes.from_tensors(prepared)

@@ -44,15 +44,15 @@ PREFILL_STEPS: tuple[tuple[int, Prefill], ...] = (
 )
 
 
-def _decode_steps(lean_from: int) -> tuple[tuple[int, Mma], ...]:
+def _decode_steps(lean_from: int | None) -> tuple[tuple[int, Mma], ...]:
     """The decode blocks by the pairs they take over from (launch.Config.mma), below the prefill steps; the
-    two table forms differ only in where the lean blocks start. Every one launched dependent (`pdl`: T = 1:
+    layer forms differ only in where the lean blocks start. Every one launched dependent (`pdl`: T = 1:
     42.9 us against 45.6). Direct blocks, each expert's decode shared by its pairs; lean blocks (more
-    warps, one chunk in flight, the tile prefetched into the L2) from `lean_from`; sorted lean blocks from
-    224 pairs (session 8: T = 40: 724 against 749 direct; T = 32, direct: 522-535 against 573 sorted)."""
-    return ((0, Mma(1, 2, 2, direct=True, pdl=True)),
-            (lean_from, Mma(1, 2, 2, direct=True, lean=True, pdl=True)),
-            (224, Mma(1, 2, 2, lean=True, pdl=True)))
+    warps, one chunk in flight, the tile prefetched into the L2) from `lean_from` (None: none); sorted
+    lean blocks from 224 pairs (session 8: T = 40: 724 against 749 direct; T = 32, direct: 522-535
+    against 573 sorted)."""
+    lean = () if lean_from is None else ((lean_from, Mma(1, 2, 2, direct=True, lean=True, pdl=True)),)
+    return ((0, Mma(1, 2, 2, direct=True, pdl=True)), *lean, (224, Mma(1, 2, 2, lean=True, pdl=True)))
 
 
 #: fitted tables: lean from 60 pairs (H200, V4-Flash layer, one process, docs/RUNTIME.md: T = 12: 246.5 us
@@ -64,6 +64,13 @@ MMA_STEPS = _decode_steps(60)
 #: 101.2 against 102.8 direct, 109.2 against 113.6 with a 10% tier; T = 6: 138.3 against 139.4; T = 8:
 #: lean 172.6 against 174.5; T = 16: 293.7 against 317.8, session 10)
 MMA_STEPS_X4 = _decode_steps(48)
+
+#: x4 layers with e4m3 block scales (NVFP4 whose scales are not powers of two, e.g. the V3 family), whose
+#: decode converts a scale every 16 codes and so keeps more ALU work a chunk: the direct blocks are the
+#: faster ones up to the sorted blocks (session 12, two samples each: T = 8 189.2 us against 194.0 lean;
+#: T = 16 331.8 against 340.5; T = 24 443.6 against 463.5; T = 32 510.5 against 523.0; T = 36 591.1
+#: against 606.8; with a 10% tier T = 16 349.5 against 361.6)
+MMA_STEPS_X4_E4M3 = _decode_steps(None)
 
 
 def _step(steps: tuple[tuple[int, Mma | Prefill], ...], P: int) -> Mma | Prefill:
@@ -79,10 +86,12 @@ class Config:
     Below it, and below `large_from` where the prefill kernels cannot run, the decode tensor-core kernels
     (mma_moe.cu) run where they can, each of `mma`'s steps from its pair count on (`()`: none). The
     Triton kernels run the rest: everything where neither can run (no sm_80, dims that do not split),
-    Triton `large` from `large_from`. Layers in the x4 layout take `mma_x4`'s steps in place of `mma`'s."""
+    Triton `large` from `large_from`. Layers in the x4 layout take `mma_x4`'s steps in place of `mma`'s,
+    or `mma_x4_e4m3`'s where their block scales are e4m3."""
 
     mma: tuple[tuple[int, Mma], ...] = MMA_STEPS  # (from P, block), ascending, the first from 0; () for none
     mma_x4: tuple[tuple[int, Mma], ...] = MMA_STEPS_X4  # the same for x4 layers
+    mma_x4_e4m3: tuple[tuple[int, Mma], ...] = MMA_STEPS_X4_E4M3  # and for x4 layers with e4m3 scales
     tiny_max: int = 12        # P up to this: Triton `tiny`
     pairs_max: int = 96       # then up to this: Triton `pairs`
     large_from: int = 2048    # from this: Triton `large` (and no decode kernels); between: Triton `mid`
@@ -93,10 +102,11 @@ class Config:
     prefill: tuple[tuple[int, Prefill], ...] = PREFILL_STEPS  # (from P, block), ascending; () for none
 
     def pick(self, P: int, mma_runs: bool = True, prefill_runs: bool = True,
-             x4: bool = False) -> Pairs | Grouped | Mma | Prefill:
+             x4: bool = False, e4m3: bool = False) -> Pairs | Grouped | Mma | Prefill:
         """The kernels for P pairs; `mma_runs` / `prefill_runs`: whether the tensor-core decode / prefill
-        kernels run this layer here; `x4`: whether its planes are in the x4 layout (`mma_x4`'s steps)."""
-        mma = self.mma_x4 if x4 else self.mma
+        kernels run this layer here; `x4`: whether its planes are in the x4 layout (`mma_x4`'s steps);
+        `e4m3`: whether its block scales are e4m3 (an x4 layer then takes `mma_x4_e4m3`'s)."""
+        mma = (self.mma_x4_e4m3 if e4m3 else self.mma_x4) if x4 else self.mma
         if prefill_runs and self.prefill and P >= self.prefill[0][0]:
             return _step(self.prefill, P)
         if mma and mma_runs and P < self.large_from:
@@ -111,15 +121,23 @@ class Config:
     def only(cls, block: Pairs | Grouped | Mma | Prefill) -> "Config":
         """Always these kernels and blocks (tests, sweeps); Prefill where it cannot run: Triton `large`."""
         if isinstance(block, Prefill):
-            return cls(mma=(), mma_x4=(), tiny_max=0, pairs_max=0, large_from=0, prefill=((0, block),))
+            return cls(mma=(), mma_x4=(), mma_x4_e4m3=(), tiny_max=0, pairs_max=0, large_from=0,
+                       prefill=((0, block),))
         if isinstance(block, Mma):
-            return cls(mma=((0, block),), mma_x4=((0, block),), large_from=1 << 62, prefill=())
+            return cls(mma=((0, block),), mma_x4=((0, block),), mma_x4_e4m3=((0, block),), large_from=1 << 62,
+                       prefill=())
         if isinstance(block, Pairs):
-            return cls(mma=(), mma_x4=(), tiny_max=0, pairs_max=1 << 62, pairs=block, prefill=())
-        return cls(mma=(), mma_x4=(), tiny_max=0, pairs_max=0, large_from=1 << 62, mid=block, prefill=())
+            return cls(mma=(), mma_x4=(), mma_x4_e4m3=(), tiny_max=0, pairs_max=1 << 62, pairs=block, prefill=())
+        return cls(mma=(), mma_x4=(), mma_x4_e4m3=(), tiny_max=0, pairs_max=0, large_from=1 << 62, mid=block,
+                   prefill=())
 
 
 DEFAULT = Config()
+
+
+def layer_form(planes: LayerPlanes) -> dict[str, bool]:
+    """Config.pick's `x4` and `e4m3` for a layer: its planes' layout and its block scales' form."""
+    return {"x4": planes.x4_layout, "e4m3": planes.w13_scale.dtype != torch.float8_e8m0fnu}
 
 
 def _fit(n: int, want: int) -> int:
@@ -150,12 +168,13 @@ def fused_moe_cuda(x: torch.Tensor, planes: LayerPlanes, topk_weights: torch.Ten
     dev = x.device
     x = x.contiguous()
     P = T * top_k
-    c = config.pick(P, x4=planes.x4_layout)
+    form = layer_form(planes)
+    c = config.pick(P, **form)
     if isinstance(c, Prefill):
         if mma_prefill.supported(planes, x, P, c):
             return mma_moe.sum_slots(
                 mma_prefill.fused_moe_prefill(x, planes, topk_weights, topk_ids, swiglu_limit, c), x.dtype)
-        c = config.pick(P, prefill_runs=False, x4=planes.x4_layout)
+        c = config.pick(P, prefill_runs=False, **form)
     if isinstance(c, Mma):
         if mma_moe.supported(planes, dev, c):
             return mma_moe.sum_slots(mma_moe.fused_moe_mma(x, planes, topk_weights, topk_ids, swiglu_limit, c),

@@ -95,14 +95,15 @@ DEV void load_chunk(Chunk& ch, const u32* const (&wrow)[2], const u8* const (&sr
   }
 }
 
-// acc[t] += one chunk of the thread's rows against the block's token columns. `dl`: the tier's delta
+// acc[t] += one chunk of the thread's rows against the block's token columns (ACC2: the odd sub-steps
+// into acc2[t], for two chains of dependent mma in place of one; k_loop). `dl`: the tier's delta
 // words of the same chunk (TIER only). xrow[t]: token g of tile t, K-paired (k_paired), so a word's
 // u32 2j, 2j + 1 are b0, b1 of sub-step j; nullptr: a padding slot, whose loads are skipped and whose
 // registers (xa, xb) keep what they held: that B column's products land only in C columns that are
 // never stored, and zeroing them every word cost 16 instructions a chunk.
-template <int NT, bool E8, bool TIER, bool X4>
-DEV void compute_chunk(float (&acc)[NT][4], const Chunk& ch, const U4 (&dl)[2], u32 tlo, u32 thi,
-                       const u16* const (&xrow)[NT], U4 (&xa)[NT], U4 (&xb)[NT], int q, int c) {
+template <int NT, bool E8, bool TIER, bool X4, bool ACC2>
+DEV void compute_chunk(float (&acc)[NT][4], float (&acc2)[NT][4], const Chunk& ch, const U4 (&dl)[2], u32 tlo,
+                       u32 thi, const u16* const (&xrow)[NT], U4 (&xa)[NT], U4 (&xb)[NT], int q, int c) {
   u32 tl[2], th[2], sc[2];
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
@@ -154,7 +155,7 @@ DEV void compute_chunk(float (&acc)[NT][4], const Chunk& ch, const U4 (&dl)[2], 
 #pragma unroll
       for (int t = 0; t < NT; ++t) {
         const U4& xv = j < 2 ? xa[t] : xb[t];
-        mma(acc[t], a0, a1, a2, a3, word_of(xv, 2 * j), word_of(xv, 2 * j + 1));
+        mma(ACC2 && (j & 1) ? acc2[t] : acc[t], a0, a1, a2, a3, word_of(xv, 2 * j), word_of(xv, 2 * j + 1));
       }
     }
   }
@@ -163,14 +164,22 @@ DEV void compute_chunk(float (&acc)[NT][4], const Chunk& ch, const U4 (&dl)[2], 
 // The K loop of one warp over chunks [cb, ce); `ch` holds chunks cb .. cb + D - 1 already (issued
 // before the tier lookup, which they do not depend on). Each chunk's registers are refilled with the
 // chunk D further as soon as it is computed, so D chunks stay in flight; a tier expert's delta words
-// likewise (issued once the lookup has found its tier row).
-template <int NT, int D, bool E8, bool TIER, bool X4>
+// likewise (issued once the lookup has found its tier row). ACC2: a second accumulator set takes the
+// odd sub-steps, so a chunk's 16 mma are two dependent chains of 8 that a warp waits through while its
+// loads are in flight (direct blocks, session 12: T = 4 98.7 against 101.3 us, 106.7 against 109.3
+// with a 10% tier; lean blocks spill at 56 registers with it: T = 16 306.5 against 296.3).
+template <int NT, int D, bool E8, bool TIER, bool X4, bool ACC2>
 DEV void k_loop(float (&acc)[NT][4], Chunk (&ch)[D], const u32* const (&wrow)[2],
                 const u32* const (&drow)[2], const u8* const (&srow)[2], u32 tlo, u32 thi,
                 const u16* const (&xrow)[NT], int q, int cb, int ce, int Kw) {
   U4 dl[D][2], xa[NT], xb[NT];
+  float acc2[NT][4];
 #pragma unroll
-  for (int t = 0; t < NT; ++t) xa[t] = xb[t] = U4{0u, 0u, 0u, 0u};
+  for (int t = 0; t < NT; ++t) {
+    xa[t] = xb[t] = U4{0u, 0u, 0u, 0u};
+#pragma unroll
+    for (int c = 0; c < 4; ++c) acc2[t][c] = 0.f;
+  }
   if (TIER) {
 #pragma unroll
     for (int d = 0; d < D; ++d)
@@ -184,7 +193,7 @@ DEV void k_loop(float (&acc)[NT][4], Chunk (&ch)[D], const u32* const (&wrow)[2]
     for (int d = 0; d < D; ++d) {
       const int c = c0 + d;
       if (c < ce) {
-        compute_chunk<NT, E8, TIER, X4>(acc, ch[d], dl[d], tlo, thi, xrow, xa, xb, q, c);
+        compute_chunk<NT, E8, TIER, X4, ACC2>(acc, acc2, ch[d], dl[d], tlo, thi, xrow, xa, xb, q, c);
         if (c + D < ce) {
           load_chunk<E8, X4>(ch[d], wrow, srow, c + D, q, Kw);
           if (TIER) {
@@ -194,6 +203,12 @@ DEV void k_loop(float (&acc)[NT][4], Chunk (&ch)[D], const u32* const (&wrow)[2]
         }
       }
     }
+  }
+  if (ACC2) {
+#pragma unroll
+    for (int t = 0; t < NT; ++t)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) acc[t][c] += acc2[t][c];
   }
 }
 
@@ -256,6 +271,7 @@ moe_mma(const u16* __restrict__ xin, const int* __restrict__ topk_ids, const int
         const float* __restrict__ scale2, const float* __restrict__ table, const float* __restrict__ topk_w,
         void* __restrict__ out, int top_k, int K, int N, double limit, int has_limit, int direct) {
   constexpr int BM = 8 * NT, W = TILES * KS, D = CHUNKS_IN_FLIGHT(NT, LEAN);
+  constexpr bool TWO_ACC = X4 && NT == 1 && !LEAN;  // k_loop's ACC2: measured for these blocks only
   const int e = direct ? topk_ids[blockIdx.x] : block_expert[blockIdx.x];
   if (e < 0) return;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
@@ -331,9 +347,9 @@ moe_mma(const u16* __restrict__ xin, const int* __restrict__ topk_ids, const int
   wait_prior();      // xin is the kernel ahead's output
 
   if (tr >= 0)
-    k_loop<NT, D, E8, true, X4>(acc, ch, wrow, drow, srow, tlo, thi, xrow, q, cb, ce, Kw);
+    k_loop<NT, D, E8, true, X4, TWO_ACC>(acc, ch, wrow, drow, srow, tlo, thi, xrow, q, cb, ce, Kw);
   else
-    k_loop<NT, D, E8, false, X4>(acc, ch, wrow, drow, srow, tlo, thi, xrow, q, cb, ce, Kw);
+    k_loop<NT, D, E8, false, X4, TWO_ACC>(acc, ch, wrow, drow, srow, tlo, thi, xrow, q, cb, ce, Kw);
 
   // every tile's parts summed into warp 0
   float sum[TILES][NT][4];

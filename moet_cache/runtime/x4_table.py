@@ -168,14 +168,14 @@ def scales_fit(tensors: dict[str, torch.Tensor]) -> bool:
 
 
 def kernels_take(tensors: dict[str, torch.Tensor]) -> bool:
-    """Whether the plane kernels run this layer on its device at every decode block (launch.MMA_STEPS_X4):
-    an x4 layer the Triton kernels would have to read put back on every call (slow, and not in a CUDA
-    graph), so it is repacked only where they never do."""
+    """Whether the plane kernels run this layer on its device at every decode block (launch.MMA_STEPS_X4,
+    MMA_STEPS_X4_E4M3): an x4 layer the Triton kernels would have to read put back on every call (slow,
+    and not in a CUDA graph), so it is repacked only where they never do."""
     from .dequant import LayerPlanes
-    from .launch import MMA_STEPS_X4
+    from .launch import MMA_STEPS_X4, MMA_STEPS_X4_E4M3
     from .mma_moe import supported
     planes = LayerPlanes.from_tensors(tensors)
-    return all(supported(planes, planes.w13_base.device, block) for _, block in MMA_STEPS_X4)
+    return all(supported(planes, planes.w13_base.device, block) for _, block in MMA_STEPS_X4 + MMA_STEPS_X4_E4M3)
 
 
 def prepare_in_place(tensors: dict[str, torch.Tensor]) -> bool:
