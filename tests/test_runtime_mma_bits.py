@@ -388,6 +388,26 @@ def test_prefill_e4m3_scale_times_2p120_is_the_scale() -> None:
                 assert bmul2(bmul2(t, two120), lo) == bmul2(t, scale_pair(byte, False)), (byte, v)
 
 
+def test_e4m3_two_then_prmt_is_e4m3_pair_of_each_byte() -> None:
+    """mma_bits.cu e4m3_two: two scale bytes converted at once, one a half; the x4 decode then takes
+    group i's pair by prmt(., 0, 0x1010) (even i) or 0x3232 (odd i). Each must be scale_pair's value of
+    its own byte, bit for bit, for every pair of finite e4m3 bytes in every byte slot, subnormals and
+    the sign included."""
+    two120 = 0x7B807B80
+    finite = [b for b in range(256)
+              if not torch.tensor([b], dtype=torch.uint8).view(torch.float8_e4m3fn).float().isnan().item()]
+    rng = random.Random(5)
+    for lo_byte in finite:
+        for hi_byte in rng.sample(finite, 12) + [lo_byte, 0, 0x80, 0x7E]:
+            for h in range(2):
+                other = rng.randrange(1 << 16)  # the other two bytes of the register
+                sreg = (lo_byte | hi_byte << 8) << (16 * h) | other << (16 * (1 - h))
+                x = prmt(sreg, 0, 0x4342 if h else 0x4140)
+                two = bmul2((((x << 4) & 0x07F007F0) | ((x << 8) & 0x80008000)) & M32, two120)
+                assert prmt(two, 0, 0x1010) == scale_pair(lo_byte, False), (lo_byte, hi_byte, h)
+                assert prmt(two, 0, 0x3232) == scale_pair(hi_byte, False), (lo_byte, hi_byte, h)
+
+
 def group_pair(ids: list[int], e: int, p: int, bm: int = 8) -> tuple[bool, list[int]]:
     """mma_moe.cu group_pair, round by round as one warp runs it: whether block p leads, and the pair
     of each lane's slot (lane % bm), -1 for none."""

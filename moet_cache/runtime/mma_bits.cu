@@ -71,15 +71,22 @@ DEV void base_regs(u32 ws, u32 tlo, u32 thi, u32& lo, u32& hi) {
 // m / 8 x 2^-126, so subnormal scales stay exact. Four integer ops where scale_pair<false> takes about
 // ten; the tables are pre-multiplied by 2^120 (exact), so table x scale rounds as with the true scale
 // (mma_prefill.cu).
+DEV u32 e4m3_bits(u32 x) { return ((x << 4) & 0x07F007F0u) | ((x << 8) & 0x80008000u); }  // a byte a half
 DEV u32 e4m3_pair_lo(u32 sreg, int byte) {
-  const u32 x = prmt(sreg, 0u, 0x4040u | ((byte & 3) << 8) | (byte & 3));  // the byte at bits 0 and 16
-  return ((x << 4) & 0x07F007F0u) | ((x << 8) & 0x80008000u);
+  return e4m3_bits(prmt(sreg, 0u, 0x4040u | ((byte & 3) << 8) | (byte & 3)));  // the byte at bits 0 and 16
 }
 #define BF16X2_2P120 0x7B807B80u  // 2^120 in both halves
 
 // An e4m3 scale byte of sreg as its true value's bf16 pair, exactly (subnormal scales too, through a bf16
 // subnormal): e4m3_pair_lo times 2^120, five ops where scale_pair<false> takes about ten (the x4 kernels).
 DEV u32 e4m3_pair(u32 sreg, int byte) { return bmul2(e4m3_pair_lo(sreg, byte), BF16X2_2P120); }
+
+// Two e4m3 scale bytes of sreg at once (h 0: bytes 0 and 1, h 1: bytes 2 and 3) as the bf16 pair of their
+// true values, one a half, exactly as e4m3_pair; prmt(., 0, 0x1010) / prmt(., 0, 0x3232) then gives each
+// byte's e4m3_pair (the x4 decode kernels: two groups' scales converted in the ops of one).
+DEV u32 e4m3_two(u32 sreg, int h) {
+  return bmul2(e4m3_bits(prmt(sreg, 0u, h ? 0x4342u : 0x4140u)), BF16X2_2P120);
+}
 
 // x4 base decode (a layer whose tables are all a x (1, 4, -1, -4): x4_table.py has the layout and the
 // why): register r (0..7) of a repacked word -> the bf16 pair s x {1, 4} x scale, sc being the block

@@ -104,16 +104,23 @@ DEV void load_chunk(Chunk& ch, const u32* const (&wrow)[2], const u8* const (&sr
 template <int NT, bool E8, bool TIER, bool X4, bool ACC2>
 DEV void compute_chunk(float (&acc)[NT][4], float (&acc2)[NT][4], const Chunk& ch, const U4 (&dl)[2], u32 tlo,
                        u32 thi, const u16* const (&xrow)[NT], U4 (&xa)[NT], U4 (&xb)[NT], int q, int c) {
-  u32 tl[2], th[2], sc[2];
+  u32 tl[2], th[2], sc[2], two[2];
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
     if (!E8 || (i & 1) == 0) {  // a new scale group: the rows' scales, and the tables pre-scaled
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         int byte = E8 ? (i >> 1) : i;
-        sc[r] = !X4 ? scale_pair<E8>(prmt(ch.s[r], 0u, 0x4440u | byte))
-                : E8 ? x4_scale_e8(ch.s[r], byte) : e4m3_pair(ch.s[r], byte);
-        if (TIER && X4) sc[r] = x4_tier_scale<E8>(sc[r]);
+        if (X4 && !E8) {  // e4m3: groups i and i + 1 converted together (e4m3_two), then each by a PRMT
+          if ((i & 1) == 0) {
+            two[r] = e4m3_two(ch.s[r], i >> 1);
+            if (TIER) two[r] = x4_tier_scale<false>(two[r]);  // a multiply a half: as on each group's pair
+          }
+          sc[r] = prmt(two[r], 0u, (i & 1) ? 0x3232u : 0x1010u);
+        } else {
+          sc[r] = !X4 ? scale_pair<E8>(prmt(ch.s[r], 0u, 0x4440u | byte)) : x4_scale_e8(ch.s[r], byte);
+          if (TIER && X4) sc[r] = x4_tier_scale<E8>(sc[r]);
+        }
         if (!TIER && !X4) {
           tl[r] = bmul2(tlo, sc[r]);
           th[r] = bmul2(thi, sc[r]);
