@@ -110,7 +110,6 @@ DEV void compute_chunk(float (&acc)[NT][4], float (&acc2)[NT][4], const Chunk& c
     if (!E8 || (i & 1) == 0) {  // a new scale group: the rows' scales, and the tables pre-scaled
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        int byte = E8 ? (i >> 1) : i;
         if (X4 && !E8) {  // e4m3: groups i and i + 1 converted together (e4m3_two), then each by a PRMT
           if ((i & 1) == 0) {
             two[r] = e4m3_two(ch.s[r], i >> 1);
@@ -118,6 +117,7 @@ DEV void compute_chunk(float (&acc)[NT][4], float (&acc2)[NT][4], const Chunk& c
           }
           sc[r] = prmt(two[r], 0u, (i & 1) ? 0x3232u : 0x1010u);
         } else {
+          const int byte = E8 ? (i >> 1) : i;
           sc[r] = !X4 ? scale_pair<E8>(prmt(ch.s[r], 0u, 0x4440u | byte)) : x4_scale_e8(ch.s[r], byte);
           if (TIER && X4) sc[r] = x4_tier_scale<E8>(sc[r]);
         }
