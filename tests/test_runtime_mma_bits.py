@@ -47,6 +47,14 @@ def bmul2(a: int, b: int) -> int:
     return lo | hi << 16
 
 
+BF16X2_2P120 = 0x7B807B80  # mma_bits.cu: 2^120 in both halves
+
+
+def e4m3_bits(x: int) -> int:
+    """mma_bits.cu e4m3_bits: the e4m3 byte in each half moved into bf16's places (value x 2^-120)."""
+    return (((x << 4) & 0x07F007F0) | ((x << 8) & 0x80008000)) & M32
+
+
 def base_regs(ws: int, tlo: int, thi: int) -> tuple[int, int]:
     """mma_moe.cu base_regs: the word already shifted by 2q."""
     sel = ((ws & 0x03030303) * 0x22 + 0x10101010) & M32
@@ -372,7 +380,7 @@ def test_prefill_e4m3_scale_times_2p120_is_the_scale() -> None:
     (subnormal scales included); the tables carry 2^120, so table x scale is the same bf16 as with
     scale_pair, and e4m3_pair (x 2^120 back: the tier's and the x4 kernels' scale) is scale_pair's
     exactly."""
-    two120 = 0x7B807B80
+    two120 = BF16X2_2P120
     assert bf16_value(two120 & 0xFFFF) == 2.0 ** 120
     table = [0.8125, 3.25, -0.75, -3.5, 5.9, -0.0078125]
     for byte in range(256):
@@ -381,7 +389,7 @@ def test_prefill_e4m3_scale_times_2p120_is_the_scale() -> None:
         for k in range(4):
             sreg = (byte << (8 * k)) | (0x5A << (8 * ((k + 1) & 3)))  # another byte beside it
             x = prmt(sreg, 0, 0x4040 | (k << 8) | k)
-            lo = (((x << 4) & 0x07F007F0) | ((x << 8) & 0x80008000)) & M32
+            lo = e4m3_bits(x)
             assert bmul2(lo, two120) == scale_pair(byte, False), byte
             for v in table:
                 t = bf16_bits(v) | bf16_bits(-v) << 16
@@ -393,7 +401,6 @@ def test_e4m3_two_then_prmt_is_e4m3_pair_of_each_byte() -> None:
     group i's pair by prmt(., 0, 0x1010) (even i) or 0x3232 (odd i). Each must be scale_pair's value of
     its own byte, bit for bit, for every pair of finite e4m3 bytes in every byte slot, subnormals and
     the sign included."""
-    two120 = 0x7B807B80
     finite = [b for b in range(256)
               if not torch.tensor([b], dtype=torch.uint8).view(torch.float8_e4m3fn).float().isnan().item()]
     rng = random.Random(5)
@@ -403,7 +410,7 @@ def test_e4m3_two_then_prmt_is_e4m3_pair_of_each_byte() -> None:
                 other = rng.randrange(1 << 16)  # the other two bytes of the register
                 sreg = (lo_byte | hi_byte << 8) << (16 * h) | other << (16 * (1 - h))
                 x = prmt(sreg, 0, 0x4342 if h else 0x4140)
-                two = bmul2((((x << 4) & 0x07F007F0) | ((x << 8) & 0x80008000)) & M32, two120)
+                two = bmul2(e4m3_bits(x), BF16X2_2P120)
                 assert prmt(two, 0, 0x1010) == scale_pair(lo_byte, False), (lo_byte, hi_byte, h)
                 assert prmt(two, 0, 0x3232) == scale_pair(hi_byte, False), (lo_byte, hi_byte, h)
 
