@@ -44,33 +44,32 @@ PREFILL_STEPS: tuple[tuple[int, Prefill], ...] = (
 )
 
 
-def _decode_steps(lean_from: int | None) -> tuple[tuple[int, Mma], ...]:
+def _decode_steps(lean_from: int) -> tuple[tuple[int, Mma], ...]:
     """The decode blocks by the pairs they take over from (launch.Config.mma), below the prefill steps; the
     layer forms differ only in where the lean blocks start. Every one launched dependent (`pdl`: T = 1:
     42.9 us against 45.6). Direct blocks, each expert's decode shared by its pairs; lean blocks (more
-    warps, one chunk in flight, the tile prefetched into the L2) from `lean_from` (None: none); sorted
-    lean blocks from 224 pairs (session 8: T = 40: 724 against 749 direct; T = 32, direct: 522-535
-    against 573 sorted)."""
-    lean = () if lean_from is None else ((lean_from, Mma(1, 2, 2, direct=True, lean=True, pdl=True)),)
-    return ((0, Mma(1, 2, 2, direct=True, pdl=True)), *lean, (224, Mma(1, 2, 2, lean=True, pdl=True)))
+    warps, one chunk in flight, the tile prefetched into the L2) from `lean_from`; sorted lean blocks from
+    224 pairs (session 8: T = 40: 724 against 749 direct; T = 32, direct: 522-535 against 573 sorted)."""
+    return ((0, Mma(1, 2, 2, direct=True, pdl=True)), (lean_from, Mma(1, 2, 2, direct=True, lean=True, pdl=True)),
+            (224, Mma(1, 2, 2, lean=True, pdl=True)))
 
 
 #: fitted tables: lean from 60 pairs (H200, V4-Flash layer, one process, docs/RUNTIME.md: T = 12: 246.5 us
 #: against 251.8; T = 8: 194.6 against 194.4; T = 16: 339.7 against 348.0)
 MMA_STEPS = _decode_steps(60)
 
-#: x4 layers (x4_table.py), whose decode has half the ALU work and so gains from the lean blocks' prefetch
-#: sooner: lean from 48 pairs (session 11, the direct kernel's spill gone and the tier's decode cut: T = 4
-#: 101.2 against 102.8 direct, 109.2 against 113.6 with a 10% tier; T = 6: 138.3 against 139.4; T = 8:
-#: lean 172.6 against 174.5; T = 16: 293.7 against 317.8, session 10)
-MMA_STEPS_X4 = _decode_steps(48)
+#: x4 layers (x4_table.py), e8m0 scales: lean from 64 pairs (session 13, lean blocks at 64 registers and
+#: direct ones with two accumulator sets; two samples each: T = 8 (48 pairs) 168.6 us both; T = 10 direct
+#: 197.8 against 200.0; T = 12 lean 213.0 against 214.7; with a 10% tier T = 10 lean 211.8 against 213.0;
+#: T = 16 289.3 against 294.3)
+MMA_STEPS_X4 = _decode_steps(64)
 
 #: x4 layers with e4m3 block scales (NVFP4 whose scales are not powers of two, e.g. the V3 family), whose
-#: decode converts a scale every 16 codes and so keeps more ALU work a chunk: the direct blocks are the
-#: faster ones up to the sorted blocks (session 12, two samples each: T = 8 189.2 us against 194.0 lean;
-#: T = 16 331.8 against 340.5; T = 24 443.6 against 463.5; T = 32 510.5 against 523.0; T = 36 591.1
-#: against 606.8; with a 10% tier T = 16 349.5 against 361.6)
-MMA_STEPS_X4_E4M3 = _decode_steps(None)
+#: decode converts a scale every 16 codes and so keeps more ALU work a chunk: lean from 80 pairs (session
+#: 13, two samples each: T = 10 direct 214.9 us against 219.7; T = 12 233.9 against 234.0; T = 16 lean
+#: 318.6 against 319.5; T = 24 423.0 against 428.6; with a 10% tier T = 12 247.3 against 247.9, T = 16
+#: 331.6 against 333.3, T = 24 444.2 against 453.9)
+MMA_STEPS_X4_E4M3 = _decode_steps(80)
 
 
 def _step(steps: tuple[tuple[int, Mma | Prefill], ...], P: int) -> Mma | Prefill:

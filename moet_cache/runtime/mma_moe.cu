@@ -37,7 +37,7 @@
 // Nsight Compute at T = 16), so more warps beat deeper loads: one token column is held to 80 registers
 // (6 CTAs of 128 threads an SM), which measured the same as 4 chunks at 128 registers at T = 1 and 4,
 // faster from T = 16 (353 against 358 us; T = 64: 862 against 897) and 18% faster with a 10% tier;
-// LEAN blocks go further (56 registers, one chunk, 9 CTAs an SM) and ask the L2 for their whole tile at
+// LEAN blocks go further (64 registers, one chunk, 8 CTAs an SM) and ask the L2 for their whole tile at
 // the start (prefetch_l2), so that their one chunk waits on the L2, not DRAM (MIN_THREADS_SM).
 // The activation loads are volatile so ptxas does not hoist a whole chunk's worth of them (it took up
 // to 246 registers). A shared-memory ring filled by cp.async measured no faster (docs/RUNTIME.md).
@@ -174,7 +174,8 @@ DEV void compute_chunk(float (&acc)[NT][4], float (&acc2)[NT][4], const Chunk& c
 // likewise (issued once the lookup has found its tier row). ACC2: a second accumulator set takes the
 // odd sub-steps, so a chunk's 16 mma are two dependent chains of 8 that a warp waits through while its
 // loads are in flight (direct blocks, session 12: T = 4 98.7 against 101.3 us, 106.7 against 109.3
-// with a 10% tier; lean blocks spill at 56 registers with it: T = 16 306.5 against 296.3).
+// with a 10% tier; in lean blocks it spilled at 56 registers (T = 16 306.5 against 296.3) and is 1-3%
+// slower at 64 (session 13).
 template <int NT, int D, bool E8, bool TIER, bool X4, bool ACC2>
 DEV void k_loop(float (&acc)[NT][4], Chunk (&ch)[D], const u32* const (&wrow)[2],
                 const u32* const (&drow)[2], const u8* const (&srow)[2], u32 tlo, u32 thi,
@@ -256,10 +257,11 @@ DEV int group_pair(const int* __restrict__ ids, int P, int e, int p, int lane, b
 
 // The threads an SM the decode kernels' registers are sized for (launch bounds), and the chunks each
 // warp keeps in flight (see "Loads in flight" above). One token column (NT 1): 768 threads, 80
-// registers, two chunks, or LEAN: 1152 threads, 56 registers, one chunk (more warps for fewer loads in
-// flight: the same at T = 16, 4-5% faster at T = 32-64, 3-5% slower at T = 4-8; docs/RUNTIME.md). Two
-// columns 512 (their activations and accumulators spill at 80); wider blocks one chunk.
-#define MIN_THREADS_SM(NT, LEAN) ((NT) == 1 ? ((LEAN) ? 1152 : 768) : 512)
+// registers, two chunks, or LEAN: 1024 threads, 64 registers, one chunk (more warps for fewer loads in
+// flight: from 60-80 pairs on by the layer's form, launch.py; session 13: 64 registers, where 56 had spilled
+// around the loop, 2-4% faster than 56 at T = 16-64, e.g. T = 16 289.3 against 294.8 us). Two columns
+// 512 (their activations and accumulators spill at 80); wider blocks one chunk.
+#define MIN_THREADS_SM(NT, LEAN) ((NT) == 1 ? ((LEAN) ? 1024 : 768) : 512)
 #define CHUNKS_IN_FLIGHT(NT, LEAN) ((NT) <= 2 && !(LEAN) ? 2 : 1)
 
 // One CTA: a block of up to 8 * NT pairs of one expert x 16 output rows of each of TILES tiles (w13:

@@ -26,7 +26,7 @@ class Mma:
     ks2 warps split K per tile. `direct` (nt 1): a grid of one block a pair, straight from topk_ids;
     the pairs of each expert, 8 at a time in pair order, are taken by the block of the first of them
     and the other blocks leave at once (mma_moe.cu group_pair), so no align kernels run (decode).
-    `lean`: 56 registers and one chunk in flight a warp, for more warps an SM, the tile prefetched into
+    `lean`: 64 registers and one chunk in flight a warp, for more warps an SM, the tile prefetched into
     the L2 (mma_moe.cu MIN_THREADS_SM; nt 1 only). `pdl`: the w13, w2 and sum kernels launched dependent,
     each starting while the one ahead finishes (kernel_launch.py; sm_90+)."""
 
