@@ -378,7 +378,7 @@ def test_prefill_act_columns_are_the_k_permutation() -> None:
 def test_prefill_e4m3_scale_times_2p120_is_the_scale() -> None:
     """mma_bits.cu e4m3_pair_lo: the e4m3 byte's bits moved into bf16's places give value x 2^-120
     (subnormal scales included); the tables carry 2^120, so table x scale is the same bf16 as with
-    scale_pair, and e4m3_pair (x 2^120 back: the tier's and the x4 kernels' scale) is scale_pair's
+    scale_pair, and e4m3_pair (x 2^120 back: the fitted prefill's tier scale) is scale_pair's
     exactly."""
     two120 = BF16X2_2P120
     assert bf16_value(two120 & 0xFFFF) == 2.0 ** 120
@@ -397,10 +397,10 @@ def test_prefill_e4m3_scale_times_2p120_is_the_scale() -> None:
 
 
 def test_e4m3_two_then_prmt_is_e4m3_pair_of_each_byte() -> None:
-    """mma_bits.cu e4m3_two: two scale bytes converted at once, one a half; the x4 decode then takes
-    group i's pair by prmt(., 0, 0x1010) (even i) or 0x3232 (odd i). Each must be scale_pair's value of
-    its own byte, bit for bit, for every pair of finite e4m3 bytes in every byte slot, subnormals and
-    the sign included."""
+    """mma_bits.cu e4m3_two: two scale bytes converted at once, one a half; the x4 kernels (decode and
+    prefill) then take group i's pair by prmt(., 0, 0x1010) (even i) or 0x3232 (odd i). Each must be
+    scale_pair's value of its own byte, bit for bit, for every pair of finite e4m3 bytes in every byte
+    slot, subnormals and the sign included."""
     finite = [b for b in range(256)
               if not torch.tensor([b], dtype=torch.uint8).view(torch.float8_e4m3fn).float().isnan().item()]
     rng = random.Random(5)

@@ -78,12 +78,13 @@ DEV u32 e4m3_pair_lo(u32 sreg, int byte) {
 #define BF16X2_2P120 0x7B807B80u  // 2^120 in both halves
 
 // An e4m3 scale byte of sreg as its true value's bf16 pair, exactly (subnormal scales too, through a bf16
-// subnormal): e4m3_pair_lo times 2^120, five ops where scale_pair<false> takes about ten (the x4 kernels).
+// subnormal): e4m3_pair_lo times 2^120, five ops where scale_pair<false> takes about ten (the prefill's
+// tier experts in fitted-table layers; the x4 kernels take two at a time, e4m3_two).
 DEV u32 e4m3_pair(u32 sreg, int byte) { return bmul2(e4m3_pair_lo(sreg, byte), BF16X2_2P120); }
 
 // Two e4m3 scale bytes of sreg at once (h 0: bytes 0 and 1, h 1: bytes 2 and 3) as the bf16 pair of their
 // true values, one a half, exactly as e4m3_pair; prmt(., 0, 0x1010) / prmt(., 0, 0x3232) then gives each
-// byte's e4m3_pair (the x4 decode kernels: two groups' scales converted in the ops of one).
+// byte's e4m3_pair (the x4 kernels, decode and prefill: two groups' scales converted in the ops of one).
 DEV u32 e4m3_two(u32 sreg, int h) {
   return bmul2(e4m3_bits(prmt(sreg, 0u, h ? 0x4342u : 0x4140u)), BF16X2_2P120);
 }

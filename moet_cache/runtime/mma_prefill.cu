@@ -93,7 +93,7 @@ struct PrefillStage {
   u32 x_row, x_chunk;
   int q2, sw;
   u32 sreg[2][2][2];
-  u32 sc[2][2], tl[2][2], th[2][2];
+  u32 sc[2][2], tl[2][2], th[2][2], two[2][2];
   X4Consts x4lo, x4hi;  // X4: x4_reg_rt's constants for registers q (lo: a0, a1) and q + 4 (hi: a2, a3)
   X4Tier x4tlo, x4thi;  // X4 tier experts: x4_tier_reg's, the same registers
 
@@ -121,9 +121,15 @@ struct PrefillStage {
 #pragma unroll
         for (int rr = 0; rr < 2; ++rr) {
           const u32 sr = sreg[i][rr][byte >> 2];
-          if (X4) {  // the true scale (no 2^-120: there is no table to carry it); tier experts x 2^118
-            sc[i][rr] = E8 ? x4_scale_e8(sr, byte & 3) : e4m3_pair(sr, byte);
-            if (TIER) sc[i][rr] = x4_tier_scale<E8>(sc[i][rr]);
+          if (X4 && !E8) {  // the true scale; groups j and j + 1 converted together (e4m3_two), each by a PRMT
+            if ((j & 1) == 0) {
+              two[i][rr] = e4m3_two(sr, (byte >> 1) & 1);
+              if (TIER) two[i][rr] = x4_tier_scale<false>(two[i][rr]);  // tier experts x 2^118
+            }
+            sc[i][rr] = prmt(two[i][rr], 0u, (j & 1) ? 0x3232u : 0x1010u);
+          } else if (X4) {  // the true scale (no 2^-120: there is no table to carry it); tier experts x 2^118
+            sc[i][rr] = x4_scale_e8(sr, byte & 3);
+            if (TIER) sc[i][rr] = x4_tier_scale<true>(sc[i][rr]);
           } else if (E8) {
             sc[i][rr] = scale_pair<true>(prmt(sr, 0u, 0x4440u | (byte & 3)));
           } else {
