@@ -1,5 +1,5 @@
 """One DeepSeek-V4-Flash MoE layer (E 256, top-6, H 4096, I 2048) on the planes, against a bf16
-grouped GEMM, Humming's MXFP4 weight-only MoE and a device-to-device copy, all in one process.
+grouped GEMM, Humming's MXFP4 and NVFP4 weight-only MoE and a device-to-device copy, all in one process.
 
     python benchmarks/bench_moe.py --tokens 1,4,16,64,256,4096 [--sweep] [--json out.json]
     python benchmarks/bench_moe.py --fidelity        # CPU is enough: layer error vs the FP4 layer
@@ -84,10 +84,16 @@ def routing(T: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     return w, ids
 
 
+def plane(t: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+    """A plane by its loader name, or its repacked twin (x4_table.X4_NAMES) in an x4 layer."""
+    from moet_cache.runtime.x4_table import X4_NAMES
+
+    return t[name] if name in t else t[X4_NAMES[name]]
+
+
 def plane_bytes_per_expert(t: dict[str, torch.Tensor]) -> int:
-    names = ("w13_base_x4", "w2_base_x4") if "w13_base_x4" in t else ("w13_base", "w2_base")
-    names += ("w13_weight_scale", "w2_weight_scale")
-    return sum(t[n][0].numel() * t[n].element_size() for n in names)
+    parts = [plane(t, "w13_base"), plane(t, "w2_base"), t["w13_weight_scale"], t["w2_weight_scale"]]
+    return sum(p[0].numel() * p.element_size() for p in parts)
 
 
 def x4_layer(t: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], float]:
@@ -119,12 +125,17 @@ def bench_planes(name: str, t: dict[str, torch.Tensor], x: torch.Tensor, w: torc
     planes = LayerPlanes.from_tensors(t)
     cfg = config or DEFAULT
     us, note = timed(lambda: fused_moe_cuda(x, planes, w, ids, 10.0, cfg))
+    picked = cfg.pick(ids.numel(), **layer_form(planes))
+    return Result(name, x.shape[0], us, bytes_read(t, ids), f"{note}; {type(picked).__name__.lower()} {picked}")
+
+
+def bytes_read(t: dict[str, torch.Tensor], ids: torch.Tensor) -> int:
+    """The bytes a layer call reads: base planes and block scales of the distinct experts routed, and the
+    delta planes of the tier experts among them."""
     hit = set(ids.reshape(-1).tolist())
     tier = set(t["delta_experts"].tolist()) if "delta_experts" in t else set()
-    delta = t["w13_delta"][0].numel() + t["w2_delta"][0].numel() if tier else 0
-    nbytes = len(hit) * plane_bytes_per_expert(t) + len(hit & tier) * delta
-    picked = cfg.pick(ids.numel(), **layer_form(planes))
-    return Result(name, x.shape[0], us, nbytes, f"{note}; {type(picked).__name__.lower()} {picked}")
+    delta = plane(t, "w13_delta")[0].numel() + plane(t, "w2_delta")[0].numel() if tier else 0
+    return len(hit) * plane_bytes_per_expert(t) + len(hit & tier) * delta
 
 
 def bf16_moe(w13: torch.Tensor, w2: torch.Tensor) -> Callable:
@@ -147,12 +158,16 @@ def bf16_moe(w13: torch.Tensor, w2: torch.Tensor) -> Callable:
 
 
 MXFP4 = {"dtype": "float4e2m1", "group_size": 32, "scale_dtype": "float8e8m0"}
+#: NVFP4 as ModelOpt ships it (the V3 family): E2M1, e4m3 scales per 16, an fp32 scale per tensor: the peer
+#: of our layers with e4m3 scales
+NVFP4 = {"dtype": "float4e2m1", "group_size": 16, "scale_dtype": "float8e4m3", "scale_2_type": "tensor"}
 INT2 = {"dtype": "int2", "group_size": 32}  # evenly spaced 2-bit levels, bf16 scale per 32
 
 
 class Humming:
     """Humming's weight-only MoE (bf16 activations, indexed GEMM): MXFP4 (E2M1 codes, e8m0 scales per
-    32), the FP4 peer; or int2, what an evenly spaced 2-bit table would run at."""
+    32), the FP4 peer; NVFP4 (e4m3 scales per 16 and one per tensor), the peer of e4m3-scaled layers; or
+    int2, what an evenly spaced 2-bit table would run at."""
 
     def __init__(self, w13: torch.Tensor, w2: torch.Tensor, cfg: dict) -> None:
         from humming.config import GemmType
@@ -265,6 +280,7 @@ def speed(args: argparse.Namespace) -> list[dict]:
     x4_8, ms = x4_layer(planes8)
     x4_none8, _ = x4_layer(none8)
     x4_none4, _ = x4_layer(none4)
+    x4_4, _ = x4_layer(planes4)
     print(f"x4 base table: repacking a layer's base planes at load took {ms:.1f} ms", flush=True)
     rows.append({"what": "x4_repack_ms_per_layer", "ms": ms})
     g = torch.Generator(device="cuda").manual_seed(3)
@@ -272,7 +288,8 @@ def speed(args: argparse.Namespace) -> list[dict]:
     w2 = (torch.randn((E, H, I), generator=g, device="cuda") * 0.02).to(torch.bfloat16)
     bf16 = bf16_moe(w13, w2)
     hums: dict[str, tuple[Humming, int]] = {}
-    for hname, hcfg, bits in (("humming mxfp4", MXFP4, 4.25), ("humming int2", INT2, 2.5)):
+    for hname, hcfg, bits in (("humming mxfp4", MXFP4, 4.25), ("humming nvfp4", NVFP4, 4.5),
+                              ("humming int2", INT2, 2.5)):
         try:
             t0 = time.time()
             hums[hname] = (Humming(w13, w2, hcfg), int(3 * H * I * bits / 8))
@@ -300,6 +317,7 @@ def speed(args: argparse.Namespace) -> list[dict]:
         res.append(bench_planes("planes x4 e8m0 base-only", x4_none8, x, w, ids))
         res.append(bench_planes("planes x4 e8m0 tier10%", x4_8, x, w, ids))
         res.append(bench_planes("planes x4 e4m3 base-only", x4_none4, x, w, ids))
+        res.append(bench_planes("planes x4 e4m3 tier10%", x4_4, x, w, ids))
         hit = len(set(ids.reshape(-1).tolist()))
         try:
             us, note = timed(lambda: bf16(x, w, ids))
@@ -316,13 +334,14 @@ def speed(args: argparse.Namespace) -> list[dict]:
         ref = {r.name: r.us for r in res}
         for r in res:
             vs_h = ref.get("humming mxfp4", float("nan")) / r.us
+            vs_n = ref.get("humming nvfp4", float("nan")) / r.us
             vs_b = ref.get("bf16 grouped_mm", float("nan")) / r.us
             print(f"T={T:5d} experts={hit:3d} {r.name:24s} {r.us:9.1f} us {r.gbps:7.0f} GB/s "
-                  f"{100 * r.gbps / copy:5.1f}% copy  x{vs_h:5.2f} vs humming  x{vs_b:5.2f} vs bf16  [{r.note}]",
-                  flush=True)
+                  f"{100 * r.gbps / copy:5.1f}% copy  x{vs_h:5.2f} vs humming  x{vs_n:5.2f} vs nvfp4  "
+                  f"x{vs_b:5.2f} vs bf16  [{r.note}]", flush=True)
             rows.append({"what": "speed", "name": r.name, "tokens": T, "experts": hit, "us": r.us,
                          "GBps": r.gbps, "copy_frac": r.gbps / copy, "speedup_vs_humming": vs_h,
-                         "speedup_vs_bf16": vs_b, "note": r.note})
+                         "speedup_vs_humming_nvfp4": vs_n, "speedup_vs_bf16": vs_b, "note": r.note})
     return rows
 
 

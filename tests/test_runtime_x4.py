@@ -128,3 +128,30 @@ def test_prepare_in_place_only_where_the_kernels_run(layer: dict, monkeypatch: p
     assert torch.equal(layer["w13_base"], prepare({**layer, "w13_base": before})["w13_base_x4"])
     renamed = {X4_NAMES.get(k, k): v for k, v in layer.items()}
     assert not prepare_in_place(renamed)
+
+
+def test_bench_moe_counts_an_x4_layers_bytes_as_its_natural_twins(monkeypatch: pytest.MonkeyPatch) -> None:
+    """benchmarks/bench_moe.py's bytes read (its GB/s and % of copy): an x4 layer, whose planes go by
+    X4_NAMES, counts what the same layer in the natural layout does, the tier's delta planes included
+    (the tier layers' rows had failed on the renamed planes)."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(
+        "bench_moe", Path(__file__).resolve().parents[1] / "benchmarks" / "bench_moe.py")
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "bench_moe", bench)  # its dataclasses look their module up
+    spec.loader.exec_module(bench)
+    t = x4_tables(random_layer(E, H, I, n_tier=3, e8m0=False, device="cpu", seed=4))
+    x4 = prepare(t)
+    assert "w13_delta_x4" in x4 and "w13_delta" not in x4
+    tier = t["delta_experts"].tolist()
+    other = next(e for e in range(E) if e not in tier)
+    ids = torch.tensor([[tier[0], tier[1]], [tier[0], other]])
+    per_expert = sum(t[n][0].numel() * t[n].element_size()
+                     for n in ("w13_base", "w2_base", "w13_weight_scale", "w2_weight_scale"))
+    delta = t["w13_delta"][0].numel() + t["w2_delta"][0].numel()
+    assert bench.bytes_read(t, ids) == 3 * per_expert + 2 * delta
+    assert bench.bytes_read(x4, ids) == bench.bytes_read(t, ids)
+    assert bench.bytes_read({k: v for k, v in x4.items() if k != "delta_experts"}, ids) == 3 * per_expert
