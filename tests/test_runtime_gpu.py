@@ -208,9 +208,9 @@ def x4_layer(request: pytest.FixtureRequest) -> dict[str, torch.Tensor]:
                                       (5, Config.only(Pairs(64, 8, 2)))])
 def test_x4_layers_equal_reference(x4_layer: dict, T: int, config: Config) -> None:
     """Planes repacked for the x4 decode (x4_table.prepare) through every kernel family: the decode
-    blocks (direct, lean, sorted; DEFAULT at T = 16 and 30 takes lean blocks for e8m0 scales, direct ones
-    with their two accumulator sets for e4m3), the prefill blocks, and Triton, which reads them put back; tier
-    experts (their exact FP4 decode, x4_tier_reg) routed beside the base ones."""
+    blocks (direct, lean, sorted; DEFAULT at T = 1 and 7 takes direct blocks with their two accumulator
+    sets, at T = 16 and 30 lean ones, for both scale forms), the prefill blocks, and Triton, which reads
+    them put back; tier experts (their exact FP4 decode, x4_tier_reg) routed beside the base ones."""
     prepared = prepare(x4_layer)
     planes = LayerPlanes.from_tensors(prepared)
     assert planes.x4_layout

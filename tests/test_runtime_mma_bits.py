@@ -397,8 +397,8 @@ def test_prefill_e4m3_scale_times_2p120_is_the_scale() -> None:
 
 
 def test_e4m3_two_then_prmt_is_e4m3_pair_of_each_byte() -> None:
-    """mma_bits.cu e4m3_two: two scale bytes converted at once, one a half; the x4 kernels (decode and
-    prefill) then take group i's pair by prmt(., 0, 0x1010) (even i) or 0x3232 (odd i). Each must be
+    """mma_bits.cu e4m3_two: two scale bytes converted at once, one a half; x4_scale_e4 (decode and
+    prefill) then takes group i's pair by prmt(., 0, 0x1010) (even i) or 0x3232 (odd i). Each must be
     scale_pair's value of its own byte, bit for bit, for every pair of finite e4m3 bytes in every byte
     slot, subnormals and the sign included."""
     finite = [b for b in range(256)

@@ -140,6 +140,18 @@ template <bool E8>
 DEV u32 x4_tier_scale(u32 sc) { return E8 ? sc + 0x3B003B00u : bmul2(sc, 0x7A807A80u); }
 #define X4_TIER_POST 256.f
 
+// The x4 kernels' e4m3 scale pair of group `byte` (0..3 of sreg): at an even group, it and the next are
+// converted together into `two` (e4m3_two; a tier expert's x4_tier_scale, a multiply a half, on the
+// pair), and each group takes its own by one PRMT. Called for the groups in order (decode and prefill).
+template <bool TIER>
+DEV u32 x4_scale_e4(u32 sreg, int byte, u32& two) {
+  if ((byte & 1) == 0) {
+    two = e4m3_two(sreg, (byte >> 1) & 1);
+    if (TIER) two = x4_tier_scale<false>(two);
+  }
+  return prmt(two, 0u, (byte & 1) ? 0x3232u : 0x1010u);
+}
+
 // An e8m0 scale byte of sreg as x4_reg's sc: the byte into both halves by PRMT, then one shift (with the
 // multiply of scale_pair, ptxas folds the multiply into every x4_reg IMAD and splits the shift out).
 DEV u32 x4_scale_e8(u32 sreg, int byte) { return prmt(sreg, 0u, 0x4040u | (byte << 8) | byte) << 7; }

@@ -110,12 +110,8 @@ DEV void compute_chunk(float (&acc)[NT][4], float (&acc2)[NT][4], const Chunk& c
     if (!E8 || (i & 1) == 0) {  // a new scale group: the rows' scales, and the tables pre-scaled
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        if (X4 && !E8) {  // e4m3: groups i and i + 1 converted together (e4m3_two), then each by a PRMT
-          if ((i & 1) == 0) {
-            two[r] = e4m3_two(ch.s[r], i >> 1);
-            if (TIER) two[r] = x4_tier_scale<false>(two[r]);  // a multiply a half: as on each group's pair
-          }
-          sc[r] = prmt(two[r], 0u, (i & 1) ? 0x3232u : 0x1010u);
+        if (X4 && !E8) {  // e4m3: groups i and i + 1 converted together
+          sc[r] = x4_scale_e4<TIER>(ch.s[r], i, two[r]);
         } else {
           const int byte = E8 ? (i >> 1) : i;
           sc[r] = !X4 ? scale_pair<E8>(prmt(ch.s[r], 0u, 0x4440u | byte)) : x4_scale_e8(ch.s[r], byte);
@@ -258,9 +254,9 @@ DEV int group_pair(const int* __restrict__ ids, int P, int e, int p, int lane, b
 // The threads an SM the decode kernels' registers are sized for (launch bounds), and the chunks each
 // warp keeps in flight (see "Loads in flight" above). One token column (NT 1): 768 threads, 80
 // registers, two chunks, or LEAN: 1024 threads, 64 registers, one chunk (more warps for fewer loads in
-// flight: from 60-80 pairs on by the layer's form, launch.py; session 13: 64 registers, where 56 had spilled
-// around the loop, 2-4% faster than 56 at T = 16-64, e.g. T = 16 289.3 against 294.8 us). Two columns
-// 512 (their activations and accumulators spill at 80); wider blocks one chunk.
+// flight: from 60-80 pairs on by the layer's form, launch.py; session 13: 64 registers, where 56 had
+// spilled around the loop, 2-4% faster than 56 at T = 16-64, e.g. T = 16 289.3 against 294.8 us). Two
+// columns 512 (their activations and accumulators spill at 80); wider blocks one chunk.
 #define MIN_THREADS_SM(NT, LEAN) ((NT) == 1 ? ((LEAN) ? 1024 : 768) : 512)
 #define CHUNKS_IN_FLIGHT(NT, LEAN) ((NT) <= 2 && !(LEAN) ? 2 : 1)
 

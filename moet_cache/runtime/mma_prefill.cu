@@ -121,12 +121,8 @@ struct PrefillStage {
 #pragma unroll
         for (int rr = 0; rr < 2; ++rr) {
           const u32 sr = sreg[i][rr][byte >> 2];
-          if (X4 && !E8) {  // the true scale; groups j and j + 1 converted together (e4m3_two), each by a PRMT
-            if ((j & 1) == 0) {
-              two[i][rr] = e4m3_two(sr, (byte >> 1) & 1);
-              if (TIER) two[i][rr] = x4_tier_scale<false>(two[i][rr]);  // tier experts x 2^118
-            }
-            sc[i][rr] = prmt(two[i][rr], 0u, (j & 1) ? 0x3232u : 0x1010u);
+          if (X4 && !E8) {  // the true scale; groups j and j + 1 converted together
+            sc[i][rr] = x4_scale_e4<TIER>(sr, byte & 3, two[i][rr]);
           } else if (X4) {  // the true scale (no 2^-120: there is no table to carry it); tier experts x 2^118
             sc[i][rr] = x4_scale_e8(sr, byte & 3);
             if (TIER) sc[i][rr] = x4_tier_scale<true>(sc[i][rr]);
