@@ -85,14 +85,15 @@ def routing(T: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def plane(t: dict[str, torch.Tensor], name: str) -> torch.Tensor:
-    """A plane by its loader name, or its repacked twin (x4_table.X4_NAMES) in an x4 layer."""
+    """A plane or block-scale tensor by its loader name, or its repacked twin (x4_table.X4_NAMES) in an x4
+    layer."""
     from moet_cache.runtime.x4_table import X4_NAMES
 
     return t[name] if name in t else t[X4_NAMES[name]]
 
 
 def plane_bytes_per_expert(t: dict[str, torch.Tensor]) -> int:
-    parts = [plane(t, "w13_base"), plane(t, "w2_base"), t["w13_weight_scale"], t["w2_weight_scale"]]
+    parts = [plane(t, n) for n in ("w13_base", "w2_base", "w13_weight_scale", "w2_weight_scale")]
     return sum(p[0].numel() * p.element_size() for p in parts)
 
 

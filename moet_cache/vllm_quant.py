@@ -129,8 +129,9 @@ def quant_classes() -> tuple[type, type]:
 
         def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
             # The planes are used as loaded, except that a layer built with --base-table x4 has its
-            # planes (base parameters, tier buffers) repacked in place for the x4 decode on the GPU
-            # (docs/RUNTIME.md), and renamed so that what each name holds stays true.
+            # planes and block scales (base and scale parameters, tier buffers) repacked in place for
+            # the x4 decode on the GPU (docs/RUNTIME.md), and renamed so that what each name holds
+            # stays true.
             from .runtime.x4_table import X4_NAMES, prepare_in_place
             if not prepare_in_place({n: getattr(layer, n) for n in layer.moet_tensor_names}):
                 return

@@ -175,15 +175,19 @@ def test_every_split_path_fits_the_same_x4_tables(ckpt_modelopt: Path, tmp_path:
     _assert_x4(tmp_path / "c")
 
 
-def test_an_x4_cache_takes_the_x4_decode_and_computes_the_same(x4_lossless: Path) -> None:
+def test_an_x4_cache_takes_the_x4_decode_and_computes_the_same(tmp_path: Path) -> None:
     """What the runtime makes of an x4 build: every loaded layer is taken for the x4 decode (x4_table.is_x4),
-    and its planes repacked the way the GPU kernels read them give the same layer on the reference."""
+    and its planes repacked the way the GPU kernels read them give the same layer on the reference. The
+    experts are 256 wide, so that their planes split into the x4 layout's tiles (K in chunks of 256)."""
     import torch
 
     from moet_cache.runtime import fused_moe
     from moet_cache.runtime.x4_table import X4_NAMES, is_x4, prepare
+    from moet_cache.synthetic import make_checkpoint, small_spec
 
-    c = open_cache(x4_lossless)
+    src = make_checkpoint(tmp_path / "src", small_spec(moe_intermediate_size=256, num_hidden_layers=2))
+    build_cache(src, tmp_path / "cache", BuildOptions(lossless=True, delta_budget="30%", base_table="x4"))
+    c = open_cache(tmp_path / "cache")
     assert c.base_table == BaseTable.X4
     for lt in c.load(device="cpu", delta="tier", workers=1):
         t = lt.tensors

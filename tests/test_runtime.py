@@ -302,10 +302,11 @@ def test_config_picks_each_regime_by_pairs() -> None:
         assert DEFAULT.pick(6, **form) == Mma(1, 2, 2, direct=True, pdl=True)
         assert DEFAULT.pick(starts[0] - 1, **form) == Mma(1, 2, 2, lean=True, pdl=True)
         assert all(block.pdl for _, block in steps)
-    # each form's lean blocks from its own pair count (the H200 crossovers): fitted tables 60, x4 64, x4
-    # with e4m3 scales (a scale every 16 codes) 80
-    assert DEFAULT.pick(62).lean and not DEFAULT.pick(62, x4=True).lean and DEFAULT.pick(64, x4=True).lean
-    assert not DEFAULT.pick(79, x4=True, e4m3=True).lean and DEFAULT.pick(80, x4=True, e4m3=True).lean
+    # each form's lean blocks from its own pair count (the H200 crossovers): fitted tables 60, x4 24, x4
+    # with e4m3 scales (a scale every 16 codes) 30
+    assert not DEFAULT.pick(59).lean and DEFAULT.pick(60).lean
+    assert not DEFAULT.pick(23, x4=True).lean and DEFAULT.pick(24, x4=True).lean
+    assert not DEFAULT.pick(29, x4=True, e4m3=True).lean and DEFAULT.pick(30, x4=True, e4m3=True).lean
     for (start, block), nxt in zip(PREFILL_STEPS, starts[1:] + [1 << 40]):
         assert DEFAULT.pick(start) == block and DEFAULT.pick(nxt - 1) == block
     assert isinstance(DEFAULT.pick(starts[0], prefill_runs=False), Mma)

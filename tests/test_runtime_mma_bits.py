@@ -148,13 +148,14 @@ def x4_scale_e8(sreg: int, byte: int) -> int:
 
 
 def test_x4_regs_are_sign_and_x4_times_the_scale_for_every_code() -> None:
-    """A word repacked by x4_table.to_x4 gives, in register r = j + 4h, the codes j + 8h (low half) and
-    j + 4 + 8h (high half) as +-{1, 4} x the block scale, bit for bit (the natural lookup's order)."""
-    from moet_cache.runtime.x4_table import to_x4
+    """A word with its bits moved by x4_table (to_x4 then tiles the words) gives, in register r = j + 4h, the
+    codes j + 8h (low half) and j + 4 + 8h (high half) as +-{1, 4} x the block scale, bit for bit (the
+    natural lookup's order)."""
+    from moet_cache.runtime.x4_table import _move_bits
     rng = random.Random(9)
     words = [rng.getrandbits(32) for _ in range(300)] + [0, M32, 0x55555555, 0xAAAAAAAA]
     plane = torch.tensor([[[w - (1 << 32) if w >= 1 << 31 else w for w in words]]], dtype=torch.int32)
-    packed = to_x4(plane.view(torch.uint8)).view(torch.int32).reshape(-1).tolist()
+    packed = _move_bits(plane, delta=False, inverse=False).reshape(-1).tolist()
     pattern = (1.0, 4.0, -1.0, -4.0)
     for byte, e8 in ((127, True), (1, True), (252, True), (120, True), (0x38, False), (0x7E, False), (0x03, False)):
         sreg = byte << 16 | 0x5A  # the byte in position 2 of its scale word
@@ -184,12 +185,12 @@ def x4_tier_scale(sc: int, e8: bool) -> int:
 
 
 def test_x4_tier_regs_are_the_exact_fp4_values_for_every_code() -> None:
-    """A tier expert's base and delta words repacked by x4_table.to_x4 give, in register r = j + 4h, the
+    """A tier expert's base and delta words with their bits moved by x4_table give, in register r = j + 4h, the
     exact E2M1 values of the codes j + 8h (low half) and j + 4 + 8h (high half) x the block scale x 2^-8
     (X4_TIER_POST), bit for bit: every code, -0 included, for e8m0 bytes from 3 to MAX_TIER_E8M0_BYTE and
     e4m3 bytes from a subnormal to 448. The codes 0 and 0.5 pass through bf16 subnormals. (Bytes 0 to 2,
     scales of 2^-125 and less, lose their small codes below bf16's subnormals.)"""
-    from moet_cache.runtime.x4_table import MAX_TIER_E8M0_BYTE, to_x4
+    from moet_cache.runtime.x4_table import MAX_TIER_E8M0_BYTE, _move_bits
     rng = random.Random(11)
     n = 200
     wb = [rng.getrandbits(32) for _ in range(n)] + [0, M32, 0x55555555, 0xAAAAAAAA]
@@ -197,7 +198,7 @@ def test_x4_tier_regs_are_the_exact_fp4_values_for_every_code() -> None:
 
     def packed(words: list[int], delta: bool) -> list[int]:
         plane = torch.tensor([[[w - (1 << 32) if w >= 1 << 31 else w for w in words]]], dtype=torch.int32)
-        return [w & M32 for w in to_x4(plane.view(torch.uint8), delta).view(torch.int32).reshape(-1).tolist()]
+        return [w & M32 for w in _move_bits(plane, delta, inverse=False).reshape(-1).tolist()]
 
     pb, pd = packed(wb, False), packed(wd, True)
     for byte, e8 in ((3, True), (4, True), (100, True), (127, True), (MAX_TIER_E8M0_BYTE, True),

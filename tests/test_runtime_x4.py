@@ -11,10 +11,11 @@ from moet_cache.planes import X4_PATTERN
 from moet_cache.runtime import fused_moe
 from moet_cache.runtime.dequant import LayerPlanes, unpack_plane
 from moet_cache.runtime.synthetic_layer import random_layer
-from moet_cache.runtime.x4_table import (MAX_TIER_E8M0_BYTE, X4_NAMES, bit_moves, delta_bit_moves, is_x4, prepare,
-                                         prepare_in_place, scales_fit, to_natural, to_x4)
+from moet_cache.runtime.x4_table import (CHUNK_CODES, MAX_TIER_E8M0_BYTE, TILE_ROWS, X4_NAMES, bit_moves,
+                                         delta_bit_moves, is_x4, prepare, prepare_in_place, scales_fit, tile,
+                                         tiles_fit, to_natural, to_x4)
 
-E, H, I = 8, 64, 32
+E, H, I = 8, 512, 256  # the smallest dims whose planes split into the x4 layout's tiles: K in whole chunks
 
 
 def x4_tables(t: dict[str, torch.Tensor], seed: int = 0) -> dict[str, torch.Tensor]:
@@ -40,16 +41,42 @@ def test_bit_moves_are_a_permutation_of_the_word(moves) -> None:
 
 @pytest.mark.parametrize("delta", [False, True])
 def test_to_x4_round_trips_every_expert(delta: bool) -> None:
-    plane = torch.randint(0, 256, (5, 6, 16), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    plane = torch.randint(0, 256, (5, 32, 128), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
     packed = to_x4(plane, delta)
     assert all(not torch.equal(packed[e], plane[e]) for e in range(5))
     assert torch.equal(to_natural(packed, delta), plane)
     assert not torch.equal(to_x4(plane, not delta), packed)  # the two layouts differ
-    # every code's two bits went where the moves say, word by word
-    w, pw = plane.view(torch.int32)[3].reshape(-1).tolist(), packed.view(torch.int32)[3].reshape(-1).tolist()
+    # every code's two bits went where the moves say, word by word, once the tiles are put back
+    rows = tile(packed, inverse=True)
+    w, pw = plane.view(torch.int32)[3].reshape(-1).tolist(), rows.view(torch.int32)[3].reshape(-1).tolist()
     for a, b in zip(w, pw):
         for s, d in (delta_bit_moves() if delta else bit_moves()):
             assert (a >> s) & 1 == (b >> d) & 1
+
+
+@pytest.mark.parametrize("dtype,chunk_bytes", [(torch.uint8, 64), (torch.float8_e8m0fnu, 8),
+                                               (torch.float8_e4m3fn, 16)])
+def test_tile_puts_each_chunk_of_a_tiles_rows_together(dtype: torch.dtype, chunk_bytes: int) -> None:
+    """x4_table.tile, element by element against its definition: byte b of chunk c of row i of tile k sits
+    at [chunk][row][byte] within the tile (mma_bits.cu tiled_at reads it there); planes take 64 bytes a
+    chunk (256 codes), e8m0 scales 8 (a byte per 32 codes), e4m3 scales 16."""
+    n, rows, chunks = 2, 2 * TILE_ROWS, 3
+    assert chunk_bytes * {torch.uint8: 4, torch.float8_e8m0fnu: 32, torch.float8_e4m3fn: 16}[dtype] == CHUNK_CODES
+    src = torch.randint(0, 256, (n, rows, chunks * chunk_bytes), dtype=torch.uint8,
+                        generator=torch.Generator().manual_seed(3))
+    got = tile(src.view(dtype))
+    assert got.dtype == dtype and got.shape == src.shape
+    flat = got.view(torch.uint8).reshape(n, -1)
+    for e in range(n):
+        for row in range(rows):
+            k, i = divmod(row, TILE_ROWS)
+            for c in range(chunks):
+                for b in range(chunk_bytes):
+                    at = k * TILE_ROWS * chunks * chunk_bytes + (c * TILE_ROWS + i) * chunk_bytes + b
+                    assert flat[e, at] == src[e, row, c * chunk_bytes + b]
+    assert torch.equal(tile(got, inverse=True).view(torch.uint8), src)
+    with pytest.raises(ValueError, match="tiles"):
+        tile(src[:, :TILE_ROWS - 1].view(dtype))
 
 
 def test_is_x4_takes_layers_whose_tables_all_have_the_form(layer: dict) -> None:
@@ -64,19 +91,25 @@ def test_prepare_leaves_fitted_layers_and_moves_x4_ones(layer: dict) -> None:
     assert not is_x4(fitted) and prepare(fitted) is fitted
     prepared = prepare(layer)
     assert set(prepared) == (set(layer) - set(X4_NAMES)) | set(X4_NAMES.values())
-    for natural, x4 in X4_NAMES.items():  # every expert's base plane, every tier row's delta plane
+    for natural, x4 in X4_NAMES.items():  # every expert's base plane and scales, every tier row's delta plane
         delta = natural.endswith("_delta")
-        assert torch.equal(prepared[x4], to_x4(layer[natural], delta))
-        assert torch.equal(to_natural(prepared[x4], delta), layer[natural])
+        assert torch.equal(prepared[x4].view(torch.uint8), to_x4(layer[natural], delta).view(torch.uint8))
+        assert torch.equal(to_natural(prepared[x4], delta).view(torch.uint8), layer[natural].view(torch.uint8))
+        assert prepared[x4].dtype == layer[natural].dtype and prepared[x4].shape == layer[natural].shape
     planes = LayerPlanes.from_tensors(prepared)
     assert planes.x4_layout and not LayerPlanes.from_tensors(layer).x4_layout
     natural = planes.natural()
-    for name in ("w13_base", "w2_base", "w13_delta", "w2_delta"):
-        assert torch.equal(getattr(natural, name), layer[name])
+    for name, loaded in (("w13_base", "w13_base"), ("w2_base", "w2_base"), ("w13_delta", "w13_delta"),
+                         ("w2_delta", "w2_delta"), ("w13_scale", "w13_weight_scale"), ("w2_scale", "w2_weight_scale")):
+        assert torch.equal(getattr(natural, name).view(torch.uint8), layer[loaded].view(torch.uint8))
     # a layer loaded with delta="none" has base planes only
     base_only = {k: v for k, v in layer.items() if k not in ("w13_delta", "w2_delta", "delta_experts")}
-    assert set(prepare(base_only)) == (set(base_only) - {"w13_base", "w2_base"}) | {"w13_base_x4", "w2_base_x4"}
+    repacked = {"w13_base", "w2_base", "w13_weight_scale", "w2_weight_scale"}
+    assert set(prepare(base_only)) == (set(base_only) - repacked) | {X4_NAMES[n] for n in repacked}
     assert LayerPlanes.from_tensors(prepare(base_only)).delta_experts.numel() == 0
+    # planes that do not split into tiles (the kernels never take them: K under 512) stay as they are
+    small = x4_tables(random_layer(E, 256, 128, n_tier=3, e8m0=True, device="cpu", seed=4))
+    assert is_x4(small) and not tiles_fit(small) and prepare(small) is small
 
 
 def test_prepared_layer_computes_the_same_on_the_reference(layer: dict) -> None:

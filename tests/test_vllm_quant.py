@@ -61,9 +61,9 @@ def tp_group(vllm_config: Any) -> Any:
     cleanup_dist_env_and_memory()
 
 
-def _moe(quant_config: Any, layer: int, tp: int = 1) -> Any:
+def _moe(quant_config: Any, layer: int, tp: int = 1, inter: int = I) -> Any:
     from vllm.model_executor.layers.fused_moe import FusedMoEFactory
-    return FusedMoEFactory(num_experts=E, top_k=TOP_K, hidden_size=H, intermediate_size=I,
+    return FusedMoEFactory(num_experts=E, top_k=TOP_K, hidden_size=H, intermediate_size=inter,
                            params_dtype=torch.bfloat16, quant_config=quant_config, tp_size=tp, dp_size=1,
                            pcp_size=1, prefix=f"model.layers.{layer}.mlp.experts", swiglu_limit=LIMIT)
 
@@ -80,8 +80,9 @@ class _Model(nn.Module):
         return set(self.dense)
 
 
-def _model_on(cache: Path) -> _Model:
-    """vLLM's DeepSeek layout with real fused-MoE layers 1-3 under the cache's `moet` method."""
+def _model_on(cache: Path, inter: int = I) -> _Model:
+    """vLLM's DeepSeek layout with real fused-MoE layers 1-3 under the cache's `moet` method (experts
+    `inter` wide)."""
     register()
     qc = vllm.get_quantization_config("moet").from_config(_block(cache))
     model = _Model()
@@ -91,7 +92,7 @@ def _model_on(cache: Path) -> _Model:
         layer = nn.Module()
         if i >= 1:
             layer.mlp = nn.Module()
-            layer.mlp.experts = _moe(qc, i)
+            layer.mlp.experts = _moe(qc, i, inter=inter)
         model.model.layers.append(layer)
     return model
 
@@ -148,17 +149,20 @@ def test_the_moe_layer_gets_the_planes_and_apply_equals_fused_moe(built_cache: P
     assert out.abs().sum() > 0
 
 
-def test_an_x4_cache_is_repacked_after_loading_and_computes_the_same(ckpt_modelopt: Path, tmp_path: Path,
-                                                                     vllm_config: Any,
+def test_an_x4_cache_is_repacked_after_loading_and_computes_the_same(tmp_path: Path, vllm_config: Any,
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """process_weights_after_loading on a --base-table x4 cache: where the plane kernels take the layer
-    (the CPU stands in for a GPU here) the planes are repacked in place once and renamed w13_base_x4 /
-    w2_base_x4 (parameters) and w13_delta_x4 / w2_delta_x4 (buffers), and apply computes what it did before."""
+    (the CPU stands in for a GPU here) the planes and block scales are repacked in place once and renamed
+    w13_base_x4 / w2_base_x4 / w13_weight_scale_x4 / w2_weight_scale_x4 (parameters) and w13_delta_x4 /
+    w2_delta_x4 (buffers), and apply computes what it did before. The experts are 256 wide, so that their
+    planes split into the x4 layout's tiles."""
     from moet_cache import BuildOptions, build_cache
     from moet_cache.runtime import fused_moe, x4_table
+    from moet_cache.synthetic import make_checkpoint, small_spec
+    src = make_checkpoint(tmp_path / "src", small_spec(moe_intermediate_size=256))
     cache = tmp_path / "cache"
-    build_cache(ckpt_modelopt, cache, BuildOptions(delta_budget="25%", base_table="x4"))
-    model = _model_on(cache)
+    build_cache(src, cache, BuildOptions(delta_budget="25%", base_table="x4"))
+    model = _model_on(cache, inter=256)
     load_into_model(model, PluginOptions(cache=str(cache), workers=1))
     experts = model.model.layers[2].mlp.experts.routed_experts
     want = next(x.tensors for x in open_cache(cache).load(delta="tier", workers=1) if x.index == 2)
@@ -171,7 +175,8 @@ def test_an_x4_cache_is_repacked_after_loading_and_computes_the_same(ckpt_modelo
     experts.quant_method.process_weights_after_loading(experts)
     experts.quant_method.process_weights_after_loading(experts)  # again (a reload): nothing more moves
     params = dict(experts.named_parameters(recurse=False))
-    assert "w13_base_x4" in params and "w2_base_x4" in params and "w13_base" not in params
+    assert {"w13_base_x4", "w2_base_x4", "w13_weight_scale_x4", "w2_weight_scale_x4"} <= set(params)
+    assert not {"w13_base", "w2_base", "w13_weight_scale", "w2_weight_scale"} & set(params)
     assert "w13_base_x4" in experts.moet_tensor_names and not torch.equal(experts.w13_base_x4, natural)
     buffers = dict(experts.named_buffers(recurse=False))  # the tier's delta planes, repacked too
     assert {"w13_delta_x4", "w2_delta_x4"} <= set(buffers) and "w13_delta" not in buffers

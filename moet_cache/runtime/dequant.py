@@ -53,7 +53,7 @@ class LayerPlanes:
     w13_delta: torch.Tensor         # uint8 [n, 2I, H/4]
     w2_delta: torch.Tensor          # uint8 [n, H, I/4]
     delta_experts: torch.Tensor     # int64 [n]
-    x4_layout: bool = False         # the planes repacked for the x4 decode (x4_table.py)
+    x4_layout: bool = False         # planes and block scales repacked for the x4 decode (x4_table.py)
 
     @property
     def num_experts(self) -> int:
@@ -70,10 +70,11 @@ class LayerPlanes:
     @classmethod
     def from_tensors(cls, t: dict[str, torch.Tensor]) -> "LayerPlanes":
         """Check names, shapes and dtypes; a layer loaded with delta="none" gets an empty tier."""
-        x4 = "w13_base_x4" in t  # prepared by x4_table.prepare: the same planes, bits moved
+        x4 = "w13_base_x4" in t  # prepared by x4_table.prepare: the same planes and scales, repacked
         suffix = "_x4" if x4 else ""
         base_names = ("w13_base" + suffix, "w2_base" + suffix)
-        missing = [n for n in (*base_names, "w13_weight_scale", "w2_weight_scale",
+        scale_names = ("w13_weight_scale" + suffix, "w2_weight_scale" + suffix)
+        missing = [n for n in (*base_names, *scale_names,
                                "w13_weight_scale_2", "w2_weight_scale_2", "w13_table", "w2_table")
                    if n not in t]
         if missing:
@@ -96,12 +97,12 @@ class LayerPlanes:
         if d13.shape != (n, two_i, h4) or d2.shape != (n, H, I // 4):
             raise InputError(f"tier planes {tuple(d13.shape)} / {tuple(d2.shape)} do not fit {n} "
                              "delta_experts")
-        planes = cls(b13, b2, t["w13_weight_scale"], t["w2_weight_scale"],
+        planes = cls(b13, b2, t[scale_names[0]], t[scale_names[1]],
                      t["w13_weight_scale_2"].float().reshape(E, 2), t["w2_weight_scale_2"].float().reshape(E),
                      t["w13_table"].float().reshape(E, 2, 4), t["w2_table"].float().reshape(E, 4),
                      d13, d2, idx.long(), x4)
-        for name, s, rows, cols in (("w13_weight_scale", planes.w13_scale, two_i, H),
-                                    ("w2_weight_scale", planes.w2_scale, H, I)):
+        for name, s, rows, cols in ((scale_names[0], planes.w13_scale, two_i, H),
+                                    (scale_names[1], planes.w2_scale, H, I)):
             if s.dim() != 3 or s.shape[:2] != (E, rows) or s.shape[2] == 0 or cols % s.shape[2]:
                 raise InputError(f"{name} {tuple(s.shape)} does not fit [E, {rows}, {cols}/group]")
             if s.dtype not in _SCALE_DTYPES:
@@ -116,7 +117,8 @@ class LayerPlanes:
         from .x4_table import to_natural
         return replace(self, w13_base=to_natural(self.w13_base), w2_base=to_natural(self.w2_base),
                        w13_delta=to_natural(self.w13_delta, delta=True),
-                       w2_delta=to_natural(self.w2_delta, delta=True), x4_layout=False)
+                       w2_delta=to_natural(self.w2_delta, delta=True), w13_scale=to_natural(self.w13_scale),
+                       w2_scale=to_natural(self.w2_scale), x4_layout=False)
 
     def tier_rows(self) -> dict[int, int]:
         """expert -> its row in the tier planes."""
@@ -132,8 +134,9 @@ def _values(base: torch.Tensor, delta: torch.Tensor | None, table: torch.Tensor)
     return torch.gather(table, 1, codes)
 
 
-def _natural_row(plane: torch.Tensor, i: int, x4: bool, delta: bool) -> torch.Tensor:
-    """Row i of a plane [n, rows, K/4] in the natural layout (`x4`: put back, this row only)."""
+def _natural_row(plane: torch.Tensor, i: int, x4: bool, delta: bool = False) -> torch.Tensor:
+    """Row i of a plane [n, rows, K/4] or of block scales [n, rows, K/group] in the natural layout (`x4`: put
+    back, this row only)."""
     if not x4:
         return plane[i]
     from .x4_table import to_natural
@@ -143,7 +146,7 @@ def _natural_row(plane: torch.Tensor, i: int, x4: bool, delta: bool) -> torch.Te
 def dequant_expert(planes: LayerPlanes, expert: int, tier_row: int | None) -> tuple[torch.Tensor, torch.Tensor]:
     """float32 (w13 [2I, H], w2 [H, I]) of one expert: its FP4 codes when tier_row is given, else its tables."""
     I, H = planes.inter, planes.hidden
-    b13, b2 = (_natural_row(p, expert, planes.x4_layout, False) for p in (planes.w13_base, planes.w2_base))
+    b13, b2 = (_natural_row(p, expert, planes.x4_layout) for p in (planes.w13_base, planes.w2_base))
     d13 = d2 = None
     if tier_row is not None:
         d13, d2 = (_natural_row(p, tier_row, planes.x4_layout, True) for p in (planes.w13_delta, planes.w2_delta))
@@ -152,6 +155,7 @@ def dequant_expert(planes: LayerPlanes, expert: int, tier_row: int | None) -> tu
     v13 = _values(b13, d13, row_table)
     v2 = _values(b2, d2, planes.w2_table[expert].expand(H, 4))
     s2_13 = planes.w13_scale_2[expert].repeat_interleave(I).unsqueeze(1)  # [2I, 1]
-    w13 = v13 * expand_block_scale(planes.w13_scale[expert], H) * s2_13
-    w2 = v2 * expand_block_scale(planes.w2_scale[expert], I) * planes.w2_scale_2[expert]
+    s13, s2 = (_natural_row(s, expert, planes.x4_layout) for s in (planes.w13_scale, planes.w2_scale))
+    w13 = v13 * expand_block_scale(s13, H) * s2_13
+    w2 = v2 * expand_block_scale(s2, I) * planes.w2_scale_2[expert]
     return w13, w2

@@ -58,18 +58,18 @@ def _decode_steps(lean_from: int) -> tuple[tuple[int, Mma], ...]:
 #: against 251.8; T = 8: 194.6 against 194.4; T = 16: 339.7 against 348.0)
 MMA_STEPS = _decode_steps(60)
 
-#: x4 layers (x4_table.py), e8m0 scales: lean from 64 pairs (session 13, lean blocks at 64 registers and
-#: direct ones with two accumulator sets; two samples each: T = 8 (48 pairs) 168.6 us both; T = 10 direct
-#: 197.8 against 200.0; T = 12 lean 213.0 against 214.7; with a 10% tier T = 10 lean 211.8 against 213.0;
-#: T = 16 289.3 against 294.3)
-MMA_STEPS_X4 = _decode_steps(64)
+#: x4 layers (x4_table.py: chunk-major tiles), e8m0 scales: lean from 24 pairs (session 14, two samples
+#: each, direct against lean: T = 2 52.5 us against 56.2; T = 4 87.8 against 86.2, with a 10% tier 96.0
+#: against 94.5; T = 6 122.3 against 116.7; T = 8 155.6 against 143.7; T = 16 278.5 against 247.5). On
+#: row-major planes (session 13) lean blocks had paid only from 64.
+MMA_STEPS_X4 = _decode_steps(24)
 
 #: x4 layers with e4m3 block scales (NVFP4 whose scales are not powers of two, e.g. the V3 family), whose
-#: decode converts a scale every 16 codes and so keeps more ALU work a chunk: lean from 80 pairs (session
-#: 13, two samples each: T = 10 direct 214.9 us against 219.7; T = 12 233.9 against 234.0; T = 16 lean
-#: 318.6 against 319.5; T = 24 423.0 against 428.6; with a 10% tier T = 12 247.3 against 247.9, T = 16
-#: 331.6 against 333.3, T = 24 444.2 against 453.9)
-MMA_STEPS_X4_E4M3 = _decode_steps(80)
+#: decode converts a scale every 16 codes and so keeps more ALU work a chunk: lean from 30 pairs (session
+#: 14, two samples each, direct against lean: T = 2 54.3 us against 59.9; T = 4 90.5 against 91.0, with a
+#: 10% tier 94.4 against 94.0; T = 6 126.5 against 123.5, tier 131.2 against 127.5; T = 8 159.6 against
+#: 152.4; T = 16 284.9 against 261.6). Row-major (session 13): from 80.
+MMA_STEPS_X4_E4M3 = _decode_steps(30)
 
 
 def _step(steps: tuple[tuple[int, Mma | Prefill], ...], P: int) -> Mma | Prefill:

@@ -170,6 +170,11 @@ DEV void tier_regs(u32 wb, u32 wd, u32 sc, u32& lo, u32& hi) {
   hi = bmul2(((large1 & big1) | (small1 & ~big1)) | (neg1 & 0x80008000u), sc);
 }
 
+// The x4 layers' tiles (x4_table.tile): each 16 rows stored chunk-major, [chunk][16 rows][a row's chunk],
+// a row's chunk being `unit` of its elements (CHUNK_WORDS plane words; 8 e8m0 or 16 e4m3 scale bytes).
+// Element k of the tile's row i is at this offset from the tile's start, in the same elements.
+DEV int tiled_at(int i, int k, int unit) { return (k / unit * 16 + i) * unit + k % unit; }
+
 // Ask the L2 for `bytes` (a multiple of 16, 16-byte aligned) from p, with no register and no completion
 // to wait for (sm_90 bulk prefetch; a no-op below): the CTA's whole tile is on its way from DRAM at once,
 // where the register loads keep only a chunk or two in flight.

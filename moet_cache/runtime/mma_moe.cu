@@ -25,7 +25,8 @@
 // picks bytes 2c and 2c + 1 for each code, and the selector is one IMAD: m * 0x22 + 0x1010.
 // X4 (a layer built with --base-table x4, its planes repacked at load: x4_table.py): no table; x4_reg
 // makes each register from its repacked word with one LOP3 and one IMAD (mma_bits.cu), and the epilogue
-// multiplies by the tables' factor a. A tier expert's registers take x4_tier_reg (its base and delta
+// multiplies by the tables' factor a. The repack also stores each 16-row tile of planes and scales
+// chunk-major (x4_table.tile; load_chunk), so that a warp's chunk is one contiguous load. A tier expert's registers take x4_tier_reg (its base and delta
 // words, a few integer ops and one bf16 multiply), and the epilogue the 2^8 it leaves out.
 // Tier code (base << 2 | delta) -> exact E2M1 (fitted-table layers, natural layout): two PRMTs into the
 // tables {0, .5, 1, 1.5} and {2, 3, 4, 6} by the delta bits, a select by the base's low bit and the sign
@@ -78,20 +79,32 @@ DEV U4 load_x(const u16* p) {
   return v;
 }
 
-// ONE_ROW (x4 kernels): row g + 8 addressed from row g's pointers (Kw words a row), four registers fewer
-// held through the K loop: otherwise the 80-register direct kernel, whose tier loop needs more, spills
-// the refilled chunk's scales in its base loop, each store waiting for its load (T = 1-2 4-6% slower).
-template <bool E8, bool ONE_ROW>
-DEV void load_chunk(Chunk& ch, const u32* const (&wrow)[2], const u8* const (&srow)[2], int c, int q, int Kw) {
+// Where chunk c of the thread's row g (r 0) or g + 8 (r 1) starts: its 16 plane words, or its block-scale
+// bytes (SB of them: e8m0 8, e4m3 16). TILED (x4 layers, x4_table.tile): each 16-row tile is stored
+// chunk-major, [chunk][16 rows][a row's chunk], from row g's pointer; so a warp's load of a chunk is one
+// contiguous KB where row-major rows scatter it over 16 (session 14: T = 1-64 7-22% faster) and row g + 8
+// needs no pointer of its own (four registers fewer through the K loop: the 80-register direct kernel
+// spilled without it, T = 1-2 4-6% slower). Natural layout (fitted tables): each row its own pointer.
+template <bool TILED>
+DEV const u32* chunk_words(const u32* const (&row)[2], int r, int c) {
+  return TILED ? row[0] + tiled_at(8 * r, CHUNK_WORDS * c, CHUNK_WORDS) : row[r] + CHUNK_WORDS * c;
+}
+template <bool TILED, int SB>
+DEV const u8* chunk_scales(const u8* const (&row)[2], int r, int c) {
+  return TILED ? row[0] + tiled_at(8 * r, SB * c, SB) : row[r] + SB * c;
+}
+
+template <bool E8, bool TILED>
+DEV void load_chunk(Chunk& ch, const u32* const (&wrow)[2], const u8* const (&srow)[2], int c, int q) {
+  constexpr int SB = E8 ? 8 : 16;  // a row's scale bytes in a chunk: 256 codes / 32 or / 16
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    const u32* w = ONE_ROW ? wrow[0] + (size_t)(8 * r) * Kw : wrow[r];
-    const u8* s = ONE_ROW ? srow[0] + (size_t)(8 * r) * (E8 ? Kw >> 1 : Kw) : srow[r];
-    ch.w[r] = load_words(w + 16 * c + 4 * q);
+    ch.w[r] = load_words(chunk_words<TILED>(wrow, r, c) + 4 * q);
+    const u8* s = chunk_scales<TILED, SB>(srow, r, c);
     if (E8)
-      ch.s[r] = __ldg(reinterpret_cast<const u16*>(s + 8 * c + 2 * q));
+      ch.s[r] = __ldg(reinterpret_cast<const u16*>(s + 2 * q));
     else
-      ch.s[r] = __ldg(reinterpret_cast<const u32*>(s + 16 * c + 4 * q));
+      ch.s[r] = __ldg(reinterpret_cast<const u32*>(s + 4 * q));
   }
 }
 
@@ -175,7 +188,7 @@ DEV void compute_chunk(float (&acc)[NT][4], float (&acc2)[NT][4], const Chunk& c
 template <int NT, int D, bool E8, bool TIER, bool X4, bool ACC2>
 DEV void k_loop(float (&acc)[NT][4], Chunk (&ch)[D], const u32* const (&wrow)[2],
                 const u32* const (&drow)[2], const u8* const (&srow)[2], u32 tlo, u32 thi,
-                const u16* const (&xrow)[NT], int q, int cb, int ce, int Kw) {
+                const u16* const (&xrow)[NT], int q, int cb, int ce) {
   U4 dl[D][2], xa[NT], xb[NT];
   float acc2[NT][4];
 #pragma unroll
@@ -189,7 +202,7 @@ DEV void k_loop(float (&acc)[NT][4], Chunk (&ch)[D], const u32* const (&wrow)[2]
     for (int d = 0; d < D; ++d)
       if (cb + d < ce) {
 #pragma unroll
-        for (int r = 0; r < 2; ++r) dl[d][r] = load_words(drow[r] + 16 * (cb + d) + 4 * q);
+        for (int r = 0; r < 2; ++r) dl[d][r] = load_words(chunk_words<X4>(drow, r, cb + d) + 4 * q);
       }
   }
   for (int c0 = cb; c0 < ce; c0 += D) {
@@ -199,10 +212,10 @@ DEV void k_loop(float (&acc)[NT][4], Chunk (&ch)[D], const u32* const (&wrow)[2]
       if (c < ce) {
         compute_chunk<NT, E8, TIER, X4, ACC2>(acc, acc2, ch[d], dl[d], tlo, thi, xrow, xa, xb, q, c);
         if (c + D < ce) {
-          load_chunk<E8, X4>(ch[d], wrow, srow, c + D, q, Kw);
+          load_chunk<E8, X4>(ch[d], wrow, srow, c + D, q);
           if (TIER) {
 #pragma unroll
-            for (int r = 0; r < 2; ++r) dl[d][r] = load_words(drow[r] + 16 * (c + D) + 4 * q);
+            for (int r = 0; r < 2; ++r) dl[d][r] = load_words(chunk_words<X4>(drow, r, c + D) + 4 * q);
           }
         }
       }
@@ -285,27 +298,34 @@ moe_mma(const u16* __restrict__ xin, const int* __restrict__ topk_ids, const int
   const int n0 = blockIdx.y * 16;
   const size_t rows_e = (size_t)TILES * N;
 
+  // the thread's rows g and g + 8 of the tile: where each starts (x4 layers: within their tile, chunk 0)
   const u32* wrow[2];
   const u8* srow[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    size_t row = (size_t)tile * N + n0 + g + 8 * r;
-    wrow[r] = base + ((size_t)e * rows_e + row) * Kw;
-    srow[r] = scale + ((size_t)e * rows_e + row) * sk;
+    if (X4) {
+      const size_t tile0 = (size_t)e * rows_e + (size_t)tile * N + n0;
+      wrow[r] = base + tile0 * Kw + tiled_at(g + 8 * r, 0, CHUNK_WORDS);
+      srow[r] = scale + tile0 * sk + tiled_at(g + 8 * r, 0, E8 ? 8 : 16);
+    } else {
+      const size_t row = (size_t)tile * N + n0 + g + 8 * r;
+      wrow[r] = base + ((size_t)e * rows_e + row) * Kw;
+      srow[r] = scale + ((size_t)e * rows_e + row) * sk;
+    }
   }
   // lean blocks keep one chunk a warp in flight: the tile's planes and scales are asked of the L2 at
   // once, so that the register loads wait on the L2 instead of DRAM (T = 16, x4: 296 against 320 us)
-  if (LEAN && part == 0 && lane == 0) {
+  if (LEAN && part == 0 && lane == 0) {  // a tile is the same 16 rows' bytes in either layout
     const size_t row0 = (size_t)e * rows_e + (size_t)tile * N + n0;
     prefetch_l2(base + row0 * Kw, 16u * Kw * 4u);
     prefetch_l2(scale + row0 * sk, 16u * sk);
   }
   // the first D chunks before anything else: they depend on e alone
-  const int per = (Kw >> 4) / KS, cb = part * per, ce = cb + per;
+  const int per = Kw / CHUNK_WORDS / KS, cb = part * per, ce = cb + per;
   Chunk ch[D];
 #pragma unroll
   for (int d = 0; d < D; ++d)
-    if (cb + d < ce) load_chunk<E8, X4>(ch[d], wrow, srow, cb + d, q, Kw);
+    if (cb + d < ce) load_chunk<E8, X4>(ch[d], wrow, srow, cb + d, q);
   // a direct block's group, once its first loads are on their way (they depend on e alone), kept in
   // shared memory (each warp its own copy) so that no register holds it through the K loop
   __shared__ int group[W][BM];
@@ -325,8 +345,9 @@ moe_mma(const u16* __restrict__ xin, const int* __restrict__ topk_ids, const int
   const u32* drow[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    size_t row = (size_t)tile * N + n0 + g + 8 * r;
-    drow[r] = delta + ((size_t)(tr < 0 ? 0 : tr) * rows_e + row) * Kw;
+    const size_t row = (size_t)tile * N + n0 + (X4 ? 0 : g + 8 * r);
+    drow[r] = delta + ((size_t)(tr < 0 ? 0 : tr) * rows_e + row) * Kw +
+              (X4 ? tiled_at(g + 8 * r, 0, CHUNK_WORDS) : 0);
   }
   const float* tb = table + ((size_t)e * TILES + tile) * 4;
   const u32 tlo = pack_bf16(tb[0], tb[1]), thi = pack_bf16(tb[2], tb[3]);
@@ -352,9 +373,9 @@ moe_mma(const u16* __restrict__ xin, const int* __restrict__ topk_ids, const int
   wait_prior();      // xin is the kernel ahead's output
 
   if (tr >= 0)
-    k_loop<NT, D, E8, true, X4, TWO_ACC>(acc, ch, wrow, drow, srow, tlo, thi, xrow, q, cb, ce, Kw);
+    k_loop<NT, D, E8, true, X4, TWO_ACC>(acc, ch, wrow, drow, srow, tlo, thi, xrow, q, cb, ce);
   else
-    k_loop<NT, D, E8, false, X4, TWO_ACC>(acc, ch, wrow, drow, srow, tlo, thi, xrow, q, cb, ce, Kw);
+    k_loop<NT, D, E8, false, X4, TWO_ACC>(acc, ch, wrow, drow, srow, tlo, thi, xrow, q, cb, ce);
 
   // every tile's parts summed into warp 0
   float sum[TILES][NT][4];

@@ -15,8 +15,8 @@ from .align import align_pairs
 from .dequant import LayerPlanes
 from .kernel_launch import launch
 
-#: words (16 codes each) of a chunk, the unit of K a warp reads per row (mma_moe.cu); K per warp must be
-#: a multiple of it
+#: words (16 codes each) of a chunk, the unit of K a warp reads per row (mma_moe.cu) and of the x4 layout's
+#: tiles (x4_table.tile); K per warp must be a multiple of it. The kernels get it as a define (`compiled`).
 CHUNK_WORDS = 16
 
 
@@ -78,7 +78,7 @@ def compiled(file: str, name: str, device: int) -> Any:
     capability = torch.cuda.get_device_capability(device)
     return torch.cuda._compile_kernel(kernel_source(file), name,
                                       compute_capability=f"{capability[0]}{capability[1]}",
-                                      nvcc_options=["-std=c++17"])
+                                      nvcc_options=["-std=c++17", f"-DCHUNK_WORDS={CHUNK_WORDS}"])
 
 
 def _kernel(name: str, device: int) -> Any:

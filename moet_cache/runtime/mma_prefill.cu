@@ -3,7 +3,8 @@
 // Compiled at first use by NVRTC (mma_prefill.py), after mma_bits.cu (prmt, base_regs, tier_regs,
 // scale_pair, mma, word_of, tier_row_of).
 //
-// X4: planes repacked for the x4 table (x4_table.py), base experts decoded by x4_reg with the register
+// X4: planes repacked for the x4 table (x4_table.py; each 16-row tile of planes and scales chunk-major,
+// which the copies address by tiled_at), base experts decoded by x4_reg with the register
 // index (q, q + 4) known at run time (x4_reg_rt), tier experts by x4_tier_reg, the true block scale (no
 // 2^-120: no table carries it).
 // Roles as in mma_moe.cu: the weights are mma's A operand (16 rows x 16 k: one int32 word of 16 codes
@@ -262,9 +263,15 @@ moe_prefill(const u16* __restrict__ xin, const int* __restrict__ sorted_pairs, c
   const int n0 = blockIdx.x * (TILES == 2 ? 16 * W : 32 * W);
   const int mt = t >> 4;
   const size_t grow = TILES == 2 ? (size_t)(mt & 1) * N + n0 + 16 * (mt >> 1) + (t & 15) : (size_t)n0 + t;
-  const u32* wsrc = base + ((size_t)e * rows_e + grow) * Kw;
-  const u32* dsrc = delta + ((size_t)(tr < 0 ? 0 : tr) * rows_e + grow) * Kw;
-  const u8* ssrc = scale + ((size_t)e * rows_e + grow) * sk;
+  // X4: the row within its tile of 16 (x4_table.tile: chunk-major tiles), whose elements tiled_at places
+  constexpr int SB = E8 ? 8 : 16;  // a row's scale bytes in a chunk
+  const int ti = (int)(grow & 15);
+  const size_t trow = X4 ? grow - ti : grow;
+  const u32* wsrc = base + ((size_t)e * rows_e + trow) * Kw;
+  const u32* dsrc = delta + ((size_t)(tr < 0 ? 0 : tr) * rows_e + trow) * Kw;
+  const u8* ssrc = scale + ((size_t)e * rows_e + trow) * sk;
+  auto word_at = [&](int k) { return X4 ? tiled_at(ti, k, CHUNK_WORDS) : k; };
+  auto scale_at = [&](int k) { return X4 ? tiled_at(ti, k, SB) : k; };
   // element offsets (int: mma_prefill.supported keeps rows x K under 2^31), -1 for padding pairs;
   // 32-bit offsets rather than pointers keep the kernel within 128 registers (two CTAs an SM)
   int xoff[S::XC];
@@ -290,14 +297,15 @@ moe_prefill(const u16* __restrict__ xin, const int* __restrict__ sorted_pairs, c
     const u32 wd = st + S::XB + t * 32;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      cp_async16(wd + ((h ^ wsw) << 4), wsrc + kt * 8 + 4 * h, 16u);
-      if (tr >= 0) cp_async16(wd + S::WB + ((h ^ wsw) << 4), dsrc + kt * 8 + 4 * h, 16u);
+      const int k = word_at(kt * 8 + 4 * h);
+      cp_async16(wd + ((h ^ wsw) << 4), wsrc + k, 16u);
+      if (tr >= 0) cp_async16(wd + S::WB + ((h ^ wsw) << 4), dsrc + k, 16u);
     }
     const u32 sd = st + S::XB + 2 * S::WB + t * 8;
     if (E8)
-      cp_async_small<4>(sd, ssrc + kt * 4);
+      cp_async_small<4>(sd, ssrc + scale_at(kt * 4));
     else
-      cp_async_small<8>(sd, ssrc + kt * 8);
+      cp_async_small<8>(sd, ssrc + scale_at(kt * 8));
   };
 
   // tables: m-tile i of w13 is gate (i 0) or up (i 1); w2's two tiles share the one table

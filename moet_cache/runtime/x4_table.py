@@ -19,8 +19,14 @@ puts them on bf16's sign, the exponent's two low bits and the mantissa's top bit
 E2M1 x 2^-126, bf16 subnormals included (mma_bits.cu x4_tier_reg), which one bf16 multiply by the block
 scale x 2^118 makes the weight x 2^-8 exactly (the 2^8 in the epilogue).
 
-Prepared tensors carry the repacked planes under X4_NAMES (`w13_base_x4`, ..., `w2_delta_x4`) in place of
-their natural names, so a layout can never be mistaken for the other.
+The repack also reorders each 16-row tile of every plane and block-scale tensor chunk-major (`tile`): a
+row's K splits into chunks of 256 codes (mma_moe.CHUNK_WORDS words, the unit a decode warp reads), and
+a tile is stored as [chunk][16 rows][the row's bytes of that chunk] (64 plane bytes; 8 e8m0 or 16 e4m3
+scale bytes), so that a warp's load of one chunk of its 16 rows is one contiguous run of memory where
+row-major rows put it at 16 places (the decode 7-22% faster at T = 1-64, session 14, docs/RUNTIME.md).
+
+Prepared tensors carry the repacked planes and scales under X4_NAMES (`w13_base_x4`, ...,
+`w2_weight_scale_x4`) in place of their natural names, so a layout can never be mistaken for the other.
 """
 
 from __future__ import annotations
@@ -30,10 +36,17 @@ from functools import lru_cache
 import torch
 
 from ..planes import has_x4_form
+from .mma_moe import CHUNK_WORDS, compiled, runs_here
 
-#: the prepared tensors' names of the repacked planes, by their natural-layout names (the delta planes only
-#: where the layer has a tier)
-X4_NAMES = {"w13_base": "w13_base_x4", "w2_base": "w2_base_x4", "w13_delta": "w13_delta_x4", "w2_delta": "w2_delta_x4"}
+#: the prepared tensors' names of the repacked planes and block scales, by their natural-layout names (the
+#: delta planes only where the layer has a tier)
+X4_NAMES = {"w13_base": "w13_base_x4", "w2_base": "w2_base_x4", "w13_delta": "w13_delta_x4", "w2_delta": "w2_delta_x4",
+            "w13_weight_scale": "w13_weight_scale_x4", "w2_weight_scale": "w2_weight_scale_x4"}
+
+#: the rows of a tile, reordered chunk-major together (the 16 rows of one decode warp: mma's M)
+TILE_ROWS = 16
+#: the K codes of a chunk (words of 16 codes)
+CHUNK_CODES = 16 * CHUNK_WORDS
 
 #: experts repacked per torch call: bounds the temporaries (a V4-Flash w13 expert is 4 MiB of planes)
 _EXPERTS_A_STEP = 16
@@ -95,7 +108,6 @@ def _move_bits(words: torch.Tensor, delta: bool, inverse: bool) -> torch.Tensor:
 
 def _relayout_gpu_(plane: torch.Tensor, delta: bool, inverse: bool) -> None:
     """_relayout_ by one kernel (x4_repack.cu) on a CUDA plane: no temporaries, 22x the torch ops' speed."""
-    from .mma_moe import compiled
     groups = _groups(delta, inverse)
     dev = plane.device
     masks = torch.tensor([_as_i32(m) for m, _ in groups], dtype=torch.int32, device=dev)
@@ -108,10 +120,9 @@ def _relayout_gpu_(plane: torch.Tensor, delta: bool, inverse: bool) -> None:
 
 
 def _relayout_(plane: torch.Tensor, delta: bool, inverse: bool) -> None:
-    """Move every word of uint8 plane [E, rows, K/4] (a base plane, or `delta` one) to (inverse: back from)
-    the x4 layout, in place, a few experts' temporaries at a time (on a GPU the plane kernels run on: one
-    kernel)."""
-    from .mma_moe import runs_here
+    """Move the bits of every word of uint8 plane [E, rows, K/4] (a base plane, or `delta` one) as the x4
+    layout does (inverse: back), in place, a few experts' temporaries at a time (on a GPU the plane
+    kernels run on: one kernel). The tiles are `tile`'s."""
     if not plane.numel():
         return
     if runs_here(plane.device) and plane.is_contiguous():
@@ -122,23 +133,66 @@ def _relayout_(plane: torch.Tensor, delta: bool, inverse: bool) -> None:
         words[i : i + _EXPERTS_A_STEP] = _move_bits(words[i : i + _EXPERTS_A_STEP], delta, inverse)
 
 
-def to_x4(plane: torch.Tensor, delta: bool = False) -> torch.Tensor:
-    """uint8 plane [E, rows, K/4], a base plane or (`delta`) a delta one, in the x4 layout (a copy)."""
-    out = plane.contiguous().clone()
-    _relayout_(out, delta, inverse=False)
+def _chunk_bytes(t: torch.Tensor) -> int:
+    """A row's bytes in one chunk: a plane's (2 bits a code) or a block-scale tensor's (e8m0: a byte per 32
+    codes; e4m3: per 16)."""
+    if t.dtype == torch.uint8:
+        return CHUNK_CODES // 4
+    return CHUNK_CODES // (32 if t.dtype == torch.float8_e8m0fnu else 16)
+
+
+def tile(t: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """A plane or block-scale tensor [n, rows, row bytes] with each tile of TILE_ROWS rows reordered
+    chunk-major ([chunk][row][the row's chunk bytes]), or (`inverse`) back to row-major; a copy, same
+    shape and dtype. Rows must split into whole tiles and each row into whole chunks."""
+    n, rows, width = t.shape
+    c = _chunk_bytes(t)
+    if rows % TILE_ROWS or width % c:
+        raise ValueError(f"[{n}, {rows}, {width}] does not split into {TILE_ROWS}-row tiles of {c}-byte chunks")
+    tiles, chunks = rows // TILE_ROWS, width // c
+    split = (n, tiles, chunks, TILE_ROWS, c) if inverse else (n, tiles, TILE_ROWS, chunks, c)
+    u8 = t.contiguous().view(torch.uint8).view(split)
+    return u8.transpose(2, 3).contiguous().view(t.dtype).view(n, rows, width)
+
+
+def _tile_(t: torch.Tensor, inverse: bool) -> None:
+    """`tile` in place, a few experts' temporaries at a time."""
+    for i in range(0, t.shape[0], _EXPERTS_A_STEP):
+        t[i : i + _EXPERTS_A_STEP] = tile(t[i : i + _EXPERTS_A_STEP], inverse)
+
+
+def _to_x4_(t: torch.Tensor, delta: bool) -> None:
+    """A plane (bits moved, then tiled) or a block-scale tensor (tiled) into the x4 layout, in place."""
+    if t.dtype == torch.uint8:
+        _relayout_(t, delta, inverse=False)
+    _tile_(t, inverse=False)
+
+
+def _to_natural_(t: torch.Tensor, delta: bool) -> None:
+    """The inverse of _to_x4_, in place."""
+    _tile_(t, inverse=True)
+    if t.dtype == torch.uint8:
+        _relayout_(t, delta, inverse=True)
+
+
+def to_x4(t: torch.Tensor, delta: bool = False) -> torch.Tensor:
+    """A plane [E, rows, K/4] (uint8, a base plane or, `delta`, a delta one) or a block-scale tensor [E, rows,
+    K/group] in the x4 layout (a copy)."""
+    out = t.contiguous().clone()
+    _to_x4_(out, delta)
     return out
 
 
-def to_natural(plane: torch.Tensor, delta: bool = False) -> torch.Tensor:
+def to_natural(t: torch.Tensor, delta: bool = False) -> torch.Tensor:
     """The inverse of to_x4 (a copy)."""
-    out = plane.contiguous().clone()
-    _relayout_(out, delta, inverse=True)
+    out = t.contiguous().clone()
+    _to_natural_(out, delta)
     return out
 
 
 def _planes_of(tensors: dict[str, torch.Tensor]) -> dict[str, bool]:
-    """The natural names of the layer's planes that the x4 layout repacks -> whether each is a delta plane
-    (a layer loaded with delta="none" has none)."""
+    """The natural names of the layer's planes and block scales that the x4 layout repacks -> whether each
+    is a delta plane (a layer loaded with delta="none" has none)."""
     return {n: n.endswith("_delta") for n in X4_NAMES if n in tensors}
 
 
@@ -179,22 +233,31 @@ def kernels_take(tensors: dict[str, torch.Tensor]) -> bool:
 
 
 def prepare_in_place(tensors: dict[str, torch.Tensor]) -> bool:
-    """Repack the planes of a loaded layer in place when the x4 decode applies to it: every table has the
-    x4 form, the plane kernels take the layer on its device and its block scales fit. The caller then
-    hands the planes on under X4_NAMES (the vLLM method renames its parameters and buffers). Returns
-    whether it did; planes already under X4_NAMES (a second call) are left as they are."""
-    if "w13_base" not in tensors or not (is_x4(tensors) and scales_fit(tensors) and kernels_take(tensors)):
+    """Repack the planes and block scales of a loaded layer in place when the x4 decode applies to it: every
+    table has the x4 form, the plane kernels take the layer on its device (so its planes split into tiles)
+    and its block scales fit. The caller then hands them on under X4_NAMES (the vLLM method renames its
+    parameters and buffers). Returns whether it did; tensors already under X4_NAMES (a second call) are
+    left as they are."""
+    if "w13_base" not in tensors or not (is_x4(tensors) and scales_fit(tensors) and tiles_fit(tensors)
+                                         and kernels_take(tensors)):
         return False
     for name, delta in _planes_of(tensors).items():
-        _relayout_(tensors[name], delta, inverse=False)
+        _to_x4_(tensors[name], delta)
     return True
 
 
+def tiles_fit(tensors: dict[str, torch.Tensor]) -> bool:
+    """Whether the layer's planes split into the x4 layout's tiles: rows in whole tiles, K in whole chunks
+    (always so where the plane kernels take the layer: `kernels_take`)."""
+    return all(t.shape[1] % TILE_ROWS == 0 and (t.shape[2] * 4) % CHUNK_CODES == 0
+               for t in (tensors["w13_base"], tensors["w2_base"]))
+
+
 def prepare(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The layer's tensors with its planes in the x4 layout, under X4_NAMES, when every table has the x4
-    form and the scales fit; else the tensors as given. A copy of the planes: for tests and benchmarks
-    (the vLLM method repacks its parameters in place, `prepare_in_place`)."""
-    if not (is_x4(tensors) and scales_fit(tensors)):
+    """The layer's tensors with its planes and block scales in the x4 layout, under X4_NAMES, when every
+    table has the x4 form, the scales fit and the planes split into tiles; else the tensors as given. Copies:
+    for tests and benchmarks (the vLLM method repacks its parameters in place, `prepare_in_place`)."""
+    if not (is_x4(tensors) and scales_fit(tensors) and tiles_fit(tensors)):
         return tensors
     planes = _planes_of(tensors)
     out = {k: v for k, v in tensors.items() if k not in planes}
