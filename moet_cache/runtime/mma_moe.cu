@@ -26,8 +26,9 @@
 // X4 (a layer built with --base-table x4, its planes repacked at load: x4_table.py): no table; x4_reg
 // makes each register from its repacked word with one LOP3 and one IMAD (mma_bits.cu), and the epilogue
 // multiplies by the tables' factor a. The repack also stores each 16-row tile of planes and scales
-// chunk-major (x4_table.tile; load_chunk), so that a warp's chunk is one contiguous load. A tier expert's registers take x4_tier_reg (its base and delta
-// words, a few integer ops and one bf16 multiply), and the epilogue the 2^8 it leaves out.
+// chunk-major (x4_table.tile; load_chunk), so that a warp's chunk is one contiguous load. A tier expert's
+// registers take x4_tier_reg (its base and delta words, a few integer ops and one bf16 multiply), and the
+// epilogue the 2^8 it leaves out.
 // Tier code (base << 2 | delta) -> exact E2M1 (fitted-table layers, natural layout): two PRMTs into the
 // tables {0, .5, 1, 1.5} and {2, 3, 4, 6} by the delta bits, a select by the base's low bit and the sign
 // from its high bit (PRMT sign-replicate mode), then the block scale (exact: E2M1 x power of two or e4m3).

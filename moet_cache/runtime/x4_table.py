@@ -35,7 +35,9 @@ from functools import lru_cache
 
 import torch
 
+from ..formats import FORM_DTYPE, FORM_GROUP
 from ..planes import has_x4_form
+from ..stheader import torch_dtype
 from .mma_moe import CHUNK_WORDS, compiled, runs_here
 
 #: the prepared tensors' names of the repacked planes and block scales, by their natural-layout names (the
@@ -134,11 +136,12 @@ def _relayout_(plane: torch.Tensor, delta: bool, inverse: bool) -> None:
 
 
 def _chunk_bytes(t: torch.Tensor) -> int:
-    """A row's bytes in one chunk: a plane's (2 bits a code) or a block-scale tensor's (e8m0: a byte per 32
-    codes; e4m3: per 16)."""
+    """A row's bytes in one chunk: a plane's (2 bits a code) or a block-scale tensor's (a byte per group of
+    its scale form: formats.FORM_GROUP)."""
     if t.dtype == torch.uint8:
         return CHUNK_CODES // 4
-    return CHUNK_CODES // (32 if t.dtype == torch.float8_e8m0fnu else 16)
+    group = {torch_dtype(FORM_DTYPE[form]): FORM_GROUP[form] for form in FORM_GROUP}[t.dtype]
+    return CHUNK_CODES // group
 
 
 def tile(t: torch.Tensor, inverse: bool = False) -> torch.Tensor:
