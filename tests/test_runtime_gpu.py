@@ -283,3 +283,38 @@ def test_dependent_launch_computes_the_same(x4_layer: dict, T: int, block: Mma) 
     assert torch.equal(step(), want)
     for _ in range(5):
         _replay_equals_eager(step)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_pair_rows_kernel_equals_k_paired_and_zeroes_the_arrivals(dtype: torch.dtype) -> None:
+    """The pair_rows kernel (mma_moe.cu) gives the torch k_paired's rows (the CPU definition, checked
+    against the mma emulation in test_runtime_mma_bits.py), and zeroes the w2 kernel's arrival counts
+    whether they are fewer or more than the groups of 16."""
+    g = torch.Generator(device="cuda").manual_seed(3)
+    for T, n_arrived in ((1, H // 16), (5, 7), (2, 3000)):
+        x = torch.randn((T, H), generator=g, device="cuda").to(dtype)
+        arrived = torch.full((n_arrived,), 77, dtype=torch.int32, device="cuda")
+        assert torch.equal(mma_moe.paired_rows(x, arrived), mma_moe.k_paired(x))
+        assert not arrived.any()
+
+
+@pytest.mark.parametrize("T", [1, 2, 7, 16, 40])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("lean", [False, True])
+def test_w2_sum_equals_moe_sum(x4_layer: dict, T: int, dtype: torch.dtype, lean: bool) -> None:
+    """`sum_in_w2`: the w2 kernel sums each token's top-k slots (sum_when_last: the block that completes
+    a token's 16 rows sums them, in slot order), where otherwise moe_sum does: the same bits, eagerly and
+    from graph replays. An arrival lost, counted twice, or a sum begun early would differ. A repeated
+    expert in one row (_routing) sends two of a token's slots through one block."""
+    planes = LayerPlanes.from_tensors(prepare(x4_layer))
+    g = torch.Generator(device="cuda").manual_seed(60 + T)
+    x = torch.randn((T, H), generator=g, device="cuda").to(dtype)
+    w, ids = _routing(T, 60 + T)
+    ids[0, :2] = x4_layer["delta_experts"][:2]
+    block = Mma(1, 2, 2, direct=True, lean=lean, pdl=True)
+    want = fused_moe_cuda(x, planes, w, ids, 7.0, Config.only(block))
+    summed = Config.only(dataclasses.replace(block, sum_in_w2=True))
+    got = fused_moe_cuda(x, planes, w, ids, 7.0, summed)
+    assert got.dtype == dtype and torch.equal(got, want)
+    for _ in range(3):
+        _replay_equals_eager(lambda: fused_moe_cuda(x, planes, w, ids, 7.0, summed))

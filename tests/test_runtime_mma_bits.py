@@ -364,6 +364,25 @@ def test_decode_act_columns_are_the_k_pairing() -> None:
     assert torch.equal(placed.to(torch.bfloat16), k_paired(x)[0])
 
 
+def test_pair_rows_words_are_the_k_pairing() -> None:
+    """mma_moe.cu pair_rows: out word m = prmt(in[lo / 2], in[hi / 2], selector) with lo = m / 2 + 8 (m % 2),
+    hi = lo + 4, the half of each input word picked by lo % 2, hi % 2: emulated on random groups of 16
+    against k_paired, the rows the decode kernels read."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn((3, 64), generator=g).to(torch.bfloat16)
+    words = [int(w) & M32 for w in x.view(torch.int32).reshape(-1)]
+    out = []
+    for group in range(len(words) // 8):
+        inw = words[8 * group:8 * group + 8]
+        for m in range(8):
+            lo = (m >> 1) + 8 * (m & 1)
+            hi = lo + 4
+            sel = (0x32 if lo & 1 else 0x10) | (0x7600 if hi & 1 else 0x5400)
+            out.append(prmt(inw[lo >> 1], inw[hi >> 1], sel))
+    got = torch.tensor([w - (1 << 32) if w >> 31 else w for w in out], dtype=torch.int32)
+    assert torch.equal(got.view(torch.bfloat16).view(3, 64), k_paired(x))
+
+
 def test_prefill_act_columns_are_the_k_permutation() -> None:
     """w13's epilogue writes intermediate column n at perm_col(n); w2 reads it as K-permuted x."""
     def perm_col(n: int) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -44,14 +45,23 @@ PREFILL_STEPS: tuple[tuple[int, Prefill], ...] = (
 )
 
 
+#: pairs below which the w2 kernel sums the top-k slots itself (Mma.sum_in_w2), in place of moe_sum (session
+#: 15, H200, x4 layers, same process, µs: T = 1 30.7 against 32.5, with a tier 31.1 against 33.0; T = 2 53.1
+#: against 53.2, with a tier 58.1 against 56.6; T = 4 with e4m3 scales, direct blocks, 93.5 against 90.9;
+#: lean blocks at T = 16 261.7 against 249.6: each w2 block ends in a fence and an atomic)
+SUM_IN_W2_BELOW = 12
+
+
 def _decode_steps(lean_from: int) -> tuple[tuple[int, Mma], ...]:
     """The decode blocks by the pairs they take over from (launch.Config.mma), below the prefill steps; the
     layer forms differ only in where the lean blocks start. Every one launched dependent (`pdl`: T = 1:
     42.9 us against 45.6). Direct blocks, each expert's decode shared by its pairs; lean blocks (more
     warps, one chunk in flight, the tile prefetched into the L2) from `lean_from`; sorted lean blocks from
-    224 pairs (session 8: T = 40: 724 against 749 direct; T = 32, direct: 522-535 against 573 sorted)."""
-    return ((0, Mma(1, 2, 2, direct=True, pdl=True)), (lean_from, Mma(1, 2, 2, direct=True, lean=True, pdl=True)),
-            (224, Mma(1, 2, 2, lean=True, pdl=True)))
+    224 pairs (session 8: T = 40: 724 against 749 direct; T = 32, direct: 522-535 against 573 sorted).
+    Below SUM_IN_W2_BELOW pairs the w2 kernel also sums the top-k slots."""
+    direct = Mma(1, 2, 2, direct=True, pdl=True)
+    return ((0, dataclasses.replace(direct, sum_in_w2=True)), (SUM_IN_W2_BELOW, direct),
+            (lean_from, dataclasses.replace(direct, lean=True)), (224, Mma(1, 2, 2, lean=True, pdl=True)))
 
 
 #: fitted tables: lean from 60 pairs (H200, V4-Flash layer, one process, docs/RUNTIME.md: T = 12: 246.5 us
@@ -176,8 +186,7 @@ def fused_moe_cuda(x: torch.Tensor, planes: LayerPlanes, topk_weights: torch.Ten
         c = config.pick(P, prefill_runs=False, **form)
     if isinstance(c, Mma):
         if mma_moe.supported(planes, dev, c):
-            return mma_moe.sum_slots(mma_moe.fused_moe_mma(x, planes, topk_weights, topk_ids, swiglu_limit, c),
-                                     x.dtype, c.pdl)
+            return mma_moe.fused_moe_mma(x, planes, topk_weights, topk_ids, swiglu_limit, c)
         c = config.pick(P, mma_runs=False, prefill_runs=False)
     planes = planes.natural()  # the Triton kernels read the natural layout only
     ids = topk_ids.reshape(-1).to(torch.int32).contiguous()

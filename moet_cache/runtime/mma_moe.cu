@@ -18,7 +18,7 @@
 // position 4j + 2h + s of each 16 holds element j + 4s + 8h, so the thread's two 16-byte loads of a
 // word's 16 values hold b0, b1 of sub-steps 0..3 as adjacent u32 pairs, as mma takes them (pairing
 // natural-order values by PRMT cost 32 ALU ops a chunk: 380 against 358 us at T = 16). The w13
-// epilogue writes the intermediate K-paired for w2; x costs one small copy kernel.
+// epilogue writes the intermediate K-paired for w2; x costs one small kernel (pair_rows).
 //
 // Base code -> bf16 table value, two codes per op: the row's 4-entry table, pre-multiplied by the
 // block scale (bf16x2 multiply, once per row and scale group), sits in two registers (8 bytes); PRMT
@@ -44,7 +44,8 @@
 // The activation loads are volatile so ptxas does not hoist a whole chunk's worth of them (it took up
 // to 246 registers). A shared-memory ring filled by cp.async measured no faster (docs/RUNTIME.md).
 //
-// moe_sum, at the end, sums a pair's top-k slots and casts them to the activations' dtype.
+// moe_sum, at the end, sums a token's top-k slots and casts them to the activations' dtype; for few pairs
+// the w2 kernel does it instead (sum_when_last, Mma.sum_in_w2).
 
 // The helpers (prmt, base_regs, tier_regs, scale_pair, mma, ...) are in mma_bits.cu.
 
@@ -265,6 +266,71 @@ DEV int group_pair(const int* __restrict__ ids, int P, int e, int p, int lane, b
   return pair;
 }
 
+DEV u16 to_f16(float v) {
+  u16 d;
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(d) : "f"(v));
+  return d;
+}
+
+// y[i] = v in the activations' dtype (OUT / y_type: 0 bf16, 1 fp16, 2 fp32)
+DEV void store_out(void* y, size_t i, float v, int type) {
+  if (type == 2)
+    reinterpret_cast<float*>(y)[i] = v;
+  else
+    reinterpret_cast<u16*>(y)[i] = type == 0 ? to_bf16(v) : to_f16(v);
+}
+
+// The w2 kernel's top-k sum, in place of moe_sum (direct blocks): a w2 block has just written its pairs'
+// 16 rows of `part`; per pair it counts one arrival for (the pair's token, these 16 rows), and the block
+// whose arrival is the token's top_k-th sums the token's top_k slots of these rows, in slot order, into y
+// (the same sum in the same order as moe_sum: the same bits). This saves moe_sum's launch and its wait on
+// the w2 grid. `arrived` [T, gridDim.y] int32, zeroed by pair_rows, the chain's first kernel. Warp 0 only.
+template <int BM, typename PairAt>
+DEV void sum_when_last(const float* part, void* y, int* arrived, int y_type, int top_k, int N, int n0, int lane,
+                       PairAt pair_at) {
+  __threadfence();  // this block's part rows are seen by whichever block sums them
+  __syncwarp();
+  const int p = lane < BM ? pair_at(lane) : -1;
+  const bool last = p >= 0 && atomicAdd(arrived + (size_t)(p / top_k) * gridDim.y + blockIdx.y, 1) == top_k - 1;
+  u32 m = __ballot_sync(0xffffffffu, last);
+  if (!m) return;
+  __threadfence();  // the other blocks' rows, fenced before their arrivals, are read after ours
+  while (m) {
+    const int t = __shfl_sync(0xffffffffu, p, __ffs(m) - 1) / top_k;
+    m &= m - 1;
+    if (lane < 16) {
+      float v = 0.f;
+      for (int k = 0; k < top_k; ++k) v += __ldcg(part + ((size_t)t * top_k + k) * N + n0 + lane);
+      store_out(y, (size_t)t * N + n0 + lane, v, y_type);
+    }
+  }
+}
+
+// x -> the K-paired rows the w13 kernel reads (mma_moe.k_paired, pair_col), one group of 16 a thread, and
+// `arrived` zeroed for the w2 kernel's sum (sum_when_last). The chain's first kernel, launched plainly (it
+// reads x, the router's output); it lets the w13 kernel start at once, which loads its weights meanwhile
+// and waits for this kernel before it reads the rows (wait_prior). In place of torch's permute copy, which
+// w13 could only follow once it had ended.
+__global__ void pair_rows(const u16* __restrict__ x, u16* __restrict__ xp, int groups, int* __restrict__ arrived,
+                          int n_arrived) {
+  let_next_start();
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n_arrived) arrived[i] = 0;
+  if (i >= groups) return;
+  const U4* src = reinterpret_cast<const U4*>(x) + 2 * (size_t)i;
+  const U4 a = src[0], b = src[1];
+  const u32 in[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+  u32 o[8];
+#pragma unroll
+  for (int m = 0; m < 8; ++m) {  // word m = positions 2m, 2m + 1 = elements j + 8h, j + 4 + 8h (m = 2j + h)
+    const int lo = (m >> 1) + 8 * (m & 1), hi = lo + 4;
+    o[m] = prmt(in[lo >> 1], in[hi >> 1], (lo & 1 ? 0x32u : 0x10u) | (hi & 1 ? 0x7600u : 0x5400u));
+  }
+  U4* dst = reinterpret_cast<U4*>(xp) + 2 * (size_t)i;
+  dst[0] = U4{o[0], o[1], o[2], o[3]};
+  dst[1] = U4{o[4], o[5], o[6], o[7]};
+}
+
 // The threads an SM the decode kernels' registers are sized for (launch bounds), and the chunks each
 // warp keeps in flight (see "Loads in flight" above). One token column (NT 1): 768 threads, 80
 // registers, two chunks, or LEAN: 1024 threads, 64 registers, one chunk (more warps for fewer loads in
@@ -288,7 +354,8 @@ moe_mma(const u16* __restrict__ xin, const int* __restrict__ topk_ids, const int
         const int* __restrict__ block_expert, const long long* __restrict__ delta_experts, int n_tier,
         const u32* __restrict__ base, const u32* __restrict__ delta, const u8* __restrict__ scale,
         const float* __restrict__ scale2, const float* __restrict__ table, const float* __restrict__ topk_w,
-        void* __restrict__ out, int top_k, int K, int N, double limit, int has_limit, int direct) {
+        void* __restrict__ out, int top_k, int K, int N, double limit, int has_limit, int direct,
+        void* __restrict__ y, int* __restrict__ arrived, int y_type) {
   constexpr int BM = 8 * NT, W = TILES * KS, D = CHUNKS_IN_FLIGHT(NT, LEAN);
   constexpr bool TWO_ACC = X4 && NT == 1 && !LEAN;  // k_loop's ACC2: measured for these blocks only
   const int e = direct ? topk_ids[blockIdx.x] : block_expert[blockIdx.x];
@@ -430,15 +497,13 @@ moe_mma(const u16* __restrict__ xin, const int* __restrict__ topk_ids, const int
       }
     }
   }
+  if constexpr (TILES == 1 && NT == 1) {
+    if (y_type >= 0) sum_when_last<BM>(reinterpret_cast<const float*>(out), y, arrived, y_type, top_k, N, n0,
+                                       lane, [&](int slot) { return pair_at(slot); });
+  }
 }
 
 struct alignas(16) F4 { float x, y, z, w; };
-
-DEV u16 to_f16(float v) {
-  u16 d;
-  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(d) : "f"(v));
-  return d;
-}
 
 // out[t, h] = the sum over the top_k slots of part[t, slot, h] (fp32, the w2 kernel's), in the
 // activations' dtype (OUT: 0 bf16, 1 fp16, 2 fp32): the sum and the cast in one kernel (torch takes
@@ -457,9 +522,8 @@ __global__ void moe_sum(const float* __restrict__ part, void* __restrict__ out, 
   if (OUT == 2) {
     *reinterpret_cast<F4*>(reinterpret_cast<float*>(out) + o) = s;
   } else {
-    u16* d = reinterpret_cast<u16*>(out) + o;
     const float v[4] = {s.x, s.y, s.z, s.w};
 #pragma unroll
-    for (int i = 0; i < 4; ++i) d[i] = OUT == 0 ? to_bf16(v[i]) : to_f16(v[i]);
+    for (int i = 0; i < 4; ++i) store_out(out, o + i, v[i], OUT);
   }
 }

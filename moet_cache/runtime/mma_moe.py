@@ -28,7 +28,9 @@ class Mma:
     and the other blocks leave at once (mma_moe.cu group_pair), so no align kernels run (decode).
     `lean`: 64 registers and one chunk in flight a warp, for more warps an SM, the tile prefetched into
     the L2 (mma_moe.cu MIN_THREADS_SM; nt 1 only). `pdl`: the w13, w2 and sum kernels launched dependent,
-    each starting while the one ahead finishes (kernel_launch.py; sm_90+)."""
+    each starting while the one ahead finishes (kernel_launch.py; sm_90+). `sum_in_w2` (direct blocks):
+    the w2 kernel sums each token's top-k slots itself (mma_moe.cu sum_when_last), and moe_sum does not
+    run."""
 
     nt: int
     ks13: int
@@ -36,10 +38,13 @@ class Mma:
     direct: bool = False
     lean: bool = False
     pdl: bool = False
+    sum_in_w2: bool = False
 
     def __post_init__(self) -> None:
         if (self.direct or self.lean) and self.nt != 1:
             raise ValueError("direct and lean blocks are one column of 8 pairs: nt must be 1")
+        if self.sum_in_w2 and not self.direct:
+            raise ValueError("only direct blocks sum the top-k slots in the w2 kernel")
 
 
 def k_paired(x: torch.Tensor) -> torch.Tensor:
@@ -135,9 +140,24 @@ def sum_slots(part: torch.Tensor, dtype: torch.dtype, dependent: bool = False) -
     return y
 
 
+def paired_rows(x: torch.Tensor, arrived: torch.Tensor) -> torch.Tensor:
+    """k_paired(x) on the GPU by the pair_rows kernel (mma_moe.cu), which also zeroes `arrived` (int32, the
+    w2 kernel's arrival counts) and lets the kernel after it start at once (launched plainly itself)."""
+    xb = x.to(torch.bfloat16).contiguous()
+    out = torch.empty_like(xb)
+    groups = xb.numel() // 16
+    n = max(groups, arrived.numel())
+    with torch.cuda.device(x.device):
+        launch(_kernel("pair_rows", x.device.index), ((n + 255) // 256, 1, 1), (256, 1, 1),
+               [xb, out, groups, arrived, arrived.numel()])
+    return out
+
+
 def fused_moe_mma(x: torch.Tensor, planes: LayerPlanes, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                   swiglu_limit: float | None, block: Mma) -> torch.Tensor:
-    """[T, top_k, H] float32 per pair (already weighted), for T > 0."""
+    """[T, H] in x's dtype, for T > 0. Direct blocks with `sum_in_w2` sum each token's top-k slots in the
+    w2 kernel (mma_moe.cu sum_when_last); other blocks leave [T, top_k, H] float32 per pair to moe_sum
+    (sum_slots)."""
     T, H, I, E = x.shape[0], planes.hidden, planes.inter, planes.num_experts
     top_k = topk_ids.shape[1]
     P, dev = T * top_k, x.device
@@ -148,18 +168,23 @@ def fused_moe_mma(x: torch.Tensor, planes: LayerPlanes, topk_weights: torch.Tens
         blocks = align_pairs(topk_ids, E, 8 * block.nt)
         grid_x, sorted_pairs, block_expert = blocks.max_blocks, blocks.sorted_pairs, blocks.block_expert
     ops = Operands.of(planes, topk_weights)
-    xin = k_paired(x)  # the B registers' order (mma_moe.cu)
+    fuse_sum = block.sum_in_w2 and x.dtype in _SUM_OUT
+    arrived = torch.empty((T * (H // 16) if fuse_sum else 0,), dtype=torch.int32, device=dev)
+    xin = paired_rows(x, arrived)  # the B registers' order (mma_moe.cu)
     act = torch.empty((P, I), dtype=torch.bfloat16, device=dev)
     out = torch.empty((P, H), dtype=torch.float32, device=dev)
+    y = torch.empty((T, H), dtype=x.dtype, device=dev) if fuse_sum else out
     limit = 0.0 if swiglu_limit is None else float(swiglu_limit)
     with torch.cuda.device(dev):  # the compile loads into, and the launch uses, dev's context
         flags = f"{str(block.lean).lower()}, {str(planes.x4_layout).lower()}"
         k13 = _kernel(f"moe_mma<2, {block.nt}, {block.ks13}, {str(ops.e8m0[0]).lower()}, {flags}>", dev.index)
         launch(k13, (grid_x, I // 16, 1), (64 * block.ks13, 1, 1),
-               [xin, ids, sorted_pairs, block_expert, *ops.layer_args(0), act,
-                top_k, H, I, limit, int(swiglu_limit is not None), int(block.direct)], block.pdl)
+               [xin, ids, sorted_pairs, block_expert, *ops.layer_args(0), act, top_k, H, I, limit,
+                int(swiglu_limit is not None), int(block.direct), act, arrived, -1],
+               block.pdl)
         k2 = _kernel(f"moe_mma<1, {block.nt}, {block.ks2}, {str(ops.e8m0[1]).lower()}, {flags}>", dev.index)
         launch(k2, (grid_x, H // 16, 1), (32 * block.ks2, 1, 1),
-               [act, ids, sorted_pairs, block_expert, *ops.layer_args(1), out,
-                top_k, I, H, 0.0, 0, int(block.direct)], block.pdl)
-    return out.view(T, top_k, H)
+               [act, ids, sorted_pairs, block_expert, *ops.layer_args(1), out, top_k, I, H, 0.0, 0,
+                int(block.direct), y, arrived, _SUM_OUT[x.dtype] if fuse_sum else -1],
+               block.pdl)
+    return y if fuse_sum else sum_slots(out.view(T, top_k, H), x.dtype, block.pdl)
