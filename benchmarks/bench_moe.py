@@ -4,10 +4,16 @@ grouped GEMM, Humming's MXFP4 and NVFP4 weight-only MoE and a device-to-device c
     python benchmarks/bench_moe.py --tokens 1,4,16,64,256,4096 [--sweep] [--json out.json]
     python benchmarks/bench_moe.py --fidelity        # CPU is enough: layer error vs the FP4 layer
 
-Every contender is captured in a CUDA graph (as vLLM runs decode) and timed with
-triton.testing.do_bench (median; the L2 is flushed before each replay, so weights come from HBM).
+Every contender is captured in a CUDA graph (as vLLM runs decode) and timed three ways (`--harness`),
+each a median, the weights always read from HBM:
+  write   one layer a replay, triton.testing.do_bench: the L2 flushed by zeroing 256 MB before each
+          replay, so the layer's first reads also write back the dirty lines the flush leaves;
+  read    one layer a replay, the L2 flushed by reading 256 MB (clean lines, as attention leaves them);
+  stream  layers back to back in one graph, as a decode step runs them: N copies of the call, each with
+          the routing's experts relabeled onto experts no other copy touches (N = 8, fewer where the
+          experts run out), so no copy finds its weights in the L2; the replay's time / N, no flush.
 Bytes read: the planes/codes and scales of the distinct experts the routing touches (+ the tier's
-delta planes of the tier experts touched). Speed is reported as ratios within this run.
+delta planes of the tier experts touched). Speed is reported as ratios within one run and one harness.
 """
 
 from __future__ import annotations
@@ -41,30 +47,96 @@ class Result:
         return self.bytes_read / (self.us * 1e-6) / 1e9
 
 
-def timed(fn: Callable[[], object], graph: bool = True) -> tuple[float, str]:
-    """Median microseconds of fn, replayed from a CUDA graph when it captures."""
-    import triton.testing
-
+def _capture(fn: Callable[[], object]) -> Callable[[], object]:
+    """fn's CUDA graph replay (warmed up on a side stream first, as torch asks)."""
     fn()
     torch.cuda.synchronize()
-    note = "graph"
-    run: Callable[[], object] = fn
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g.replay
+
+
+def timed(fn: Callable[[], object], graph: bool = True) -> tuple[float, str]:
+    """Median microseconds of fn by triton.testing.do_bench (harness write), replayed from a CUDA graph when
+    it captures."""
+    import triton.testing
+
+    run, note = fn, "eager"
     if graph:
         try:
-            s = torch.cuda.Stream()
-            s.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(s):
-                fn()
-            torch.cuda.current_stream().wait_stream(s)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                fn()
-            run = g.replay
+            run, note = _capture(fn), "graph"
         except Exception as e:  # noqa: BLE001 - a contender that cannot be captured is timed eagerly
             note = f"eager ({type(e).__name__})"
             torch.cuda.synchronize()
     ms = triton.testing.do_bench(run, warmup=25, rep=150, return_mode="median")
     return ms * 1000.0, note
+
+
+def _median_us(run: Callable[[], object], before: Callable[[], object] | None, reps: int = 200) -> float:
+    """Median microseconds of run() timed by events, with before() (untimed) ahead of each."""
+    for _ in range(10):
+        run()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    for a, b in zip(starts, ends):
+        if before is not None:
+            before()
+        a.record()
+        run()
+        b.record()
+    torch.cuda.synchronize()
+    times = sorted(a.elapsed_time(b) for a, b in zip(starts, ends))
+    return times[len(times) // 2] * 1000.0
+
+
+def timed_read_flush(fn: Callable[[], object]) -> float:
+    """Median microseconds of fn's graph replay, the L2 flushed by a 256 MB read before each (harness read)."""
+    flush = torch.empty(64 << 20, dtype=torch.int32, device="cuda")
+    sink = torch.empty((), dtype=torch.int64, device="cuda")
+    return _median_us(_capture(fn), lambda: torch.sum(flush, dim=0, dtype=torch.int64, out=sink))
+
+
+def timed_stream(fns: list[Callable[[], object]]) -> float:
+    """Median microseconds a call of one graph that runs fns back to back, divided by len(fns) (harness
+    stream)."""
+    return _median_us(_capture(lambda: [f() for f in fns]), None) / len(fns)
+
+
+def disjoint_routings(ids: torch.Tensor, most: int = 8) -> list[torch.Tensor]:
+    """Copies of ids whose distinct experts are relabeled onto experts no other copy uses (the same
+    pattern of sharing between tokens): as many as `most`, fewer where E runs out."""
+    hit = torch.unique(ids)
+    n = max(1, min(most, E // hit.numel()))
+    perm = torch.randperm(E, generator=torch.Generator().manual_seed(ids.numel()))
+    out = []
+    for j in range(n):
+        relabel = torch.full((E,), -1, dtype=torch.int64)
+        relabel[hit.cpu()] = perm[j * hit.numel():(j + 1) * hit.numel()]
+        out.append(relabel.to(ids.device)[ids.long()].to(ids.dtype))
+    return out
+
+
+HARNESSES = ("write", "read", "stream")
+
+
+def measure(make: Callable[[torch.Tensor], Callable[[], object]], ids: torch.Tensor, harness: str,
+            bytes_of: Callable[[torch.Tensor], int]) -> tuple[float, int, str]:
+    """(us a layer, bytes a layer reads, note) of the call make(ids) builds, in one harness."""
+    if harness == "stream":
+        copies = disjoint_routings(ids)
+        us = timed_stream([make(c) for c in copies])
+        return us, sum(bytes_of(c) for c in copies) // len(copies), f"stream of {len(copies)}"
+    fn = make(ids)
+    if harness == "read":
+        return timed_read_flush(fn), bytes_of(ids), "read flush"
+    us, note = timed(fn)
+    return us, bytes_of(ids), note
 
 
 def copy_bandwidth() -> float:
@@ -119,15 +191,16 @@ def layer_bytes(t: dict[str, torch.Tensor]) -> int:
 
 
 def bench_planes(name: str, t: dict[str, torch.Tensor], x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor,
-                 config=None) -> Result:
+                 config=None, harness: str = "write") -> Result:
     from moet_cache.runtime.dequant import LayerPlanes
     from moet_cache.runtime.launch import DEFAULT, fused_moe_cuda, layer_form
 
     planes = LayerPlanes.from_tensors(t)
     cfg = config or DEFAULT
-    us, note = timed(lambda: fused_moe_cuda(x, planes, w, ids, 10.0, cfg))
+    us, nbytes, note = measure(lambda i: lambda: fused_moe_cuda(x, planes, w, i, 10.0, cfg), ids, harness,
+                               lambda i: bytes_read(t, i))
     picked = cfg.pick(ids.numel(), **layer_form(planes))
-    return Result(name, x.shape[0], us, bytes_read(t, ids), f"{note}; {type(picked).__name__.lower()} {picked}")
+    return Result(name, x.shape[0], us, nbytes, f"{note}; {type(picked).__name__.lower()} {picked}")
 
 
 def bytes_read(t: dict[str, torch.Tensor], ids: torch.Tensor) -> int:
@@ -259,7 +332,6 @@ def sweep_configs(T: int, triton: bool) -> list:
 
 
 def speed(args: argparse.Namespace) -> list[dict]:
-    from moet_cache.runtime.launch import Config
     from moet_cache.runtime.synthetic_layer import random_layer
 
     torch.manual_seed(0)
@@ -284,6 +356,9 @@ def speed(args: argparse.Namespace) -> list[dict]:
     x4_4, _ = x4_layer(planes4)
     print(f"x4 base table: repacking a layer's base planes at load took {ms:.1f} ms", flush=True)
     rows.append({"what": "x4_repack_ms_per_layer", "ms": ms})
+    layers = {"e8m0 base-only": none8, "e8m0 tier10%": planes8, "e4m3 base-only": none4,
+              "x4 e8m0 base-only": x4_none8, "x4 e8m0 tier10%": x4_8, "x4 e4m3 base-only": x4_none4,
+              "x4 e4m3 tier10%": x4_4}
     g = torch.Generator(device="cuda").manual_seed(3)
     w13 = (torch.randn((E, 2 * I, H), generator=g, device="cuda") * 0.02).to(torch.bfloat16)
     w2 = (torch.randn((E, H, I), generator=g, device="cuda") * 0.02).to(torch.bfloat16)
@@ -302,47 +377,63 @@ def speed(args: argparse.Namespace) -> list[dict]:
     for T in args.tokens:
         w, ids = routing(T, 10 + T)
         x = (torch.randn((T, H), device="cuda") * 0.5).to(torch.bfloat16)
-        res: list[Result] = []
-        if args.sweep:
-            for cfg in sweep_configs(T, args.sweep_triton):
-                for form, layer in (("fitted", none8), ("x4", x4_none8)):
-                    try:
-                        r = bench_planes(f"sweep {form} {cfg}", layer, x, w, ids, cfg)
-                        print(f"  T={T} {form:6s} {r.us:9.1f} us {r.gbps:7.0f} GB/s  {cfg}", flush=True)
-                    except Exception as e:  # noqa: BLE001
-                        print(f"  T={T} {form} config failed {cfg}: {type(e).__name__}: {str(e)[:200]}", flush=True)
-        res.append(bench_planes("planes e8m0 base-only", none8, x, w, ids))
-        res.append(bench_planes("planes e8m0 tier10%", planes8, x, w, ids))
-        res.append(bench_planes("planes e4m3 base-only", none4, x, w, ids))
-        res.append(bench_planes("planes e8m0 base, Triton", none8, x, w, ids, Config(mma=(), prefill=())))
-        res.append(bench_planes("planes x4 e8m0 base-only", x4_none8, x, w, ids))
-        res.append(bench_planes("planes x4 e8m0 tier10%", x4_8, x, w, ids))
-        res.append(bench_planes("planes x4 e4m3 base-only", x4_none4, x, w, ids))
-        res.append(bench_planes("planes x4 e4m3 tier10%", x4_4, x, w, ids))
-        hit = len(set(ids.reshape(-1).tolist()))
+        for harness in args.harness:
+            rows += speed_at(args, harness, T, x, w, ids, copy, layers, bf16, hums)
+    return rows
+
+
+def speed_at(args: argparse.Namespace, harness: str, T: int, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor,
+             copy: float, layers: dict[str, dict[str, torch.Tensor]], bf16: Callable,
+             hums: dict[str, tuple["Humming", int]]) -> list[dict]:
+    """Every contender at T tokens in one harness: printed, and the rows for --json."""
+    from moet_cache.runtime.launch import Config
+
+    rows: list[dict] = []
+    res: list[Result] = []
+    if args.sweep and harness == args.harness[0]:
+        for cfg in sweep_configs(T, args.sweep_triton):
+            for form, layer in (("fitted", layers["e8m0 base-only"]), ("x4", layers["x4 e8m0 base-only"])):
+                try:
+                    r = bench_planes(f"sweep {form} {cfg}", layer, x, w, ids, cfg)
+                    print(f"  T={T} {form:6s} {r.us:9.1f} us {r.gbps:7.0f} GB/s  {cfg}", flush=True)
+                except Exception as e:  # noqa: BLE001
+                    print(f"  T={T} {form} config failed {cfg}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+    contenders = [(name, layer, None) for name, layer in layers.items()]
+    contenders.insert(3, ("e8m0 base, Triton", layers["e8m0 base-only"], Config(mma=(), prefill=())))
+    for name, layer, cfg in contenders:
+        if harness == "write" or name.startswith("x4"):  # the other harnesses time the build's default layers
+            res.append(bench_planes(f"planes {name}", layer, x, w, ids, cfg, harness))
+
+    def experts(i: torch.Tensor) -> int:
+        return len(set(i.reshape(-1).tolist()))
+
+    if harness == "write":
         try:
             us, note = timed(lambda: bf16(x, w, ids))
-            res.append(Result("bf16 grouped_mm", T, us, hit * 3 * H * I * 2, note))
+            res.append(Result("bf16 grouped_mm", T, us, experts(ids) * 3 * H * I * 2, note))
         except Exception as e:  # noqa: BLE001
             print(f"  bf16 failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
-        for hname, (hum, per_expert) in hums.items():
-            try:
-                run = hum.prepare(ids)
-                us, note = timed(lambda: run(x, w))
-                res.append(Result(hname, T, us, hit * per_expert, note))
-            except Exception as e:  # noqa: BLE001
-                print(f"  {hname} failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
-        ref = {r.name: r.us for r in res}
-        for r in res:
-            vs_h = ref.get("humming mxfp4", float("nan")) / r.us
-            vs_n = ref.get("humming nvfp4", float("nan")) / r.us
-            vs_b = ref.get("bf16 grouped_mm", float("nan")) / r.us
-            print(f"T={T:5d} experts={hit:3d} {r.name:24s} {r.us:9.1f} us {r.gbps:7.0f} GB/s "
-                  f"{100 * r.gbps / copy:5.1f}% copy  x{vs_h:5.2f} vs humming  x{vs_n:5.2f} vs nvfp4  "
-                  f"x{vs_b:5.2f} vs bf16  [{r.note}]", flush=True)
-            rows.append({"what": "speed", "name": r.name, "tokens": T, "experts": hit, "us": r.us,
-                         "GBps": r.gbps, "copy_frac": r.gbps / copy, "speedup_vs_humming": vs_h,
-                         "speedup_vs_humming_nvfp4": vs_n, "speedup_vs_bf16": vs_b, "note": r.note})
+    for hname, (hum, per_expert) in hums.items():
+        try:
+            def make(i: torch.Tensor, hum: Humming = hum) -> Callable[[], object]:
+                run = hum.prepare(i)
+                return lambda: run(x, w)
+            us, nbytes, note = measure(make, ids, harness, lambda i, pe=per_expert: experts(i) * pe)
+            res.append(Result(hname, T, us, nbytes, note))
+        except Exception as e:  # noqa: BLE001
+            print(f"  {hname} failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
+    hit = experts(ids)
+    ref = {r.name: r.us for r in res}
+    for r in res:
+        vs_h = ref.get("humming mxfp4", float("nan")) / r.us
+        vs_n = ref.get("humming nvfp4", float("nan")) / r.us
+        vs_b = ref.get("bf16 grouped_mm", float("nan")) / r.us
+        print(f"{harness:6s} T={T:5d} experts={hit:3d} {r.name:24s} {r.us:9.1f} us {r.gbps:7.0f} GB/s "
+              f"{100 * r.gbps / copy:5.1f}% copy  x{vs_h:5.2f} vs humming  x{vs_n:5.2f} vs nvfp4  "
+              f"x{vs_b:5.2f} vs bf16  [{r.note}]", flush=True)
+        rows.append({"what": "speed", "harness": harness, "name": r.name, "tokens": T, "experts": hit, "us": r.us,
+                     "GBps": r.gbps, "copy_frac": r.gbps / copy, "speedup_vs_humming": vs_h,
+                     "speedup_vs_humming_nvfp4": vs_n, "speedup_vs_bf16": vs_b, "note": r.note})
     return rows
 
 
@@ -406,12 +497,16 @@ def fidelity(args: argparse.Namespace) -> list[dict]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", default="1,4,16,64,256,4096", type=lambda s: [int(v) for v in s.split(",")])
+    ap.add_argument("--harness", default="write,stream", type=lambda s: s.split(","),
+                    help=f"comma-separated, of {', '.join(HARNESSES)} (see the module's docstring)")
     ap.add_argument("--sweep", action="store_true", help="also time the block-size candidates (planes)")
     ap.add_argument("--sweep-triton", action="store_true", help="with --sweep: the Triton kernels' candidates too")
     ap.add_argument("--fidelity", action="store_true", help="only the fidelity figures (CPU is enough)")
     ap.add_argument("--skew", type=float, default=1.0, help="fidelity: sigma of the lognormal expert popularity")
     ap.add_argument("--json", type=Path, help="write every figure here")
     args = ap.parse_args()
+    if unknown := set(args.harness) - set(HARNESSES):
+        ap.error(f"unknown harness {', '.join(sorted(unknown))}: choose from {', '.join(HARNESSES)}")
     rows = fidelity(args) if args.fidelity else speed(args)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))

@@ -163,10 +163,8 @@ def test_prepare_in_place_only_where_the_kernels_run(layer: dict, monkeypatch: p
     assert not prepare_in_place(renamed)
 
 
-def test_bench_moe_counts_an_x4_layers_bytes_as_its_natural_twins(monkeypatch: pytest.MonkeyPatch) -> None:
-    """benchmarks/bench_moe.py's bytes read (its GB/s and % of copy): an x4 layer, whose planes go by
-    X4_NAMES, counts what the same layer in the natural layout does, the tier's delta planes included
-    (the tier layers' rows had failed on the renamed planes)."""
+def _bench_moe(monkeypatch: pytest.MonkeyPatch):
+    """benchmarks/bench_moe.py as a module (it is a script, not part of the package)."""
     import importlib.util
     import sys
     from pathlib import Path
@@ -176,6 +174,37 @@ def test_bench_moe_counts_an_x4_layers_bytes_as_its_natural_twins(monkeypatch: p
     bench = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, "bench_moe", bench)  # its dataclasses look their module up
     spec.loader.exec_module(bench)
+    return bench
+
+
+def test_bench_moe_stream_copies_touch_no_expert_twice(monkeypatch: pytest.MonkeyPatch) -> None:
+    """bench_moe's stream harness: the copies of a routing are relabeled onto experts no other copy uses,
+    so no layer of the stream finds its weights left in the L2 by another, and each keeps the routing's
+    pattern (which slots share an expert), so each reads as many experts; 8 copies, fewer where E runs
+    out."""
+    bench = _bench_moe(monkeypatch)
+    g = torch.Generator().manual_seed(9)
+    for T, want in ((1, 8), (4, 8), (16, None)):
+        ids = torch.rand((T, bench.E), generator=g).topk(bench.TOPK, dim=1).indices.to(torch.int32)
+        ids[0, 1] = ids[0, 0]  # a repeated expert in one row
+        copies = bench.disjoint_routings(ids)
+        distinct = torch.unique(ids).numel()
+        assert len(copies) == (want or bench.E // distinct) and len(copies) * distinct <= bench.E
+        seen: set[int] = set()
+        for c in copies:
+            assert c.dtype == ids.dtype and c.shape == ids.shape
+            experts = set(c.reshape(-1).tolist())
+            assert not experts & seen and len(experts) == distinct
+            seen |= experts
+            same = ids.reshape(-1, 1) == ids.reshape(1, -1)
+            assert torch.equal(c.reshape(-1, 1) == c.reshape(1, -1), same)
+
+
+def test_bench_moe_counts_an_x4_layers_bytes_as_its_natural_twins(monkeypatch: pytest.MonkeyPatch) -> None:
+    """benchmarks/bench_moe.py's bytes read (its GB/s and % of copy): an x4 layer, whose planes go by
+    X4_NAMES, counts what the same layer in the natural layout does, the tier's delta planes included
+    (the tier layers' rows had failed on the renamed planes)."""
+    bench = _bench_moe(monkeypatch)
     t = x4_tables(random_layer(E, H, I, n_tier=3, e8m0=False, device="cpu", seed=4))
     x4 = prepare(t)
     assert "w13_delta_x4" in x4 and "w13_delta" not in x4
