@@ -81,44 +81,60 @@ DEV U4 load_x(const u16* p) {
   return v;
 }
 
-// Where chunk c of the thread's row g (r 0) or g + 8 (r 1) starts: its 16 plane words, or its block-scale
-// bytes (SB of them: e8m0 8, e4m3 16). TILED (x4 layers, x4_table.tile): each 16-row tile is stored
-// chunk-major, [chunk][16 rows][a row's chunk], from row g's pointer; so a warp's load of a chunk is one
-// contiguous KB where row-major rows scatter it over 16 (session 14: T = 1-64 7-22% faster) and row g + 8
-// needs no pointer of its own (four registers fewer through the K loop: the 80-register direct kernel
-// spilled without it, T = 1-2 4-6% slower). Natural layout (fitted tables): each row its own pointer.
-template <bool TILED>
-DEV const u32* chunk_words(const u32* const (&row)[2], int r, int c) {
-  return TILED ? row[0] + tiled_at(8 * r, CHUNK_WORDS * c, CHUNK_WORDS) : row[r] + CHUNK_WORDS * c;
-}
-template <bool TILED, int SB>
-DEV const u8* chunk_scales(const u8* const (&row)[2], int r, int c) {
-  return TILED ? row[0] + tiled_at(8 * r, SB * c, SB) : row[r] + SB * c;
-}
-
+// The thread's words (or scale bytes) of one chunk in rows g (r 0) and g + 8 (r 1), as a pointer moved on
+// a chunk at a time (session 16: indices turned into addresses at every load took about six instructions
+// a load, in a loop whose issue slots bound it at T = 1-2). UNIT: a row's elements in a chunk
+// (CHUNK_WORDS plane words; 8 e8m0 or 16 e4m3 scale bytes); `lane`: the thread's first element in it.
+// TILED (x4 layers, x4_table.tile): each 16-row tile is stored chunk-major, [chunk][16 rows][a row's
+// chunk], so a warp's load of a chunk is one contiguous KB where row-major rows scatter it over 16
+// (session 14: T = 1-64 7-22% faster), and row g + 8 lies a fixed offset after row g (one pointer; the
+// offset goes in the load's immediate). Natural layout (fitted tables): each row its own pointer.
+template <typename T, bool TILED, int UNIT>
+struct Cursor {
+  const T* p[2];
+  DEV Cursor(const T* const (&row)[2], int c, int lane) {  // row[r]: row g / g + 8 at chunk 0
+    p[0] = (TILED ? row[0] + tiled_at(0, UNIT * c, UNIT) : row[0] + UNIT * c) + lane;
+    p[1] = TILED ? p[0] : row[1] + UNIT * c + lane;
+  }
+  DEV const T* at(int r) const { return TILED ? p[0] + r * 8 * UNIT : p[r]; }
+  DEV void next() {
+    p[0] += TILED ? 16 * UNIT : UNIT;
+    if (!TILED) p[1] += UNIT;
+  }
+};
 template <bool E8, bool TILED>
-DEV void load_chunk(Chunk& ch, const u32* const (&wrow)[2], const u8* const (&srow)[2], int c, int q) {
-  constexpr int SB = E8 ? 8 : 16;  // a row's scale bytes in a chunk: 256 codes / 32 or / 16
+using ScaleCursor = Cursor<u8, TILED, E8 ? 8 : 16>;  // a row's scale bytes in a chunk: 256 codes / 32 or / 16
+template <bool TILED>
+using WordCursor = Cursor<u32, TILED, CHUNK_WORDS>;
+
+// One chunk's plane words and scale bytes (e8m0: the 2 groups of 32 codes, bytes 2q, 2q + 1 of the
+// chunk's 8; e4m3: the 4 groups of 16, bytes 4q .. 4q + 3 of its 16); then both cursors move on.
+template <bool E8, bool TILED>
+DEV void load_chunk(Chunk& ch, WordCursor<TILED>& w, ScaleCursor<E8, TILED>& s) {
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    ch.w[r] = load_words(chunk_words<TILED>(wrow, r, c) + 4 * q);
-    const u8* s = chunk_scales<TILED, SB>(srow, r, c);
+    ch.w[r] = load_words(w.at(r));
     if (E8)
-      ch.s[r] = __ldg(reinterpret_cast<const u16*>(s + 2 * q));
+      ch.s[r] = __ldg(reinterpret_cast<const u16*>(s.at(r)));
     else
-      ch.s[r] = __ldg(reinterpret_cast<const u32*>(s + 4 * q));
+      ch.s[r] = __ldg(reinterpret_cast<const u32*>(s.at(r)));
   }
+  w.next();
+  s.next();
 }
 
 // acc[t] += one chunk of the thread's rows against the block's token columns (ACC2: the odd sub-steps
 // into acc2[t], for two chains of dependent mma in place of one; k_loop). `dl`: the tier's delta
-// words of the same chunk (TIER only). xrow[t]: token g of tile t, K-paired (k_paired), so a word's
-// u32 2j, 2j + 1 are b0, b1 of sub-step j; nullptr: a padding slot, whose loads are skipped and whose
-// registers (xa, xb) keep what they held: that B column's products land only in C columns that are
-// never stored, and zeroing them every word cost 16 instructions a chunk.
+// words of the same chunk (TIER only). xp[t]: the thread's 64 activations of this chunk in token g of
+// tile t, K-paired (k_paired), so a word's u32 2j, 2j + 1 are b0, b1 of sub-step j. live[t] false: a
+// padding slot, whose loads are skipped and whose registers (xa, xb) keep what they held: that B
+// column's products land only in C columns that are never stored. (Zeroing them every word cost 16
+// instructions a chunk; loading another pair's row instead made every warp's activation loads take
+// four L1 passes where the live lanes alone take one: T = 1 25.3 -> 32.3 us, T = 64 638.6 -> 1002.6,
+// session 16.)
 template <int NT, bool E8, bool TIER, bool X4, bool ACC2>
 DEV void compute_chunk(float (&acc)[NT][4], float (&acc2)[NT][4], const Chunk& ch, const U4 (&dl)[2], u32 tlo,
-                       u32 thi, const u16* const (&xrow)[NT], U4 (&xa)[NT], U4 (&xb)[NT], int q, int c) {
+                       u32 thi, const u16* const (&xp)[NT], const bool (&live)[NT], U4 (&xa)[NT], U4 (&xb)[NT]) {
   u32 tl[2], th[2], sc[2], two[2];
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
@@ -141,10 +157,9 @@ DEV void compute_chunk(float (&acc)[NT][4], float (&acc2)[NT][4], const Chunk& c
     // token g's 16 activations of word 4q + i: xa sub-steps 0, 1, xb 2, 3
 #pragma unroll
     for (int t = 0; t < NT; ++t) {
-      if (xrow[t]) {
-        const u16* p = xrow[t] + 256 * c + 64 * q + 16 * i;
-        xa[t] = load_x(p);
-        xb[t] = load_x(p + 8);
+      if (live[t]) {
+        xa[t] = load_x(xp[t] + 16 * i);
+        xb[t] = load_x(xp[t] + 16 * i + 8);
       }
     }
     const u32 wg = word_of(ch.w[0], i), wh = word_of(ch.w[1], i);
@@ -188,23 +203,29 @@ DEV void compute_chunk(float (&acc)[NT][4], float (&acc2)[NT][4], const Chunk& c
 // with a 10% tier; in lean blocks it spilled at 56 registers (T = 16 306.5 against 296.3) and is 1-3%
 // slower at 64 (session 13).
 template <int NT, int D, bool E8, bool TIER, bool X4, bool ACC2>
-DEV void k_loop(float (&acc)[NT][4], Chunk (&ch)[D], const u32* const (&wrow)[2],
-                const u32* const (&drow)[2], const u8* const (&srow)[2], u32 tlo, u32 thi,
-                const u16* const (&xrow)[NT], int q, int cb, int ce) {
+DEV void k_loop(float (&acc)[NT][4], Chunk (&ch)[D], WordCursor<X4> w, ScaleCursor<E8, X4> s,
+                const u32* const (&drow)[2], u32 tlo, u32 thi, const u16* xin0, const u16* const (&xrow)[NT], int q,
+                int cb, int ce) {
   U4 dl[D][2], xa[NT], xb[NT];
   float acc2[NT][4];
+  const u16* xp[NT];  // the thread's activations of chunk c
+  bool live[NT];
 #pragma unroll
   for (int t = 0; t < NT; ++t) {
+    live[t] = xrow[t] != nullptr;
+    xp[t] = (live[t] ? xrow[t] : xin0) + 256 * cb + 64 * q;  // a padding slot's: never read
     xa[t] = xb[t] = U4{0u, 0u, 0u, 0u};
 #pragma unroll
     for (int c = 0; c < 4; ++c) acc2[t][c] = 0.f;
   }
+  WordCursor<X4> dw(drow, cb, 4 * q);  // w and s are at chunk cb + D already
   if (TIER) {
 #pragma unroll
     for (int d = 0; d < D; ++d)
       if (cb + d < ce) {
 #pragma unroll
-        for (int r = 0; r < 2; ++r) dl[d][r] = load_words(chunk_words<X4>(drow, r, cb + d) + 4 * q);
+        for (int r = 0; r < 2; ++r) dl[d][r] = load_words(dw.at(r));
+        dw.next();
       }
   }
   for (int c0 = cb; c0 < ce; c0 += D) {
@@ -212,12 +233,15 @@ DEV void k_loop(float (&acc)[NT][4], Chunk (&ch)[D], const u32* const (&wrow)[2]
     for (int d = 0; d < D; ++d) {
       const int c = c0 + d;
       if (c < ce) {
-        compute_chunk<NT, E8, TIER, X4, ACC2>(acc, acc2, ch[d], dl[d], tlo, thi, xrow, xa, xb, q, c);
+        compute_chunk<NT, E8, TIER, X4, ACC2>(acc, acc2, ch[d], dl[d], tlo, thi, xp, live, xa, xb);
+#pragma unroll
+        for (int t = 0; t < NT; ++t) xp[t] += 256;
         if (c + D < ce) {
-          load_chunk<E8, X4>(ch[d], wrow, srow, c + D, q);
+          load_chunk<E8, X4>(ch[d], w, s);
           if (TIER) {
 #pragma unroll
-            for (int r = 0; r < 2; ++r) dl[d][r] = load_words(chunk_words<X4>(drow, r, c + D) + 4 * q);
+            for (int r = 0; r < 2; ++r) dl[d][r] = load_words(dw.at(r));
+            dw.next();
           }
         }
       }
@@ -391,9 +415,11 @@ moe_mma(const u16* __restrict__ xin, const int* __restrict__ topk_ids, const int
   // the first D chunks before anything else: they depend on e alone
   const int per = Kw / CHUNK_WORDS / KS, cb = part * per, ce = cb + per;
   Chunk ch[D];
+  WordCursor<X4> wc(wrow, cb, 4 * q);
+  ScaleCursor<E8, X4> sc(srow, cb, (E8 ? 2 : 4) * q);
 #pragma unroll
   for (int d = 0; d < D; ++d)
-    if (cb + d < ce) load_chunk<E8, X4>(ch[d], wrow, srow, cb + d, q);
+    if (cb + d < ce) load_chunk<E8, X4>(ch[d], wc, sc);
   // a direct block's group, once its first loads are on their way (they depend on e alone), kept in
   // shared memory (each warp its own copy) so that no register holds it through the K loop
   __shared__ int group[W][BM];
@@ -441,9 +467,9 @@ moe_mma(const u16* __restrict__ xin, const int* __restrict__ topk_ids, const int
   wait_prior();      // xin is the kernel ahead's output
 
   if (tr >= 0)
-    k_loop<NT, D, E8, true, X4, TWO_ACC>(acc, ch, wrow, drow, srow, tlo, thi, xrow, q, cb, ce);
+    k_loop<NT, D, E8, true, X4, TWO_ACC>(acc, ch, wc, sc, drow, tlo, thi, xin, xrow, q, cb, ce);
   else
-    k_loop<NT, D, E8, false, X4, TWO_ACC>(acc, ch, wrow, drow, srow, tlo, thi, xrow, q, cb, ce);
+    k_loop<NT, D, E8, false, X4, TWO_ACC>(acc, ch, wc, sc, drow, tlo, thi, xin, xrow, q, cb, ce);
 
   // every tile's parts summed into warp 0
   float sum[TILES][NT][4];
