@@ -26,7 +26,7 @@
 // X4 (a layer built with --base-table x4, its planes repacked at load: x4_table.py): no table; x4_reg
 // makes each register from its repacked word with one LOP3 and one IMAD (mma_bits.cu), and the epilogue
 // multiplies by the tables' factor a. The repack also stores each 16-row tile of planes and scales
-// chunk-major (x4_table.tile; load_chunk), so that a warp's chunk is one contiguous load. A tier expert's
+// chunk-major (x4_table.tile; Cursor), so that a warp's chunk is one contiguous load. A tier expert's
 // registers take x4_tier_reg (its base and delta words, a few integer ops and one bf16 multiply), and the
 // epilogue the 2^8 it leaves out.
 // Tier code (base << 2 | delta) -> exact E2M1 (fitted-table layers, natural layout): two PRMTs into the
@@ -208,12 +208,13 @@ DEV void k_loop(float (&acc)[NT][4], Chunk (&ch)[D], WordCursor<X4> w, ScaleCurs
                 int cb, int ce) {
   U4 dl[D][2], xa[NT], xb[NT];
   float acc2[NT][4];
-  const u16* xp[NT];  // the thread's activations of chunk c
+  constexpr int CODES = 16 * CHUNK_WORDS;  // a row's codes (activations) in a chunk
+  const u16* xp[NT];  // the thread's activations of chunk c: its words' 4 x 16
   bool live[NT];
 #pragma unroll
   for (int t = 0; t < NT; ++t) {
     live[t] = xrow[t] != nullptr;
-    xp[t] = (live[t] ? xrow[t] : xin0) + 256 * cb + 64 * q;  // a padding slot's: never read
+    xp[t] = (live[t] ? xrow[t] : xin0) + CODES * cb + 64 * q;  // a padding slot's: never read
     xa[t] = xb[t] = U4{0u, 0u, 0u, 0u};
 #pragma unroll
     for (int c = 0; c < 4; ++c) acc2[t][c] = 0.f;
@@ -235,7 +236,7 @@ DEV void k_loop(float (&acc)[NT][4], Chunk (&ch)[D], WordCursor<X4> w, ScaleCurs
       if (c < ce) {
         compute_chunk<NT, E8, TIER, X4, ACC2>(acc, acc2, ch[d], dl[d], tlo, thi, xp, live, xa, xb);
 #pragma unroll
-        for (int t = 0; t < NT; ++t) xp[t] += 256;
+        for (int t = 0; t < NT; ++t) xp[t] += CODES;
         if (c + D < ce) {
           load_chunk<E8, X4>(ch[d], w, s);
           if (TIER) {
