@@ -157,11 +157,12 @@ def routing(T: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def plane(t: dict[str, torch.Tensor], name: str) -> torch.Tensor:
-    """A plane or block-scale tensor by its loader name, or its repacked twin (x4_table.X4_NAMES) in an x4
-    layer."""
+    """A plane or block-scale tensor by its loader name, or its twin in the kernels' layout (x4_table.X4_NAMES,
+    tiles.TILED_NAMES)."""
+    from moet_cache.runtime.tiles import TILED_NAMES
     from moet_cache.runtime.x4_table import X4_NAMES
 
-    return t[name] if name in t else t[X4_NAMES[name]]
+    return t[name] if name in t else t[X4_NAMES[name]] if X4_NAMES[name] in t else t[TILED_NAMES[name]]
 
 
 def plane_bytes_per_expert(t: dict[str, torch.Tensor]) -> int:
@@ -169,21 +170,30 @@ def plane_bytes_per_expert(t: dict[str, torch.Tensor]) -> int:
     return sum(p[0].numel() * p.element_size() for p in parts)
 
 
-def x4_layer(t: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], float]:
-    """t as built with --base-table x4 (each table a * (1, 4, -1, -4), a from its first entry), its planes
-    repacked (copies: t's stay as they are) as the vLLM method does at load; and the repack's time in ms."""
-    from moet_cache.planes import X4_PATTERN
-    from moet_cache.runtime.x4_table import X4_NAMES, prepare_in_place
+def served_layer(t: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], float]:
+    """t with its planes moved into the kernels' layout (copies: t's stay as they are) as the vLLM method does
+    at load (runtime/layout.py: x4 or tiles), and the move's time in ms."""
+    from moet_cache.runtime.layout import prepare_in_place
+    from moet_cache.runtime.tiles import TILED_NAMES
 
-    pattern = torch.as_tensor(X4_PATTERN, device=t["w13_table"].device)
-    out = dict(t, w13_table=t["w13_table"][..., :1].abs() * pattern, w2_table=t["w2_table"][..., :1].abs() * pattern,
-               **{n: t[n].clone() for n in X4_NAMES if n in t})
+    out = dict(t, **{n: t[n].clone() for n in TILED_NAMES if n in t})
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    assert prepare_in_place(out)
+    names = prepare_in_place(out)
     torch.cuda.synchronize()
     ms = (time.perf_counter() - t0) * 1e3
-    return {X4_NAMES.get(k, k): v for k, v in out.items()}, ms
+    assert names, "the plane kernels do not take this layer here"
+    return {names.get(k, k): v for k, v in out.items()}, ms
+
+
+def x4_layer(t: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], float]:
+    """t as built with --base-table x4 (each table a * (1, 4, -1, -4), a from its first entry), served
+    (served_layer: its planes repacked for the x4 decode); and the repack's time in ms."""
+    from moet_cache.planes import X4_PATTERN
+
+    pattern = torch.as_tensor(X4_PATTERN, device=t["w13_table"].device)
+    return served_layer(dict(t, w13_table=t["w13_table"][..., :1].abs() * pattern,
+                             w2_table=t["w2_table"][..., :1].abs() * pattern))
 
 
 def layer_bytes(t: dict[str, torch.Tensor]) -> int:
@@ -354,9 +364,13 @@ def speed(args: argparse.Namespace) -> list[dict]:
     x4_none8, _ = x4_layer(none8)
     x4_none4, _ = x4_layer(none4)
     x4_4, _ = x4_layer(planes4)
-    print(f"x4 base table: repacking a layer's base planes at load took {ms:.1f} ms", flush=True)
+    fitted8, tile_ms = served_layer(planes8)
+    print(f"at load, a layer's planes and scales (10% tier) take {ms:.1f} ms to repack for x4, {tile_ms:.1f} ms "
+          "to tile (fitted tables)", flush=True)
     rows.append({"what": "x4_repack_ms_per_layer", "ms": ms})
-    layers = {"e8m0 base-only": none8, "e8m0 tier10%": planes8, "e4m3 base-only": none4,
+    rows.append({"what": "tile_ms_per_layer", "ms": tile_ms})
+    layers = {"e8m0 base-only": served_layer(none8)[0], "e8m0 tier10%": fitted8,
+              "e4m3 base-only": served_layer(none4)[0], "e8m0 base-only untiled": none8,
               "x4 e8m0 base-only": x4_none8, "x4 e8m0 tier10%": x4_8, "x4 e4m3 base-only": x4_none4,
               "x4 e4m3 tier10%": x4_4}
     g = torch.Generator(device="cuda").manual_seed(3)
@@ -399,7 +413,7 @@ def speed_at(args: argparse.Namespace, harness: str, T: int, x: torch.Tensor, w:
                 except Exception as e:  # noqa: BLE001
                     print(f"  T={T} {form} config failed {cfg}: {type(e).__name__}: {str(e)[:200]}", flush=True)
     contenders = [(name, layer, None) for name, layer in layers.items()]
-    contenders.insert(3, ("e8m0 base, Triton", layers["e8m0 base-only"], Config(mma=(), prefill=())))
+    contenders.insert(3, ("e8m0 base, Triton", layers["e8m0 base-only untiled"], Config(mma=(), prefill=())))
     for name, layer, cfg in contenders:
         if harness == "write" or name.startswith("x4"):  # the other harnesses time the build's default layers
             res.append(bench_planes(f"planes {name}", layer, x, w, ids, cfg, harness))

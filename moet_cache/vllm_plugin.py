@@ -113,11 +113,12 @@ def load_into_model(model: torch.nn.Module, opts: PluginOptions) -> LoadSummary:
             expand = False
         elif first + "w13_weight" in params:
             expand = True
-        elif first + "w13_base_x4" in params:  # runtime.x4_table.X4_NAMES: repacked after the first load
-            raise InputError("this model's base planes were repacked for the x4 decode when it loaded, so "
-                             "moet-cache cannot load weights into it again",
-                             "restart vLLM to load the cache again (a weight reload into a live model is not "
-                             "supported for x4 caches)")
+        elif first + "w13_base_x4" in params or first + "w13_base_tiled" in params:
+            # runtime.layout: the planes were moved into the plane kernels' layout after the first load
+            raise InputError("this model's base planes were moved into the plane kernels' layout when it "
+                             "loaded, so moet-cache cannot load weights into it again",
+                             "restart vLLM to load the cache again (a weight reload into a live model on a "
+                             "GPU is not supported)")
         else:
             raise InputError(f"the model has no fused-MoE parameters under {first}",
                              "the moet loader serves DeepSeek-style MoE models")

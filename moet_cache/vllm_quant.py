@@ -128,21 +128,20 @@ def quant_classes() -> tuple[type, type]:
             return FUSED_MOE_UNQUANTIZED_CONFIG  # activations stay as they come; the planes are ours
 
         def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
-            # The planes are used as loaded, except that a layer built with --base-table x4 has its
-            # planes and block scales (base and scale parameters, tier buffers) repacked in place for
-            # the x4 decode on the GPU (docs/RUNTIME.md), and renamed so that what each name holds
-            # stays true.
-            from .runtime.x4_table import X4_NAMES, prepare_in_place
-            if not prepare_in_place({n: getattr(layer, n) for n in layer.moet_tensor_names}):
-                return
-            for natural in set(X4_NAMES) & set(layer.moet_tensor_names):
+            # The planes are used as loaded, except where the plane kernels take the layer: then its
+            # planes and block scales (base and scale parameters, tier buffers) are moved in place into
+            # the kernels' layout, tiles (and for a --base-table x4 build the x4 decode's bits;
+            # runtime/layout.py, docs/RUNTIME.md), and renamed so that what each name holds stays true.
+            from .runtime.layout import prepare_in_place
+            names = prepare_in_place({n: getattr(layer, n) for n in layer.moet_tensor_names})
+            for natural in set(names) & set(layer.moet_tensor_names):
                 is_param, tensor = natural in layer._parameters, getattr(layer, natural)
                 delattr(layer, natural)
                 if is_param:
-                    layer.register_parameter(X4_NAMES[natural], tensor)
+                    layer.register_parameter(names[natural], tensor)
                 else:
-                    layer.register_buffer(X4_NAMES[natural], tensor, persistent=False)
-            layer.moet_tensor_names = tuple(X4_NAMES.get(n, n) for n in layer.moet_tensor_names)
+                    layer.register_buffer(names[natural], tensor, persistent=False)
+            layer.moet_tensor_names = tuple(names.get(n, n) for n in layer.moet_tensor_names)
 
         def apply(self, layer: torch.nn.Module, x: torch.Tensor, topk_weights: torch.Tensor,
                   topk_ids: torch.Tensor, shared_experts: Any = None,

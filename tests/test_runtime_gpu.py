@@ -15,7 +15,7 @@ from moet_cache.planes import X4_PATTERN
 from moet_cache.runtime.launch import DEFAULT, Config, Mma, Pairs, Prefill, fused_moe_cuda
 from moet_cache.runtime.reference import fused_moe_reference
 from moet_cache.runtime.synthetic_layer import random_layer
-from moet_cache.runtime import x4_table
+from moet_cache.runtime import layout, tiles, x4_table
 from moet_cache.runtime.x4_table import X4_NAMES, prepare, prepare_in_place
 
 pytestmark = [pytest.mark.gpu,
@@ -221,6 +221,31 @@ def test_x4_layers_equal_reference(x4_layer: dict, T: int, config: Config) -> No
     ids[0, :2] = x4_layer["delta_experts"][:2]
     got = fused_moe_cuda(x, planes, w, ids, 7.0, config)
     _check(got, _reference(x, x4_layer, w, ids, 7.0))
+
+
+@pytest.mark.parametrize("T,config", [(1, DEFAULT), (3, DEFAULT), (16, DEFAULT), (30, DEFAULT),
+                                      (16, Config.only(Mma(1, 2, 2, True, True))), (40, Config.only(Mma(1, 2, 2))),
+                                      (64, DEFAULT), (300, Config.only(Prefill())),
+                                      (300, Config.only(Prefill(4, 8, 4))), (4096, DEFAULT),
+                                      (5, Config.only(Pairs(64, 8, 2)))])
+def test_tiled_fitted_layers_equal_reference(layer: dict, T: int, config: Config) -> None:
+    """A fitted-table layer as the vLLM method serves it, its planes and scales in tiles (tiles.py, the bits
+    as loaded), through the decode blocks (direct, lean, sorted), the prefill blocks and Triton (which reads
+    them put back), tier experts routed beside base ones; the decode's output is the natural layout's bit
+    for bit."""
+    t = {k: v.clone() for k, v in layer.items()}
+    names = layout.prepare_in_place(t)
+    assert names == tiles.TILED_NAMES
+    planes = LayerPlanes.from_tensors({names.get(k, k): v for k, v in t.items()})
+    assert planes.tiled and not planes.x4_layout
+    g = torch.Generator(device="cuda").manual_seed(800 + T)
+    x = torch.randn((T, H), generator=g, device="cuda").to(torch.bfloat16)
+    w, ids = _routing(T, 800 + T, all_hot=T >= 64)
+    ids[0, :2] = layer["delta_experts"][:2]
+    got = fused_moe_cuda(x, planes, w, ids, 7.0, config)
+    _check(got, _reference(x, layer, w, ids, 7.0))
+    if not isinstance(config.pick(ids.numel()), Pairs):
+        assert torch.equal(got, fused_moe_cuda(x, LayerPlanes.from_tensors(layer), w, ids, 7.0, config))
 
 
 def test_x4_prepare_in_place_on_the_gpu(x4_layer: dict) -> None:

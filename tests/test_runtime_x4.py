@@ -11,9 +11,9 @@ from moet_cache.planes import X4_PATTERN
 from moet_cache.runtime import fused_moe
 from moet_cache.runtime.dequant import LayerPlanes, unpack_plane
 from moet_cache.runtime.synthetic_layer import random_layer
-from moet_cache.runtime.x4_table import (CHUNK_CODES, MAX_TIER_E8M0_BYTE, TILE_ROWS, X4_NAMES, bit_moves,
-                                         delta_bit_moves, is_x4, prepare, prepare_in_place, scales_fit, tile,
-                                         tiles_fit, to_natural, to_x4)
+from moet_cache.runtime.tiles import tile, tiles_fit
+from moet_cache.runtime.x4_table import (MAX_TIER_E8M0_BYTE, X4_NAMES, bit_moves, delta_bit_moves, is_x4,
+                                         prepare, prepare_in_place, scales_fit, to_natural, to_x4)
 
 E, H, I = 8, 512, 256  # the smallest dims whose planes split into the x4 layout's tiles: K in whole chunks
 
@@ -52,31 +52,6 @@ def test_to_x4_round_trips_every_expert(delta: bool) -> None:
     for a, b in zip(w, pw):
         for s, d in (delta_bit_moves() if delta else bit_moves()):
             assert (a >> s) & 1 == (b >> d) & 1
-
-
-@pytest.mark.parametrize("dtype,chunk_bytes", [(torch.uint8, 64), (torch.float8_e8m0fnu, 8),
-                                               (torch.float8_e4m3fn, 16)])
-def test_tile_puts_each_chunk_of_a_tiles_rows_together(dtype: torch.dtype, chunk_bytes: int) -> None:
-    """x4_table.tile, element by element against its definition: byte b of chunk c of row i of tile k sits
-    at [chunk][row][byte] within the tile (mma_bits.cu tiled_at reads it there); planes take 64 bytes a
-    chunk (256 codes), e8m0 scales 8 (a byte per 32 codes), e4m3 scales 16."""
-    n, rows, chunks = 2, 2 * TILE_ROWS, 3
-    assert chunk_bytes * {torch.uint8: 4, torch.float8_e8m0fnu: 32, torch.float8_e4m3fn: 16}[dtype] == CHUNK_CODES
-    src = torch.randint(0, 256, (n, rows, chunks * chunk_bytes), dtype=torch.uint8,
-                        generator=torch.Generator().manual_seed(3))
-    got = tile(src.view(dtype))
-    assert got.dtype == dtype and got.shape == src.shape
-    flat = got.view(torch.uint8).reshape(n, -1)
-    for e in range(n):
-        for row in range(rows):
-            k, i = divmod(row, TILE_ROWS)
-            for c in range(chunks):
-                for b in range(chunk_bytes):
-                    at = k * TILE_ROWS * chunks * chunk_bytes + (c * TILE_ROWS + i) * chunk_bytes + b
-                    assert flat[e, at] == src[e, row, c * chunk_bytes + b]
-    assert torch.equal(tile(got, inverse=True).view(torch.uint8), src)
-    with pytest.raises(ValueError, match="tiles"):
-        tile(src[:, :TILE_ROWS - 1].view(dtype))
 
 
 def test_is_x4_takes_layers_whose_tables_all_have_the_form(layer: dict) -> None:

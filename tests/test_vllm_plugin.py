@@ -110,17 +110,19 @@ def test_wrong_shapes_are_refused(lossless) -> None:
         load_into_model(model, PluginOptions(cache=str(lossless[1])))
 
 
-def test_a_reload_into_repacked_planes_is_refused(lossless) -> None:
-    """After the quant method's x4 repack (its parameters renamed w13_base_x4 / w2_base_x4), loading again
-    would put natural-layout planes where the kernels read the x4 layout: refused with what to do."""
+@pytest.mark.parametrize("suffix", ["_x4", "_tiled"])
+def test_a_reload_into_repacked_planes_is_refused(lossless, suffix: str) -> None:
+    """After the quant method has moved the planes into the kernels' layout (runtime/layout.py: its parameters
+    renamed w13_base_x4 / w2_base_x4, or w13_base_tiled / w2_base_tiled), loading again would put
+    natural-layout planes where the kernels read another: refused with what to do."""
     model = _FakeModel(planes=True)
     for layer in model.model.layers[1:]:
         ex = layer.mlp.experts
         for natural in ("w13_base", "w2_base"):
             param = getattr(ex, natural)
             delattr(ex, natural)
-            ex.register_parameter(natural + "_x4", param)
-    with pytest.raises(InputError, match="repacked for the x4 decode") as err:
+            ex.register_parameter(natural + suffix, param)
+    with pytest.raises(InputError, match="moved into the plane kernels' layout") as err:
         load_into_model(model, PluginOptions(cache=str(lossless[1])))
     assert "restart vLLM" in str(err.value.hint)
 

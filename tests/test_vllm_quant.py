@@ -185,6 +185,42 @@ def test_an_x4_cache_is_repacked_after_loading_and_computes_the_same(tmp_path: P
     assert torch.equal(out, before) and torch.equal(out, fused_moe(x, want, w, ids, swiglu_limit=LIMIT))
 
 
+def test_a_fitted_cache_is_tiled_after_loading_and_computes_the_same(tmp_path: Path, vllm_config: Any,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """process_weights_after_loading on a fitted-table cache: where the plane kernels take the layer (the CPU
+    stands in for a GPU) its planes and block scales are tiled in place once, its tier experts' bits moved for
+    the x4 tier decode (runtime/layout.py), and renamed w13_base_tiled / ... (parameters) and w13_delta_tiled /
+    w2_delta_tiled (buffers); apply computes what it did before."""
+    from moet_cache import BuildOptions, build_cache
+    from moet_cache.runtime import fused_moe, tiles
+    from moet_cache.synthetic import make_checkpoint, small_spec
+    src = make_checkpoint(tmp_path / "src", small_spec(moe_intermediate_size=256))
+    cache = tmp_path / "cache"
+    build_cache(src, cache, BuildOptions(delta_budget="25%"))
+    model = _model_on(cache, inter=256)
+    load_into_model(model, PluginOptions(cache=str(cache), workers=1))
+    experts = model.model.layers[2].mlp.experts.routed_experts
+    want = next(x.tensors for x in open_cache(cache).load(delta="tier", workers=1) if x.index == 2)
+    assert want["delta_experts"].numel()  # a tier to move
+    x, w, ids = _routed(1)
+    ids[0, 0] = int(want["delta_experts"][0])
+    before = experts.quant_method.apply(experts, x, w, ids, None, None)
+    experts.quant_method.process_weights_after_loading(experts)  # no plane kernels here: as loaded
+    assert "w13_base" in experts.moet_tensor_names
+    natural = experts.w13_base.clone()
+    monkeypatch.setattr(tiles, "kernels_take", lambda tensors: True)
+    experts.quant_method.process_weights_after_loading(experts)
+    experts.quant_method.process_weights_after_loading(experts)  # again (a reload): nothing more moves
+    params = dict(experts.named_parameters(recurse=False))
+    assert {"w13_base_tiled", "w2_base_tiled", "w13_weight_scale_tiled", "w2_weight_scale_tiled"} <= set(params)
+    assert not {"w13_base", "w2_base", "w13_weight_scale", "w2_weight_scale"} & set(params)
+    assert not torch.equal(experts.w13_base_tiled, natural)
+    buffers = dict(experts.named_buffers(recurse=False))
+    assert {"w13_delta_tiled", "w2_delta_tiled"} <= set(buffers) and "w13_delta" not in buffers
+    out = experts.quant_method.apply(experts, x, w, ids, None, None)
+    assert torch.equal(out, before) and torch.equal(out, fused_moe(x, want, w, ids, swiglu_limit=LIMIT))
+
+
 def test_other_layers_go_to_the_source_method_and_parallelism_is_refused(built_cache: Path,
                                                                          tp_group: Any) -> None:
     from vllm.model_executor.layers.linear import ReplicatedLinear

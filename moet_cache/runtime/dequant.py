@@ -53,7 +53,8 @@ class LayerPlanes:
     w13_delta: torch.Tensor         # uint8 [n, 2I, H/4]
     w2_delta: torch.Tensor          # uint8 [n, H, I/4]
     delta_experts: torch.Tensor     # int64 [n]
-    x4_layout: bool = False         # planes and block scales repacked for the x4 decode (x4_table.py)
+    x4_layout: bool = False         # planes and block scales repacked for the x4 decode (x4_table.py), tiled
+    tiled: bool = False             # planes and block scales in chunk-major tiles (tiles.py): x4 or not
 
     @property
     def num_experts(self) -> int:
@@ -70,8 +71,9 @@ class LayerPlanes:
     @classmethod
     def from_tensors(cls, t: dict[str, torch.Tensor]) -> "LayerPlanes":
         """Check names, shapes and dtypes; a layer loaded with delta="none" gets an empty tier."""
-        x4 = "w13_base_x4" in t  # prepared by x4_table.prepare: the same planes and scales, repacked
-        suffix = "_x4" if x4 else ""
+        # prepared by layout.prepare: the same planes and scales, repacked for x4 (and tiled) or tiled
+        x4, tiled = "w13_base_x4" in t, "w13_base_tiled" in t
+        suffix = "_x4" if x4 else "_tiled" if tiled else ""
         base_names = ("w13_base" + suffix, "w2_base" + suffix)
         scale_names = ("w13_weight_scale" + suffix, "w2_weight_scale" + suffix)
         missing = [n for n in (*base_names, *scale_names,
@@ -100,7 +102,7 @@ class LayerPlanes:
         planes = cls(b13, b2, t[scale_names[0]], t[scale_names[1]],
                      t["w13_weight_scale_2"].float().reshape(E, 2), t["w2_weight_scale_2"].float().reshape(E),
                      t["w13_table"].float().reshape(E, 2, 4), t["w2_table"].float().reshape(E, 4),
-                     d13, d2, idx.long(), x4)
+                     d13, d2, idx.long(), x4_layout=x4, tiled=x4 or tiled)
         for name, s, rows, cols in ((scale_names[0], planes.w13_scale, two_i, H),
                                     (scale_names[1], planes.w2_scale, H, I)):
             if s.dim() != 3 or s.shape[:2] != (E, rows) or s.shape[2] == 0 or cols % s.shape[2]:
@@ -112,13 +114,27 @@ class LayerPlanes:
     def natural(self) -> "LayerPlanes":
         """These planes in the natural layout (the Triton kernels read no other; dequant_expert puts back one
         expert at a time)."""
-        if not self.x4_layout:
+        if not self.tiled:
             return self
-        from .x4_table import to_natural
-        return replace(self, w13_base=to_natural(self.w13_base), w2_base=to_natural(self.w2_base),
-                       w13_delta=to_natural(self.w13_delta, delta=True),
-                       w2_delta=to_natural(self.w2_delta, delta=True), w13_scale=to_natural(self.w13_scale),
-                       w2_scale=to_natural(self.w2_scale), x4_layout=False)
+        return replace(self, w13_base=self.natural_of(self.w13_base), w2_base=self.natural_of(self.w2_base),
+                       w13_delta=self.natural_of(self.w13_delta, delta=True),
+                       w2_delta=self.natural_of(self.w2_delta, delta=True),
+                       w13_scale=self.natural_of(self.w13_scale), w2_scale=self.natural_of(self.w2_scale),
+                       x4_layout=False, tiled=False)
+
+    def natural_of(self, t: torch.Tensor, delta: bool = False, experts: list[int] | None = None) -> torch.Tensor:
+        """One of these planes ([n, rows, K/4]; `delta`: a delta plane) or block-scale tensors in the natural
+        layout: t itself, or a copy put back. `experts`: the experts of a base plane's rows (all, in order,
+        when None), of which the tiled layout moved the tier experts' bits (tiles.py)."""
+        if self.x4_layout:
+            from .x4_table import to_natural
+            return to_natural(t, delta)
+        if self.tiled:
+            from .layout import untiled, x4_rows_of
+            tier = set(self.delta_experts.tolist())
+            rows = x4_rows_of(t, delta, list(range(t.shape[0])) if experts is None else experts, tier)
+            return untiled(t, rows, delta)
+        return t
 
     def tier_rows(self) -> dict[int, int]:
         """expert -> its row in the tier planes."""
@@ -134,28 +150,25 @@ def _values(base: torch.Tensor, delta: torch.Tensor | None, table: torch.Tensor)
     return torch.gather(table, 1, codes)
 
 
-def _natural_row(plane: torch.Tensor, i: int, x4: bool, delta: bool = False) -> torch.Tensor:
-    """Row i of a plane [n, rows, K/4] or of block scales [n, rows, K/group] in the natural layout (`x4`: put
-    back, this row only)."""
-    if not x4:
-        return plane[i]
-    from .x4_table import to_natural
-    return to_natural(plane[i : i + 1], delta)[0]
+def _natural_row(planes: LayerPlanes, t: torch.Tensor, i: int, delta: bool = False) -> torch.Tensor:
+    """Row i (an expert, or a tier row of a `delta` plane) of one of planes' planes [n, rows, K/4] or block
+    scales [n, rows, K/group] in the natural layout (put back, this row only, where the layer's is another)."""
+    return planes.natural_of(t[i : i + 1], delta, [i])[0]
 
 
 def dequant_expert(planes: LayerPlanes, expert: int, tier_row: int | None) -> tuple[torch.Tensor, torch.Tensor]:
     """float32 (w13 [2I, H], w2 [H, I]) of one expert: its FP4 codes when tier_row is given, else its tables."""
     I, H = planes.inter, planes.hidden
-    b13, b2 = (_natural_row(p, expert, planes.x4_layout) for p in (planes.w13_base, planes.w2_base))
+    b13, b2 = (_natural_row(planes, p, expert) for p in (planes.w13_base, planes.w2_base))
     d13 = d2 = None
     if tier_row is not None:
-        d13, d2 = (_natural_row(p, tier_row, planes.x4_layout, True) for p in (planes.w13_delta, planes.w2_delta))
+        d13, d2 = (_natural_row(planes, p, tier_row, True) for p in (planes.w13_delta, planes.w2_delta))
     t13 = planes.w13_table[expert]  # [2, 4]: gate rows take row 0, up rows row 1
     row_table = t13.repeat_interleave(I, dim=0)  # [2I, 4]
     v13 = _values(b13, d13, row_table)
     v2 = _values(b2, d2, planes.w2_table[expert].expand(H, 4))
     s2_13 = planes.w13_scale_2[expert].repeat_interleave(I).unsqueeze(1)  # [2I, 1]
-    s13, s2 = (_natural_row(s, expert, planes.x4_layout) for s in (planes.w13_scale, planes.w2_scale))
+    s13, s2 = (_natural_row(planes, s, expert) for s in (planes.w13_scale, planes.w2_scale))
     w13 = v13 * expand_block_scale(s13, H) * s2_13
     w2 = v2 * expand_block_scale(s2, I) * planes.w2_scale_2[expert]
     return w13, w2

@@ -47,15 +47,9 @@ DEV void mma(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-// A block-scale byte as a bf16 pair (both halves the same value).
-template <bool E8>
-DEV u32 scale_pair(u32 byte) {
-  if (E8) return byte * 0x00800080u;  // e8m0: 2^(b - 127) is bf16 bits b << 7 (b = 0, 2^-127, gives 0)
-  u32 e = (byte >> 3) & 15u, m = byte & 7u;
-  u32 bits = e ? (((e + 120u) << 7) | (m << 4)) : (__float_as_uint((float)m * 0.001953125f) >> 16);
-  bits |= (byte & 128u) << 8;
-  return bits | (bits << 16);
-}
+// An e8m0 block-scale byte as a bf16 pair (both halves the same value): 2^(b - 127) is bf16 bits b << 7
+// (b = 0, 2^-127, gives 0). e4m3 bytes take e4m3_two / e4m3_pair below.
+DEV u32 e8m0_pair(u32 byte) { return byte * 0x00800080u; }
 
 // The four base codes q, q + 4 (low half of the selector) and q + 8, q + 12 (high half) of a word,
 // shifted by 2q, as two register pairs of table values: one LOP3, one IMAD, one SHF, two PRMTs. The
@@ -68,8 +62,8 @@ DEV void base_regs(u32 ws, u32 tlo, u32 thi, u32& lo, u32& hi) {
 
 // e4m3 scale byte -> a bf16 pair of its value x 2^-120: the byte's exponent and mantissa bits moved into
 // bf16's places (bias 127 where e4m3 has 7: the 2^-120); e = 0 lands on a bf16 subnormal of the same
-// m / 8 x 2^-126, so subnormal scales stay exact. Four integer ops where scale_pair<false> takes about
-// ten; the tables are pre-multiplied by 2^120 (exact), so table x scale rounds as with the true scale
+// m / 8 x 2^-126, so subnormal scales stay exact. Four integer ops where a general e4m3 conversion takes
+// about ten; the tables are pre-multiplied by 2^120 (exact), so table x scale rounds as with the true scale
 // (mma_prefill.cu).
 DEV u32 e4m3_bits(u32 x) { return ((x << 4) & 0x07F007F0u) | ((x << 8) & 0x80008000u); }  // a byte a half
 DEV u32 e4m3_pair_lo(u32 sreg, int byte) {
@@ -78,13 +72,14 @@ DEV u32 e4m3_pair_lo(u32 sreg, int byte) {
 #define BF16X2_2P120 0x7B807B80u  // 2^120 in both halves
 
 // An e4m3 scale byte of sreg as its true value's bf16 pair, exactly (subnormal scales too, through a bf16
-// subnormal): e4m3_pair_lo times 2^120, five ops where scale_pair<false> takes about ten (the prefill's
-// tier experts in fitted-table layers; the x4 kernels take two at a time, e4m3_two).
+// subnormal): e4m3_pair_lo times 2^120, five ops where a general conversion takes about ten (the prefill's
+// tier experts in natural-layout layers; the other kernels take two at a time, e4m3_two).
 DEV u32 e4m3_pair(u32 sreg, int byte) { return bmul2(e4m3_pair_lo(sreg, byte), BF16X2_2P120); }
 
 // Two e4m3 scale bytes of sreg at once (h 0: bytes 0 and 1, h 1: bytes 2 and 3) as the bf16 pair of their
 // true values, one a half, exactly as e4m3_pair; prmt(., 0, 0x1010) / prmt(., 0, 0x3232) then gives each
-// byte's e4m3_pair (the x4 kernels, decode and prefill: two groups' scales converted in the ops of one).
+// byte's e4m3_pair (the decode kernels, and the prefill's x4 layers and tiled tier experts: two groups'
+// scales converted in the ops of one).
 DEV u32 e4m3_two(u32 sreg, int h) {
   return bmul2(e4m3_bits(prmt(sreg, 0u, h ? 0x4342u : 0x4140u)), BF16X2_2P120);
 }
@@ -140,9 +135,10 @@ template <bool E8>
 DEV u32 x4_tier_scale(u32 sc) { return E8 ? sc + 0x3B003B00u : bmul2(sc, 0x7A807A80u); }
 #define X4_TIER_POST 256.f
 
-// The x4 kernels' e4m3 scale pair of group `byte` (0..3 of sreg): at an even group, it and the next are
-// converted together into `two` (e4m3_two; a tier expert's x4_tier_scale, a multiply a half, on the
-// pair), and each group takes its own by one PRMT. Called for the groups in order (decode and prefill).
+// The e4m3 scale pair of group `byte` (0..3 of sreg) in the decode kernels and the x4 / tiled-tier prefill:
+// at an even group, it and the next are converted together into `two` (e4m3_two; an x4 tier expert's
+// x4_tier_scale, a multiply a half, on the pair), and each group takes its own by one PRMT. Called for the
+// groups in order.
 template <bool TIER>
 DEV u32 x4_scale_e4(u32 sreg, int byte, u32& two) {
   if ((byte & 1) == 0) {
@@ -153,7 +149,7 @@ DEV u32 x4_scale_e4(u32 sreg, int byte, u32& two) {
 }
 
 // An e8m0 scale byte of sreg as x4_reg's sc: the byte into both halves by PRMT, then one shift (with the
-// multiply of scale_pair, ptxas folds the multiply into every x4_reg IMAD and splits the shift out).
+// multiply of e8m0_pair, ptxas folds the multiply into every x4_reg IMAD and splits the shift out).
 DEV u32 x4_scale_e8(u32 sreg, int byte) { return prmt(sreg, 0u, 0x4040u | (byte << 8) | byte) << 7; }
 
 // The same four codes of a tier expert (base and delta words, both shifted by 2q) -> exact E2M1 x scale.
@@ -170,8 +166,8 @@ DEV void tier_regs(u32 wb, u32 wd, u32 sc, u32& lo, u32& hi) {
   hi = bmul2(((large1 & big1) | (small1 & ~big1)) | (neg1 & 0x80008000u), sc);
 }
 
-// The x4 layers' tiles (x4_table.tile): each 16 rows stored chunk-major, [chunk][16 rows][a row's chunk],
-// a row's chunk being `unit` of its elements (CHUNK_WORDS plane words; 8 e8m0 or 16 e4m3 scale bytes).
+// The tiles of every layer laid out at load (tiles.py): each 16 rows stored chunk-major, [chunk][16 rows]
+// [a row's chunk], a row's chunk being `unit` of its elements (CHUNK_WORDS plane words; 8 e8m0 or 16 e4m3 scale bytes).
 // Element k of the tile's row i is at this offset from the tile's start, in the same elements.
 DEV int tiled_at(int i, int k, int unit) { return (k / unit * 16 + i) * unit + k % unit; }
 

@@ -25,13 +25,16 @@
 // picks bytes 2c and 2c + 1 for each code, and the selector is one IMAD: m * 0x22 + 0x1010.
 // X4 (a layer built with --base-table x4, its planes repacked at load: x4_table.py): no table; x4_reg
 // makes each register from its repacked word with one LOP3 and one IMAD (mma_bits.cu), and the epilogue
-// multiplies by the tables' factor a. The repack also stores each 16-row tile of planes and scales
-// chunk-major (x4_table.tile; Cursor), so that a warp's chunk is one contiguous load. A tier expert's
-// registers take x4_tier_reg (its base and delta words, a few integer ops and one bf16 multiply), and the
-// epilogue the 2^8 it leaves out.
-// Tier code (base << 2 | delta) -> exact E2M1 (fitted-table layers, natural layout): two PRMTs into the
-// tables {0, .5, 1, 1.5} and {2, 3, 4, 6} by the delta bits, a select by the base's low bit and the sign
-// from its high bit (PRMT sign-replicate mode), then the block scale (exact: E2M1 x power of two or e4m3).
+// multiplies by the tables' factor a.
+// TILED (every layer the kernels take, once laid out at load: tiles.py, layout.py; x4 layers always):
+// each 16-row tile of planes and scales is stored chunk-major (Cursor), so that a warp's chunk is one
+// contiguous load, and a tier expert's base and delta words carry the x4 layout's bits whatever the
+// table: its registers take x4_tier_reg (a few integer ops and one bf16 multiply), and the epilogue the
+// 2^8 it leaves out.
+// Tier code (base << 2 | delta) -> exact E2M1 (natural layout: a layer handed to fused_moe as loaded): two
+// PRMTs into the tables {0, .5, 1, 1.5} and {2, 3, 4, 6} by the delta bits, a select by the base's low bit
+// and the sign from its high bit (PRMT sign-replicate mode), then the block scale (exact: E2M1 x power of
+// two or e4m3).
 //
 // Loads in flight: each warp keeps D chunks (D x 1 KB of its 16 rows; a tier expert's delta words too)
 // in registers in flight, refilling a chunk's registers as soon as it is computed: D = 2 for one or two
@@ -47,7 +50,7 @@
 // moe_sum, at the end, sums a token's top-k slots and casts them to the activations' dtype; for few pairs
 // the w2 kernel does it instead (sum_when_last, Mma.sum_in_w2).
 
-// The helpers (prmt, base_regs, tier_regs, scale_pair, mma, ...) are in mma_bits.cu.
+// The helpers (prmt, base_regs, tier_regs, e8m0_pair, mma, ...) are in mma_bits.cu.
 
 // K-paired position of natural index n (mma_moe.k_paired): position 4j + 2h + s of each 16
 // holds element j + 4s + 8h, so a word's u32 2j, 2j + 1 are sub-step j's B registers b0, b1, adjacent
@@ -85,10 +88,10 @@ DEV U4 load_x(const u16* p) {
 // a chunk at a time (session 16: indices turned into addresses at every load took about six instructions
 // a load, in a loop whose issue slots bound it at T = 1-2). UNIT: a row's elements in a chunk
 // (CHUNK_WORDS plane words; 8 e8m0 or 16 e4m3 scale bytes); `lane`: the thread's first element in it.
-// TILED (x4 layers, x4_table.tile): each 16-row tile is stored chunk-major, [chunk][16 rows][a row's
-// chunk], so a warp's load of a chunk is one contiguous KB where row-major rows scatter it over 16
+// TILED (every layer laid out at load, tiles.py): each 16-row tile is stored chunk-major, [chunk][16 rows]
+// [a row's chunk], so a warp's load of a chunk is one contiguous KB where row-major rows scatter it over 16
 // (session 14: T = 1-64 7-22% faster), and row g + 8 lies a fixed offset after row g (one pointer; the
-// offset goes in the load's immediate). Natural layout (fitted tables): each row its own pointer.
+// offset goes in the load's immediate). Natural layout (a layer as loaded): each row its own pointer.
 template <typename T, bool TILED, int UNIT>
 struct Cursor {
   const T* p[2];
@@ -141,11 +144,11 @@ DEV void compute_chunk(float (&acc)[NT][4], float (&acc2)[NT][4], const Chunk& c
     if (!E8 || (i & 1) == 0) {  // a new scale group: the rows' scales, and the tables pre-scaled
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        if (X4 && !E8) {  // e4m3: groups i and i + 1 converted together
-          sc[r] = x4_scale_e4<TIER>(ch.s[r], i, two[r]);
+        if (!E8) {  // e4m3: groups i and i + 1 converted together (x4 tier experts: x 2^118)
+          sc[r] = x4_scale_e4<TIER && X4>(ch.s[r], i, two[r]);
         } else {
           const int byte = E8 ? (i >> 1) : i;
-          sc[r] = !X4 ? scale_pair<E8>(prmt(ch.s[r], 0u, 0x4440u | byte)) : x4_scale_e8(ch.s[r], byte);
+          sc[r] = !X4 ? e8m0_pair(prmt(ch.s[r], 0u, 0x4440u | byte)) : x4_scale_e8(ch.s[r], byte);
           if (TIER && X4) sc[r] = x4_tier_scale<E8>(sc[r]);
         }
         if (!TIER && !X4) {
@@ -202,8 +205,8 @@ DEV void compute_chunk(float (&acc)[NT][4], float (&acc2)[NT][4], const Chunk& c
 // loads are in flight (direct blocks, session 12: T = 4 98.7 against 101.3 us, 106.7 against 109.3
 // with a 10% tier; in lean blocks it spilled at 56 registers (T = 16 306.5 against 296.3) and is 1-3%
 // slower at 64 (session 13).
-template <int NT, int D, bool E8, bool TIER, bool X4, bool ACC2>
-DEV void k_loop(float (&acc)[NT][4], Chunk (&ch)[D], WordCursor<X4> w, ScaleCursor<E8, X4> s,
+template <int NT, int D, bool E8, bool TIER, bool X4, bool TILED, bool ACC2>
+DEV void k_loop(float (&acc)[NT][4], Chunk (&ch)[D], WordCursor<TILED> w, ScaleCursor<E8, TILED> s,
                 const u32* const (&drow)[2], u32 tlo, u32 thi, const u16* xin0, const u16* const (&xrow)[NT], int q,
                 int cb, int ce) {
   U4 dl[D][2], xa[NT], xb[NT];
@@ -219,7 +222,7 @@ DEV void k_loop(float (&acc)[NT][4], Chunk (&ch)[D], WordCursor<X4> w, ScaleCurs
 #pragma unroll
     for (int c = 0; c < 4; ++c) acc2[t][c] = 0.f;
   }
-  WordCursor<X4> dw(drow, cb, 4 * q);  // w and s are at chunk cb + D already
+  WordCursor<TILED> dw(drow, cb, 4 * q);  // w and s are at chunk cb + D already
   if (TIER) {
 #pragma unroll
     for (int d = 0; d < D; ++d)
@@ -238,7 +241,7 @@ DEV void k_loop(float (&acc)[NT][4], Chunk (&ch)[D], WordCursor<X4> w, ScaleCurs
 #pragma unroll
         for (int t = 0; t < NT; ++t) xp[t] += CODES;
         if (c + D < ce) {
-          load_chunk<E8, X4>(ch[d], w, s);
+          load_chunk<E8, TILED>(ch[d], w, s);
           if (TIER) {
 #pragma unroll
             for (int r = 0; r < 2; ++r) dl[d][r] = load_words(dw.at(r));
@@ -373,7 +376,7 @@ __global__ void pair_rows(const u16* __restrict__ x, u16* __restrict__ xp, int g
 // The input rows come K-paired (k_paired). w13 (TILES 2): act[pair, pair_col(n)] = bf16(swiglu(gate * s2g,
 // up * s2u)), input row = pair / top_k (w2 reads the intermediate K-paired). w2 (TILES 1): out[pair, n] =
 // down * s2 * topk_weight[pair] (fp32), input row = pair.
-template <int TILES, int NT, int KS, bool E8, bool LEAN, bool X4>
+template <int TILES, int NT, int KS, bool E8, bool LEAN, bool X4, bool TILED>
 __global__ void __launch_bounds__(TILES * KS * 32, NT <= 2 && TILES * KS * 32 <= 512 ? MIN_THREADS_SM(NT, LEAN) / (TILES * KS * 32) : 1)
 moe_mma(const u16* __restrict__ xin, const int* __restrict__ topk_ids, const int* __restrict__ sorted_pairs,
         const int* __restrict__ block_expert, const long long* __restrict__ delta_experts, int n_tier,
@@ -383,6 +386,7 @@ moe_mma(const u16* __restrict__ xin, const int* __restrict__ topk_ids, const int
         void* __restrict__ y, int* __restrict__ arrived, int y_type) {
   constexpr int BM = 8 * NT, W = TILES * KS, D = CHUNKS_IN_FLIGHT(NT, LEAN);
   constexpr bool TWO_ACC = X4 && NT == 1 && !LEAN;  // k_loop's ACC2: measured for these blocks only
+  static_assert(TILED || !X4, "x4 planes are always tiled");
   const int e = direct ? topk_ids[blockIdx.x] : block_expert[blockIdx.x];
   if (e < 0) return;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
@@ -396,7 +400,7 @@ moe_mma(const u16* __restrict__ xin, const int* __restrict__ topk_ids, const int
   const u8* srow[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    if (X4) {
+    if (TILED) {
       const size_t tile0 = (size_t)e * rows_e + (size_t)tile * N + n0;
       wrow[r] = base + tile0 * Kw + tiled_at(g + 8 * r, 0, CHUNK_WORDS);
       srow[r] = scale + tile0 * sk + tiled_at(g + 8 * r, 0, E8 ? 8 : 16);
@@ -416,11 +420,11 @@ moe_mma(const u16* __restrict__ xin, const int* __restrict__ topk_ids, const int
   // the first D chunks before anything else: they depend on e alone
   const int per = Kw / CHUNK_WORDS / KS, cb = part * per, ce = cb + per;
   Chunk ch[D];
-  WordCursor<X4> wc(wrow, cb, 4 * q);
-  ScaleCursor<E8, X4> sc(srow, cb, (E8 ? 2 : 4) * q);
+  WordCursor<TILED> wc(wrow, cb, 4 * q);
+  ScaleCursor<E8, TILED> sc(srow, cb, (E8 ? 2 : 4) * q);
 #pragma unroll
   for (int d = 0; d < D; ++d)
-    if (cb + d < ce) load_chunk<E8, X4>(ch[d], wc, sc);
+    if (cb + d < ce) load_chunk<E8, TILED>(ch[d], wc, sc);
   // a direct block's group, once its first loads are on their way (they depend on e alone), kept in
   // shared memory (each warp its own copy) so that no register holds it through the K loop
   __shared__ int group[W][BM];
@@ -440,18 +444,18 @@ moe_mma(const u16* __restrict__ xin, const int* __restrict__ topk_ids, const int
   const u32* drow[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    const size_t row = (size_t)tile * N + n0 + (X4 ? 0 : g + 8 * r);
+    const size_t row = (size_t)tile * N + n0 + (TILED ? 0 : g + 8 * r);
     drow[r] = delta + ((size_t)(tr < 0 ? 0 : tr) * rows_e + row) * Kw +
-              (X4 ? tiled_at(g + 8 * r, 0, CHUNK_WORDS) : 0);
+              (TILED ? tiled_at(g + 8 * r, 0, CHUNK_WORDS) : 0);
   }
   const float* tb = table + ((size_t)e * TILES + tile) * 4;
   const u32 tlo = pack_bf16(tb[0], tb[1]), thi = pack_bf16(tb[2], tb[3]);
   // x4 base experts: the tables' factor a (gate, up / down), which the decode leaves out for the
   // epilogue; loaded here so that the loads are long done by then
   const float* tx = table + (size_t)e * TILES * 4;
-  // (tier experts: the 2^8 that x4_tier_reg leaves out)
-  const float a_first = X4 ? (tr < 0 ? tx[0] : X4_TIER_POST) : 1.f,
-              a_last = X4 ? (tr < 0 ? tx[4 * (TILES - 1)] : X4_TIER_POST) : 1.f;
+  // (tier experts of a tiled layer, x4 or not: the 2^8 that x4_tier_reg leaves out)
+  const float a_first = tr >= 0 ? (TILED ? X4_TIER_POST : 1.f) : X4 ? tx[0] : 1.f,
+              a_last = tr >= 0 ? (TILED ? X4_TIER_POST : 1.f) : X4 ? tx[4 * (TILES - 1)] : 1.f;
   const u16* xrow[NT];
 #pragma unroll
   for (int t = 0; t < NT; ++t) {
@@ -467,10 +471,10 @@ moe_mma(const u16* __restrict__ xin, const int* __restrict__ topk_ids, const int
   let_next_start();  // launched dependent (Mma.pdl): the next kernel may start loading its weights
   wait_prior();      // xin is the kernel ahead's output
 
-  if (tr >= 0)
-    k_loop<NT, D, E8, true, X4, TWO_ACC>(acc, ch, wc, sc, drow, tlo, thi, xin, xrow, q, cb, ce);
+  if (tr >= 0)  // a tiled layer's tier experts, x4 or not, take the x4 tier decode (tiles.py)
+    k_loop<NT, D, E8, true, TILED, TILED, TWO_ACC>(acc, ch, wc, sc, drow, tlo, thi, xin, xrow, q, cb, ce);
   else
-    k_loop<NT, D, E8, false, X4, TWO_ACC>(acc, ch, wc, sc, drow, tlo, thi, xin, xrow, q, cb, ce);
+    k_loop<NT, D, E8, false, X4, TILED, TWO_ACC>(acc, ch, wc, sc, drow, tlo, thi, xin, xrow, q, cb, ce);
 
   // every tile's parts summed into warp 0
   float sum[TILES][NT][4];

@@ -16,7 +16,7 @@ from .dequant import LayerPlanes
 from .kernel_launch import launch
 
 #: words (16 codes each) of a chunk, the unit of K a warp reads per row (mma_moe.cu) and of the x4 layout's
-#: tiles (x4_table.tile); K per warp must be a multiple of it. The kernels get it as a define (`compiled`).
+#: tiles (tiles.tile); K per warp must be a multiple of it. The kernels get it as a define (`compiled`).
 CHUNK_WORDS = 16
 
 
@@ -176,7 +176,7 @@ def fused_moe_mma(x: torch.Tensor, planes: LayerPlanes, topk_weights: torch.Tens
     y = torch.empty((T, H), dtype=x.dtype, device=dev) if fuse_sum else out
     limit = 0.0 if swiglu_limit is None else float(swiglu_limit)
     with torch.cuda.device(dev):  # the compile loads into, and the launch uses, dev's context
-        flags = f"{str(block.lean).lower()}, {str(planes.x4_layout).lower()}"
+        flags = ", ".join(str(f).lower() for f in (block.lean, planes.x4_layout, planes.tiled))
         k13 = _kernel(f"moe_mma<2, {block.nt}, {block.ks13}, {str(ops.e8m0[0]).lower()}, {flags}>", dev.index)
         launch(k13, (grid_x, I // 16, 1), (64 * block.ks13, 1, 1),
                [xin, ids, sorted_pairs, block_expert, *ops.layer_args(0), act, top_k, H, I, limit,

@@ -1,10 +1,11 @@
 // Prefill MoE on the planes (many pairs an expert): mma.sync m16n8k16 bf16, fp32 accumulate, with the
 // activations staged in shared memory by cp.async, S stages deep, and read by ldmatrix.
 // Compiled at first use by NVRTC (mma_prefill.py), after mma_bits.cu (prmt, base_regs, tier_regs,
-// scale_pair, mma, word_of, tier_row_of).
+// e8m0_pair, mma, word_of, tier_row_of).
 //
-// X4: planes repacked for the x4 table (x4_table.py; each 16-row tile of planes and scales chunk-major,
-// which the copies address by tiled_at), base experts decoded by x4_reg with the register
+// TILED: each 16-row tile of planes and scales stored chunk-major (tiles.py), which the copies address by
+// tiled_at; every layer the kernels take at load, x4 or not.
+// X4: planes repacked for the x4 table (x4_table.py; always TILED), base experts decoded by x4_reg with the register
 // index (q, q + 4) known at run time (x4_reg_rt), tier experts by x4_tier_reg, the true block scale (no
 // 2^-120: no table carries it).
 // Roles as in mma_moe.cu: the weights are mma's A operand (16 rows x 16 k: one int32 word of 16 codes
@@ -128,7 +129,7 @@ struct PrefillStage {
             sc[i][rr] = x4_scale_e8(sr, byte & 3);
             if (TIER) sc[i][rr] = x4_tier_scale<true>(sc[i][rr]);
           } else if (E8) {
-            sc[i][rr] = scale_pair<true>(prmt(sr, 0u, 0x4440u | (byte & 3)));
+            sc[i][rr] = e8m0_pair(prmt(sr, 0u, 0x4440u | (byte & 3)));
           } else {
             sc[i][rr] = TIER ? e4m3_pair(sr, byte) : e4m3_pair_lo(sr, byte);  // base: the tables carry 2^120
           }
@@ -231,7 +232,7 @@ DEV void prefill_compute(float (&acc)[2][NT][4], const unsigned char* st, const 
 // Grid: (N / (16 W) for w13 or N / (32 W) for w2, align.py's max_blocks); the n-slices of one block run
 // next to each other, so its x rows stay in L2 while all its slices read them.
 // MINB: the CTAs an SM the registers are sized for (2: at most 128 a thread with 8 warps).
-template <int TILES, int NT, int W, int NS, bool E8, bool PIPE, int MINB, bool X4>
+template <int TILES, int NT, int W, int NS, bool E8, bool PIPE, int MINB, bool X4, bool TILED>
 __global__ void __launch_bounds__(W * 32, MINB)
 moe_prefill(const u16* __restrict__ xin, const int* __restrict__ sorted_pairs, const int* __restrict__ block_expert,
             const long long* __restrict__ delta_experts, int n_tier, const u32* __restrict__ base,
@@ -241,6 +242,7 @@ moe_prefill(const u16* __restrict__ xin, const int* __restrict__ sorted_pairs, c
   typedef PrefillShape<NT, W> S;
   static_assert(S::XC * S::R == S::BM * 16, "x chunks must split evenly over the threads");
   static_assert(NT % 2 == 0, "n-tiles come in pairs (one ldmatrix.x4)");
+  static_assert(TILED || !X4, "x4 planes are always tiled");
   extern __shared__ __align__(128) unsigned char smem[];
   __shared__ int spair[S::BM];
 
@@ -263,15 +265,15 @@ moe_prefill(const u16* __restrict__ xin, const int* __restrict__ sorted_pairs, c
   const int n0 = blockIdx.x * (TILES == 2 ? 16 * W : 32 * W);
   const int mt = t >> 4;
   const size_t grow = TILES == 2 ? (size_t)(mt & 1) * N + n0 + 16 * (mt >> 1) + (t & 15) : (size_t)n0 + t;
-  // X4: the row within its tile of 16 (x4_table.tile: chunk-major tiles), whose elements tiled_at places
+  // TILED: the row within its tile of 16 (tiles.py: chunk-major tiles), whose elements tiled_at places
   constexpr int SB = E8 ? 8 : 16;  // a row's scale bytes in a chunk
   const int ti = (int)(grow & 15);
-  const size_t trow = X4 ? grow - ti : grow;
+  const size_t trow = TILED ? grow - ti : grow;
   const u32* wsrc = base + ((size_t)e * rows_e + trow) * Kw;
   const u32* dsrc = delta + ((size_t)(tr < 0 ? 0 : tr) * rows_e + trow) * Kw;
   const u8* ssrc = scale + ((size_t)e * rows_e + trow) * sk;
-  auto word_at = [&](int k) { return X4 ? tiled_at(ti, k, CHUNK_WORDS) : k; };
-  auto scale_at = [&](int k) { return X4 ? tiled_at(ti, k, SB) : k; };
+  auto word_at = [&](int k) { return TILED ? tiled_at(ti, k, CHUNK_WORDS) : k; };
+  auto scale_at = [&](int k) { return TILED ? tiled_at(ti, k, SB) : k; };
   // element offsets (int: mma_prefill.supported keeps rows x K under 2^31), -1 for padding pairs;
   // 32-bit offsets rather than pointers keep the kernel within 128 registers (two CTAs an SM)
   int xoff[S::XC];
@@ -348,19 +350,20 @@ moe_prefill(const u16* __restrict__ xin, const int* __restrict__ sorted_pairs, c
     const int s = kt % NS;
     const unsigned char* st = smem + s * S::STAGE;
     const u32 x_row = sbase + s * S::STAGE + xr * 256;
-    if (tr >= 0)
-      prefill_compute<NT, W, E8, true, PIPE, X4>(acc, st, tlo, thi, x_row, x_chunk, warp, g, q, nvalid);
+    if (tr >= 0)  // a tiled layer's tier experts, x4 or not, take the x4 tier decode (tiles.py)
+      prefill_compute<NT, W, E8, true, PIPE, TILED>(acc, st, tlo, thi, x_row, x_chunk, warp, g, q, nvalid);
     else
       prefill_compute<NT, W, E8, false, PIPE, X4>(acc, st, tlo, thi, x_row, x_chunk, warp, g, q, nvalid);
   }
   cp_async_wait<0>();
 
   // C fragment: c0, c1 -> row g, pair columns 2q, 2q + 1; c2, c3 -> row g + 8
-  // x4 base experts: the tables' factor a (gate, up / down), which the decode leaves out; x4 tier experts:
-  // the 2^8 x4_tier_reg leaves out
+  // x4 base experts: the tables' factor a (gate, up / down), which the decode leaves out; the tier experts of
+  // a tiled layer (x4 or not): the 2^8 x4_tier_reg leaves out
   const float* tx = table + (size_t)e * TILES * 4;
-  const float s2a = scale2[TILES == 2 ? 2 * e : e] * (X4 ? (tr < 0 ? tx[0] : X4_TIER_POST) : 1.f),
-              s2u = TILES == 2 ? scale2[2 * e + 1] * (X4 ? (tr < 0 ? tx[4] : X4_TIER_POST) : 1.f) : 0.f;
+  const float s2a = scale2[TILES == 2 ? 2 * e : e] * (tr >= 0 ? (TILED ? X4_TIER_POST : 1.f) : X4 ? tx[0] : 1.f),
+              s2u = TILES == 2 ? scale2[2 * e + 1] * (tr >= 0 ? (TILED ? X4_TIER_POST : 1.f) : X4 ? tx[4] : 1.f)
+                               : 0.f;
   const float L = (float)limit;
 #pragma unroll
   for (int n = 0; n < NT; ++n)

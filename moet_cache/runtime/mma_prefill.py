@@ -77,12 +77,12 @@ def supported(planes: LayerPlanes, x: torch.Tensor, P: int, block: Prefill) -> b
 
 
 @lru_cache(maxsize=None)
-def _kernel(tiles: int, nt: int, warps: int, stages: int, e8: bool, pipe: bool, ctas: int, x4: bool, smem: int,
-            device: int) -> Any:
+def _kernel(tiles: int, nt: int, warps: int, stages: int, e8: bool, pipe: bool, ctas: int, x4: bool, tiled: bool,
+            smem: int, device: int) -> Any:
     """The kernel for these template arguments, compiled by NVRTC and loaded once a process and device,
     its dynamic shared-memory limit raised to what it uses."""
     name = (f"moe_prefill<{tiles}, {nt}, {warps}, {stages}, {str(e8).lower()}, {str(pipe).lower()}, {ctas}, "
-            f"{str(x4).lower()}>")
+            f"{str(x4).lower()}, {str(tiled).lower()}>")
     k = compiled("mma_prefill.cu", name, device)
     if hasattr(k, "set_shared_memory_config"):
         k.set_shared_memory_config(smem)
@@ -109,12 +109,12 @@ def fused_moe_prefill(x: torch.Tensor, planes: LayerPlanes, topk_weights: torch.
     threads = 32 * block.warps
     with torch.cuda.device(dev):  # the compile loads into, and the launch uses, dev's context
         k13 = _kernel(2, block.nt, block.warps, block.stages, ops.e8m0[0], block.pipe, block.ctas, planes.x4_layout,
-                      smem, dev.index)
+                      planes.tiled, smem, dev.index)
         k13(grid=(I // (16 * block.warps), blocks.max_blocks, 1), block=(threads, 1, 1), shared_mem=smem,
             args=[xin, blocks.sorted_pairs, blocks.block_expert, *ops.layer_args(0), act,
                   top_k, H, I, limit, int(swiglu_limit is not None)])
         k2 = _kernel(1, block.nt, block.warps, block.stages, ops.e8m0[1], block.pipe, block.ctas, planes.x4_layout,
-                     smem, dev.index)
+                     planes.tiled, smem, dev.index)
         k2(grid=(H // (32 * block.warps), blocks.max_blocks, 1), block=(threads, 1, 1), shared_mem=smem,
            args=[act, blocks.sorted_pairs, blocks.block_expert, *ops.layer_args(1), out,
                  top_k, I, H, 0.0, 0])

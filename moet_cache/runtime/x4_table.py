@@ -19,11 +19,8 @@ puts them on bf16's sign, the exponent's two low bits and the mantissa's top bit
 E2M1 x 2^-126, bf16 subnormals included (mma_bits.cu x4_tier_reg), which one bf16 multiply by the block
 scale x 2^118 makes the weight x 2^-8 exactly (the 2^8 in the epilogue).
 
-The repack also reorders each 16-row tile of every plane and block-scale tensor chunk-major (`tile`): a
-row's K splits into chunks of 256 codes (mma_moe.CHUNK_WORDS words, the unit a decode warp reads), and
-a tile is stored as [chunk][16 rows][the row's bytes of that chunk] (64 plane bytes; 8 e8m0 or 16 e4m3
-scale bytes), so that a warp's load of one chunk of its 16 rows is one contiguous run of memory where
-row-major rows put it at 16 places (the decode 7-22% faster at T = 1-64, session 14, docs/RUNTIME.md).
+The repack also tiles every plane and block-scale tensor chunk-major, as every layer the kernels take
+is (tiles.py).
 
 Prepared tensors carry the repacked planes and scales under X4_NAMES (`w13_base_x4`, ...,
 `w2_weight_scale_x4`) in place of their natural names, so a layout can never be mistaken for the other.
@@ -35,23 +32,14 @@ from functools import lru_cache
 
 import torch
 
-from ..formats import FORM_DTYPE, FORM_GROUP
 from ..planes import has_x4_form
-from ..stheader import torch_dtype
-from .mma_moe import CHUNK_WORDS, compiled, runs_here
+from .mma_moe import compiled, runs_here
+from .tiles import EXPERTS_A_STEP, kernels_take, plane_names, tile_, tiles_fit
 
 #: the prepared tensors' names of the repacked planes and block scales, by their natural-layout names (the
 #: delta planes only where the layer has a tier)
 X4_NAMES = {"w13_base": "w13_base_x4", "w2_base": "w2_base_x4", "w13_delta": "w13_delta_x4", "w2_delta": "w2_delta_x4",
             "w13_weight_scale": "w13_weight_scale_x4", "w2_weight_scale": "w2_weight_scale_x4"}
-
-#: the rows of a tile, reordered chunk-major together (the 16 rows of one decode warp: mma's M)
-TILE_ROWS = 16
-#: the K codes of a chunk (words of 16 codes)
-CHUNK_CODES = 16 * CHUNK_WORDS
-
-#: experts repacked per torch call: bounds the temporaries (a V4-Flash w13 expert is 4 MiB of planes)
-_EXPERTS_A_STEP = 16
 
 
 def _register(n: int) -> tuple[int, int]:
@@ -131,49 +119,20 @@ def _relayout_(plane: torch.Tensor, delta: bool, inverse: bool) -> None:
         _relayout_gpu_(plane, delta, inverse)
         return
     words = plane.view(torch.int32)
-    for i in range(0, plane.shape[0], _EXPERTS_A_STEP):
-        words[i : i + _EXPERTS_A_STEP] = _move_bits(words[i : i + _EXPERTS_A_STEP], delta, inverse)
-
-
-def _chunk_bytes(t: torch.Tensor) -> int:
-    """A row's bytes in one chunk: a plane's (2 bits a code) or a block-scale tensor's (a byte per group of
-    its scale form: formats.FORM_GROUP)."""
-    if t.dtype == torch.uint8:
-        return CHUNK_CODES // 4
-    group = {torch_dtype(FORM_DTYPE[form]): FORM_GROUP[form] for form in FORM_GROUP}[t.dtype]
-    return CHUNK_CODES // group
-
-
-def tile(t: torch.Tensor, inverse: bool = False) -> torch.Tensor:
-    """A plane or block-scale tensor [n, rows, row bytes] with each tile of TILE_ROWS rows reordered
-    chunk-major ([chunk][row][the row's chunk bytes]), or (`inverse`) back to row-major; a copy, same
-    shape and dtype. Rows must split into whole tiles and each row into whole chunks."""
-    n, rows, width = t.shape
-    c = _chunk_bytes(t)
-    if rows % TILE_ROWS or width % c:
-        raise ValueError(f"[{n}, {rows}, {width}] does not split into {TILE_ROWS}-row tiles of {c}-byte chunks")
-    tiles, chunks = rows // TILE_ROWS, width // c
-    split = (n, tiles, chunks, TILE_ROWS, c) if inverse else (n, tiles, TILE_ROWS, chunks, c)
-    u8 = t.contiguous().view(torch.uint8).view(split)
-    return u8.transpose(2, 3).contiguous().view(t.dtype).view(n, rows, width)
-
-
-def _tile_(t: torch.Tensor, inverse: bool) -> None:
-    """`tile` in place, a few experts' temporaries at a time."""
-    for i in range(0, t.shape[0], _EXPERTS_A_STEP):
-        t[i : i + _EXPERTS_A_STEP] = tile(t[i : i + _EXPERTS_A_STEP], inverse)
+    for i in range(0, plane.shape[0], EXPERTS_A_STEP):
+        words[i : i + EXPERTS_A_STEP] = _move_bits(words[i : i + EXPERTS_A_STEP], delta, inverse)
 
 
 def _to_x4_(t: torch.Tensor, delta: bool) -> None:
     """A plane (bits moved, then tiled) or a block-scale tensor (tiled) into the x4 layout, in place."""
     if t.dtype == torch.uint8:
         _relayout_(t, delta, inverse=False)
-    _tile_(t, inverse=False)
+    tile_(t)
 
 
 def _to_natural_(t: torch.Tensor, delta: bool) -> None:
     """The inverse of _to_x4_, in place."""
-    _tile_(t, inverse=True)
+    tile_(t, inverse=True)
     if t.dtype == torch.uint8:
         _relayout_(t, delta, inverse=True)
 
@@ -193,12 +152,6 @@ def to_natural(t: torch.Tensor, delta: bool = False) -> torch.Tensor:
     return out
 
 
-def _planes_of(tensors: dict[str, torch.Tensor]) -> dict[str, bool]:
-    """The natural names of the layer's planes and block scales that the x4 layout repacks -> whether each
-    is a delta plane (a layer loaded with delta="none" has none)."""
-    return {n: n.endswith("_delta") for n in X4_NAMES if n in tensors}
-
-
 def is_x4(tensors: dict[str, torch.Tensor]) -> bool:
     """Whether every base table of the layer has the x4 form (planes.has_x4_form, bit for bit)."""
     return all(has_x4_form(tensors[n].detach().float().cpu().numpy()) for n in ("w13_table", "w2_table"))
@@ -210,29 +163,30 @@ MAX_E8M0_BYTE = 252
 MAX_TIER_E8M0_BYTE = 136
 
 
-def scales_fit(tensors: dict[str, torch.Tensor]) -> bool:
-    """Whether the x4 decode stays inside bf16's exponent for every block scale (e4m3 tops out at 448)."""
+def _e8m0_scales(tensors: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+    """The layer's block-scale bytes where they are e8m0 (e4m3 tops out at 448: always inside)."""
+    return [s.view(torch.uint8) for s in (tensors["w13_weight_scale"], tensors["w2_weight_scale"])
+            if s.dtype == torch.float8_e8m0fnu and s.numel()]
+
+
+def tier_scales_fit(tensors: dict[str, torch.Tensor]) -> bool:
+    """Whether the x4 tier decode (x4_tier_reg: an x4 layer's tier experts, and a tiled one's, tiles.py) stays
+    inside bf16's exponent for every tier expert's block scale."""
     tier = tensors.get("delta_experts")
-    for name in ("w13_weight_scale", "w2_weight_scale"):
-        s = tensors[name]
-        if s.dtype != torch.float8_e8m0fnu or not s.numel():
-            continue
-        if int(s.view(torch.uint8).max()) > MAX_E8M0_BYTE:
-            return False
-        if tier is not None and tier.numel() and int(s.view(torch.uint8)[tier].max()) > MAX_TIER_E8M0_BYTE:
-            return False
-    return True
+    return tier is None or not tier.numel() or all(int(s[tier].max()) <= MAX_TIER_E8M0_BYTE
+                                                   for s in _e8m0_scales(tensors))
 
 
-def kernels_take(tensors: dict[str, torch.Tensor]) -> bool:
-    """Whether the plane kernels run this layer on its device at every decode block (launch.MMA_STEPS_X4,
-    MMA_STEPS_X4_E4M3): an x4 layer the Triton kernels would have to read put back on every call (slow,
-    and not in a CUDA graph), so it is repacked only where they never do."""
-    from .dequant import LayerPlanes
-    from .launch import MMA_STEPS_X4, MMA_STEPS_X4_E4M3
-    from .mma_moe import supported
-    planes = LayerPlanes.from_tensors(tensors)
-    return all(supported(planes, planes.w13_base.device, block) for _, block in MMA_STEPS_X4 + MMA_STEPS_X4_E4M3)
+def scales_fit(tensors: dict[str, torch.Tensor]) -> bool:
+    """Whether the x4 decode stays inside bf16's exponent for every block scale, base and tier experts'."""
+    return all(int(s.max()) <= MAX_E8M0_BYTE for s in _e8m0_scales(tensors)) and tier_scales_fit(tensors)
+
+
+def relayout_rows_(plane: torch.Tensor, rows: list[int], delta: bool, inverse: bool) -> None:
+    """Move the bits of rows `rows` (experts, or tier rows) of a plane [n, rows, K/4] as the x4 layout does
+    (inverse: back), in place (a tiled layer's tier experts, tiles.py)."""
+    for r in rows:
+        _relayout_(plane[r : r + 1], delta, inverse)
 
 
 def prepare_in_place(tensors: dict[str, torch.Tensor]) -> bool:
@@ -244,16 +198,9 @@ def prepare_in_place(tensors: dict[str, torch.Tensor]) -> bool:
     if "w13_base" not in tensors or not (is_x4(tensors) and scales_fit(tensors) and tiles_fit(tensors)
                                          and kernels_take(tensors)):
         return False
-    for name, delta in _planes_of(tensors).items():
+    for name, delta in plane_names(tensors).items():
         _to_x4_(tensors[name], delta)
     return True
-
-
-def tiles_fit(tensors: dict[str, torch.Tensor]) -> bool:
-    """Whether the layer's planes split into the x4 layout's tiles: rows in whole tiles, K in whole chunks
-    (always so where the plane kernels take the layer: `kernels_take`)."""
-    return all(t.shape[1] % TILE_ROWS == 0 and (t.shape[2] * 4) % CHUNK_CODES == 0
-               for t in (tensors["w13_base"], tensors["w2_base"]))
 
 
 def prepare(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -262,7 +209,7 @@ def prepare(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     for tests and benchmarks (the vLLM method repacks its parameters in place, `prepare_in_place`)."""
     if not (is_x4(tensors) and scales_fit(tensors) and tiles_fit(tensors)):
         return tensors
-    planes = _planes_of(tensors)
+    planes = plane_names(tensors)
     out = {k: v for k, v in tensors.items() if k not in planes}
     for name, delta in planes.items():
         out[X4_NAMES[name]] = to_x4(tensors[name], delta)

@@ -1,0 +1,73 @@
+"""The layout a loaded layer's planes take for the plane kernels, once, at load: the x4 layout (x4_table.py:
+every plane's bits moved, and tiles) for a layer whose tables all have the x4 form and whose scales fit
+it; else the tiled layout (tiles.py: tiles, and the x4 tier decode's bits in the tier experts' base rows
+and the delta planes) where the tier experts' scales fit that decode; and neither where the plane kernels
+do not take the layer (the Triton kernels and the CPU reference read the natural layout). Each layout
+hands the tensors on under its own names."""
+
+from __future__ import annotations
+
+import torch
+
+from . import tiles, x4_table
+from .tiles import TILED_NAMES, plane_names, tile, tile_
+
+
+def _x4_rows(tensors: dict[str, torch.Tensor], name: str) -> list[int]:
+    """The rows of plane `name` whose bits the tiled layout moves: every tier row of a delta plane, the tier
+    experts' rows of a base plane, none of a block-scale tensor."""
+    t = tensors[name]
+    if t.dtype != torch.uint8:
+        return []
+    if name.endswith("_delta"):
+        return list(range(t.shape[0]))
+    return tensors["delta_experts"].tolist() if "delta_experts" in tensors else []
+
+
+def x4_rows_of(t: torch.Tensor, delta: bool, experts: list[int], tier: set[int]) -> list[int]:
+    """_x4_rows for one tensor of a LayerPlanes: t's rows are `experts` (base planes) or tier rows
+    (`delta`); `tier` the tier experts."""
+    if t.dtype != torch.uint8:
+        return []
+    return list(range(t.shape[0])) if delta else [k for k, e in enumerate(experts) if e in tier]
+
+
+def untiled(t: torch.Tensor, rows: list[int], delta: bool) -> torch.Tensor:
+    """A tensor of the tiled layout put back in the natural one (a copy): tiles undone, then the bits of
+    `rows` moved back."""
+    out = tile(t, inverse=True)
+    x4_table.relayout_rows_(out, rows, delta, inverse=True)
+    return out
+
+
+def _tiled_fits(tensors: dict[str, torch.Tensor]) -> bool:
+    return tiles.tiles_fit(tensors) and x4_table.tier_scales_fit(tensors)
+
+
+def prepare_in_place(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
+    """Move a loaded layer's planes and block scales into its layout, in place. Returns the names the caller
+    hands them on under (natural name -> the layout's: x4_table.X4_NAMES or tiles.TILED_NAMES), or {} where
+    nothing moved (the kernels do not take the layer, or its tensors are already renamed)."""
+    if x4_table.prepare_in_place(tensors):
+        return x4_table.X4_NAMES
+    if "w13_base" not in tensors or not (_tiled_fits(tensors) and tiles.kernels_take(tensors)):
+        return {}
+    for name, delta in plane_names(tensors).items():
+        x4_table.relayout_rows_(tensors[name], _x4_rows(tensors, name), delta, inverse=False)
+        tile_(tensors[name])
+    return TILED_NAMES
+
+
+def prepare(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The layer's tensors in its layout as copies, under the layout's names, whether or not the kernels run
+    here (tests, benchmarks); the tensors as given where neither layout fits."""
+    x4 = x4_table.prepare(tensors)
+    if x4 is not tensors or not _tiled_fits(tensors):
+        return x4
+    planes = plane_names(tensors)
+    out = {k: v for k, v in tensors.items() if k not in planes}
+    for name, delta in planes.items():
+        t = tensors[name].clone()
+        x4_table.relayout_rows_(t, _x4_rows(tensors, name), delta, inverse=False)
+        out[TILED_NAMES[name]] = tile(t)
+    return out
