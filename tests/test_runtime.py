@@ -288,7 +288,7 @@ def test_config_picks_each_regime_by_pairs() -> None:
     """launch.Config: decode kernels below the first prefill step, each prefill step from its pair count,
     Triton where neither tensor-core family runs, and Config.only pinning one block."""
     from moet_cache.runtime.launch import (DEFAULT, MMA_STEPS, MMA_STEPS_X4, MMA_STEPS_X4_E4M3, PREFILL_STEPS,
-                                           SUM_IN_W2_BELOW, Config, Grouped, Mma, Pairs, Prefill)
+                                           SUM_IN_W2_BELOW, WHOLE_K_BELOW, Config, Grouped, Mma, Pairs, Prefill)
 
     starts = [start for start, _ in PREFILL_STEPS]
     assert starts == sorted(starts) and starts[0] <= DEFAULT.large_from
@@ -299,9 +299,12 @@ def test_config_picks_each_regime_by_pairs() -> None:
         for (start, block), nxt in zip(steps, mma_starts[1:] + starts[:1]):
             assert DEFAULT.pick(start, **form) == block and DEFAULT.pick(nxt - 1, **form) == block
         # decode: direct blocks, no align kernels; every decode block launched dependent; below
-        # SUM_IN_W2_BELOW pairs (T = 1) the w2 kernel sums the top-k slots, where moe_sum does from there
+        # SUM_IN_W2_BELOW pairs (T = 1) the w2 kernel sums the top-k slots, where moe_sum does from there;
+        # K whole from there to WHOLE_K_BELOW (T = 2: one wave), split in two before and after
         assert DEFAULT.pick(6, **form) == Mma(1, 2, 2, direct=True, pdl=True, sum_in_w2=True)
-        assert DEFAULT.pick(SUM_IN_W2_BELOW, **form) == Mma(1, 2, 2, direct=True, pdl=True)
+        assert DEFAULT.pick(SUM_IN_W2_BELOW, **form) == Mma(1, 1, 1, direct=True, pdl=True)
+        assert DEFAULT.pick(WHOLE_K_BELOW, **form) == Mma(1, 2, 2, direct=True, pdl=True)
+        assert SUM_IN_W2_BELOW <= 12 < WHOLE_K_BELOW <= 18
         assert DEFAULT.pick(starts[0] - 1, **form) == Mma(1, 2, 2, lean=True, pdl=True)
         assert all(block.pdl for _, block in steps)
     # each form's lean blocks from its own pair count (the H200 crossovers): fitted tables 60, x4 24, x4

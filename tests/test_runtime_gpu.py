@@ -200,8 +200,8 @@ def x4_layer(request: pytest.FixtureRequest) -> dict[str, torch.Tensor]:
     return t
 
 
-@pytest.mark.parametrize("T,config", [(1, DEFAULT), (3, DEFAULT), (7, DEFAULT), (16, DEFAULT), (30, DEFAULT),
-                                      (16, Config.only(Mma(1, 2, 2, True, True))),
+@pytest.mark.parametrize("T,config", [(1, DEFAULT), (2, DEFAULT), (3, DEFAULT), (7, DEFAULT), (16, DEFAULT),
+                                      (30, DEFAULT), (16, Config.only(Mma(1, 2, 2, True, True))),
                                       (16, Config.only(Mma(1, 2, 2, direct=True))),
                                       (40, Config.only(Mma(1, 2, 2))), (64, DEFAULT),
                                       (300, Config.only(Prefill())), (300, Config.only(Prefill(4, 8, 4))),
@@ -210,7 +210,7 @@ def x4_layer(request: pytest.FixtureRequest) -> dict[str, torch.Tensor]:
 def test_x4_layers_equal_reference(x4_layer: dict, T: int, config: Config) -> None:
     """Planes repacked for the x4 decode (x4_table.prepare) through every kernel family: the decode
     blocks (direct, lean, sorted; DEFAULT at T = 1 and 3 takes direct blocks with their two accumulator
-    sets, at T = 7, 16 and 30 lean ones, for both scale forms), the prefill blocks, and Triton, which reads
+    sets, at T = 2 direct ones with K whole, at T = 7, 16 and 30 lean ones, for both scale forms), the prefill blocks, and Triton, which reads
     them put back; tier experts (their exact FP4 decode, x4_tier_reg) routed beside the base ones."""
     prepared = prepare(x4_layer)
     planes = LayerPlanes.from_tensors(prepared)
@@ -223,7 +223,7 @@ def test_x4_layers_equal_reference(x4_layer: dict, T: int, config: Config) -> No
     _check(got, _reference(x, x4_layer, w, ids, 7.0))
 
 
-@pytest.mark.parametrize("T,config", [(1, DEFAULT), (3, DEFAULT), (16, DEFAULT), (30, DEFAULT),
+@pytest.mark.parametrize("T,config", [(1, DEFAULT), (2, DEFAULT), (3, DEFAULT), (16, DEFAULT), (30, DEFAULT),
                                       (16, Config.only(Mma(1, 2, 2, True, True))), (40, Config.only(Mma(1, 2, 2))),
                                       (64, DEFAULT), (300, Config.only(Prefill())),
                                       (300, Config.only(Prefill(4, 8, 4))), (4096, DEFAULT),

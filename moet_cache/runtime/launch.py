@@ -52,16 +52,28 @@ PREFILL_STEPS: tuple[tuple[int, Prefill], ...] = (
 SUM_IN_W2_BELOW = 12
 
 
+#: pairs from which the direct blocks split K in two again (`_decode_steps`): from SUM_IN_W2_BELOW up to here
+#: they leave K whole, one warp a tile (session 17, H200, V4-Flash layer, same process, µs, stream / write:
+#: T = 2 x4 37.1 against 40.4 / 42.9 against 45.9, x4 e4m3 39.9 against 43.3, with a 10% tier 43.8 against
+#: 45.1, fitted with a tier 52.9 against 53.9; T = 3 62.6 against 56.8). At 12 pairs the split blocks' w13
+#: grid, 12 x 128 CTAs of 4 warps, takes two waves of the 24 warps an SM their registers allow, the unsplit
+#: one a single wave; at 6 pairs both fit one and the split one has twice the warps (T = 1: 27.0 against
+#: 23.2), and from 18 pairs neither fits one.
+WHOLE_K_BELOW = 18
+
+
 def _decode_steps(lean_from: int) -> tuple[tuple[int, Mma], ...]:
     """The decode blocks by the pairs they take over from (launch.Config.mma), below the prefill steps; the
     layer forms differ only in where the lean blocks start. Every one launched dependent (`pdl`: T = 1:
-    42.9 us against 45.6). Direct blocks, each expert's decode shared by its pairs; lean blocks (more
-    warps, one chunk in flight, the tile prefetched into the L2) from `lean_from`; sorted lean blocks from
-    224 pairs (session 8: T = 40: 724 against 749 direct; T = 32, direct: 522-535 against 573 sorted).
-    Below SUM_IN_W2_BELOW pairs the w2 kernel also sums the top-k slots."""
+    42.9 us against 45.6). Direct blocks, each expert's decode shared by its pairs, K split in two but from
+    SUM_IN_W2_BELOW to WHOLE_K_BELOW pairs; lean blocks (more warps, one chunk in flight, the tile
+    prefetched into the L2) from `lean_from`; sorted lean blocks from 224 pairs (session 8: T = 40: 724
+    against 749 direct; T = 32, direct: 522-535 against 573 sorted). Below SUM_IN_W2_BELOW pairs the w2
+    kernel also sums the top-k slots."""
     direct = Mma(1, 2, 2, direct=True, pdl=True)
-    return ((0, dataclasses.replace(direct, sum_in_w2=True)), (SUM_IN_W2_BELOW, direct),
-            (lean_from, dataclasses.replace(direct, lean=True)), (224, Mma(1, 2, 2, lean=True, pdl=True)))
+    return ((0, dataclasses.replace(direct, sum_in_w2=True)), (SUM_IN_W2_BELOW, Mma(1, 1, 1, direct=True, pdl=True)),
+            (WHOLE_K_BELOW, direct), (lean_from, dataclasses.replace(direct, lean=True)),
+            (224, Mma(1, 2, 2, lean=True, pdl=True)))
 
 
 #: fitted tables: lean from 60 pairs (H200, V4-Flash layer, one process, docs/RUNTIME.md: T = 12: 246.5 us
