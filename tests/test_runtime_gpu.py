@@ -40,6 +40,16 @@ def _routing(T: int, seed: int, all_hot: bool = False) -> tuple[torch.Tensor, to
     return w, ids
 
 
+def _tokens_to_tier(t: dict, T: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [T, H] bf16 and a routing (every expert hot from T = 64) whose first token takes two of the layer's
+    tier experts beside base ones."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn((T, H), generator=g, device="cuda").to(torch.bfloat16)
+    w, ids = _routing(T, seed, all_hot=T >= 64)
+    ids[0, :2] = t["delta_experts"][:2]
+    return x, w, ids
+
+
 def _reference(x: torch.Tensor, t: dict, w: torch.Tensor, ids: torch.Tensor, limit: float | None) -> torch.Tensor:
     """The plain torch path: on the CPU for small T, on the GPU (same code, float32) for large T."""
     planes = LayerPlanes.from_tensors(t if x.shape[0] >= 64 else {k: v.cpu() for k, v in t.items()})
@@ -215,10 +225,7 @@ def test_x4_layers_equal_reference(x4_layer: dict, T: int, config: Config) -> No
     prepared = prepare(x4_layer)
     planes = LayerPlanes.from_tensors(prepared)
     assert planes.x4_layout
-    g = torch.Generator(device="cuda").manual_seed(700 + T)
-    x = torch.randn((T, H), generator=g, device="cuda").to(torch.bfloat16)
-    w, ids = _routing(T, 700 + T, all_hot=T >= 64)
-    ids[0, :2] = x4_layer["delta_experts"][:2]
+    x, w, ids = _tokens_to_tier(x4_layer, T, 700 + T)
     got = fused_moe_cuda(x, planes, w, ids, 7.0, config)
     _check(got, _reference(x, x4_layer, w, ids, 7.0))
 
@@ -238,10 +245,7 @@ def test_tiled_fitted_layers_equal_reference(layer: dict, T: int, config: Config
     assert names == tiles.TILED_NAMES
     planes = LayerPlanes.from_tensors({names.get(k, k): v for k, v in t.items()})
     assert planes.tiled and not planes.x4_layout
-    g = torch.Generator(device="cuda").manual_seed(800 + T)
-    x = torch.randn((T, H), generator=g, device="cuda").to(torch.bfloat16)
-    w, ids = _routing(T, 800 + T, all_hot=T >= 64)
-    ids[0, :2] = layer["delta_experts"][:2]
+    x, w, ids = _tokens_to_tier(layer, T, 800 + T)
     got = fused_moe_cuda(x, planes, w, ids, 7.0, config)
     _check(got, _reference(x, layer, w, ids, 7.0))
     if not isinstance(config.pick(ids.numel()), Pairs):

@@ -97,15 +97,23 @@ def test_a_fitted_layer_is_tiled_and_an_x4_one_repacked(layer: dict) -> None:
     assert not tiles_fit(small) and layout.prepare(small) is small
 
 
-def test_a_tiled_layer_computes_the_same_on_the_reference(layer: dict) -> None:
+@pytest.mark.parametrize("x4", [False, True])
+def test_a_laid_out_layer_computes_the_same_on_the_reference(layer: dict, x4: bool) -> None:
+    """The CPU reference on a layer in either layout (it puts each routed expert back) gives the bits it
+    gives on the layer as loaded, a tier expert routed."""
+    if x4:
+        pattern = torch.as_tensor(X4_PATTERN)
+        layer = dict(layer, w13_table=layer["w13_table"][..., :1].abs() * pattern,
+                     w2_table=layer["w2_table"][..., :1].abs() * pattern)
+    prepared = layout.prepare(layer)
+    assert ("w13_base_x4" if x4 else "w13_base_tiled") in prepared
     g = torch.Generator().manual_seed(2)
     T = 9
     x = torch.randn((T, H), generator=g).to(torch.bfloat16)
     ids = torch.stack([torch.randperm(E, generator=g)[:3] for _ in range(T)])
     ids[0, 0] = int(layer["delta_experts"][0])  # a tier expert routed
     w = torch.rand((T, 3), generator=g)
-    assert torch.equal(fused_moe(x, layout.prepare(layer), w, ids, swiglu_limit=7.0),
-                       fused_moe(x, layer, w, ids, swiglu_limit=7.0))
+    assert torch.equal(fused_moe(x, prepared, w, ids, swiglu_limit=7.0), fused_moe(x, layer, w, ids, swiglu_limit=7.0))
 
 
 def test_prepare_in_place_only_where_the_kernels_run(layer: dict, monkeypatch: pytest.MonkeyPatch) -> None:

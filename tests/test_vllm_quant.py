@@ -149,54 +149,22 @@ def test_the_moe_layer_gets_the_planes_and_apply_equals_fused_moe(built_cache: P
     assert out.abs().sum() > 0
 
 
-def test_an_x4_cache_is_repacked_after_loading_and_computes_the_same(tmp_path: Path, vllm_config: Any,
-                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    """process_weights_after_loading on a --base-table x4 cache: where the plane kernels take the layer
-    (the CPU stands in for a GPU here) the planes and block scales are repacked in place once and renamed
-    w13_base_x4 / w2_base_x4 / w13_weight_scale_x4 / w2_weight_scale_x4 (parameters) and w13_delta_x4 /
-    w2_delta_x4 (buffers), and apply computes what it did before. The experts are 256 wide, so that their
-    planes split into the x4 layout's tiles."""
+@pytest.mark.parametrize("base_table,suffix", [("x4", "_x4"), ("fitted", "_tiled")])
+def test_a_cache_is_laid_out_after_loading_and_computes_the_same(tmp_path: Path, vllm_config: Any,
+                                                                 monkeypatch: pytest.MonkeyPatch, base_table: str,
+                                                                 suffix: str) -> None:
+    """process_weights_after_loading: where the plane kernels take the layer (the CPU stands in for a GPU
+    here) the planes and block scales are moved into the kernels' layout in place once (runtime/layout.py:
+    an x4 cache's repacked for the x4 decode, a fitted one's tiled with its tier experts' bits moved) and
+    renamed w13_base_x4 / ... or w13_base_tiled / ... (parameters) and w13_delta_x4 / w2_delta_x4 or
+    *_tiled (buffers), and apply computes what it did before, a tier expert routed. The experts are 256
+    wide, so that their planes split into tiles."""
     from moet_cache import BuildOptions, build_cache
-    from moet_cache.runtime import fused_moe, x4_table
+    from moet_cache.runtime import fused_moe, tiles, x4_table
     from moet_cache.synthetic import make_checkpoint, small_spec
     src = make_checkpoint(tmp_path / "src", small_spec(moe_intermediate_size=256))
     cache = tmp_path / "cache"
-    build_cache(src, cache, BuildOptions(delta_budget="25%", base_table="x4"))
-    model = _model_on(cache, inter=256)
-    load_into_model(model, PluginOptions(cache=str(cache), workers=1))
-    experts = model.model.layers[2].mlp.experts.routed_experts
-    want = next(x.tensors for x in open_cache(cache).load(delta="tier", workers=1) if x.index == 2)
-    x, w, ids = _routed(1)
-    before = experts.quant_method.apply(experts, x, w, ids, None, None)
-    experts.quant_method.process_weights_after_loading(experts)  # no plane kernels here: as loaded
-    assert "w13_base" in experts.moet_tensor_names
-    natural = experts.w13_base.clone()
-    monkeypatch.setattr(x4_table, "kernels_take", lambda tensors: True)
-    experts.quant_method.process_weights_after_loading(experts)
-    experts.quant_method.process_weights_after_loading(experts)  # again (a reload): nothing more moves
-    params = dict(experts.named_parameters(recurse=False))
-    assert {"w13_base_x4", "w2_base_x4", "w13_weight_scale_x4", "w2_weight_scale_x4"} <= set(params)
-    assert not {"w13_base", "w2_base", "w13_weight_scale", "w2_weight_scale"} & set(params)
-    assert "w13_base_x4" in experts.moet_tensor_names and not torch.equal(experts.w13_base_x4, natural)
-    buffers = dict(experts.named_buffers(recurse=False))  # the tier's delta planes, repacked too
-    assert {"w13_delta_x4", "w2_delta_x4"} <= set(buffers) and "w13_delta" not in buffers
-    assert {"w13_delta_x4", "w2_delta_x4"} <= set(experts.moet_tensor_names)
-    out = experts.quant_method.apply(experts, x, w, ids, None, None)
-    assert torch.equal(out, before) and torch.equal(out, fused_moe(x, want, w, ids, swiglu_limit=LIMIT))
-
-
-def test_a_fitted_cache_is_tiled_after_loading_and_computes_the_same(tmp_path: Path, vllm_config: Any,
-                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    """process_weights_after_loading on a fitted-table cache: where the plane kernels take the layer (the CPU
-    stands in for a GPU) its planes and block scales are tiled in place once, its tier experts' bits moved for
-    the x4 tier decode (runtime/layout.py), and renamed w13_base_tiled / ... (parameters) and w13_delta_tiled /
-    w2_delta_tiled (buffers); apply computes what it did before."""
-    from moet_cache import BuildOptions, build_cache
-    from moet_cache.runtime import fused_moe, tiles
-    from moet_cache.synthetic import make_checkpoint, small_spec
-    src = make_checkpoint(tmp_path / "src", small_spec(moe_intermediate_size=256))
-    cache = tmp_path / "cache"
-    build_cache(src, cache, BuildOptions(delta_budget="25%"))
+    build_cache(src, cache, BuildOptions(delta_budget="25%", base_table=base_table))
     model = _model_on(cache, inter=256)
     load_into_model(model, PluginOptions(cache=str(cache), workers=1))
     experts = model.model.layers[2].mlp.experts.routed_experts
@@ -208,15 +176,18 @@ def test_a_fitted_cache_is_tiled_after_loading_and_computes_the_same(tmp_path: P
     experts.quant_method.process_weights_after_loading(experts)  # no plane kernels here: as loaded
     assert "w13_base" in experts.moet_tensor_names
     natural = experts.w13_base.clone()
-    monkeypatch.setattr(tiles, "kernels_take", lambda tensors: True)
+    for module in (x4_table, tiles):
+        monkeypatch.setattr(module, "kernels_take", lambda tensors: True)
     experts.quant_method.process_weights_after_loading(experts)
     experts.quant_method.process_weights_after_loading(experts)  # again (a reload): nothing more moves
     params = dict(experts.named_parameters(recurse=False))
-    assert {"w13_base_tiled", "w2_base_tiled", "w13_weight_scale_tiled", "w2_weight_scale_tiled"} <= set(params)
-    assert not {"w13_base", "w2_base", "w13_weight_scale", "w2_weight_scale"} & set(params)
-    assert not torch.equal(experts.w13_base_tiled, natural)
-    buffers = dict(experts.named_buffers(recurse=False))
-    assert {"w13_delta_tiled", "w2_delta_tiled"} <= set(buffers) and "w13_delta" not in buffers
+    planes = ("w13_base", "w2_base", "w13_weight_scale", "w2_weight_scale")
+    assert {n + suffix for n in planes} <= set(params) and not set(planes) & set(params)
+    assert "w13_base" + suffix in experts.moet_tensor_names
+    assert not torch.equal(getattr(experts, "w13_base" + suffix), natural)
+    buffers = dict(experts.named_buffers(recurse=False))  # the tier's delta planes, moved too
+    assert {"w13_delta" + suffix, "w2_delta" + suffix} <= set(buffers) and "w13_delta" not in buffers
+    assert {"w13_delta" + suffix, "w2_delta" + suffix} <= set(experts.moet_tensor_names)
     out = experts.quant_method.apply(experts, x, w, ids, None, None)
     assert torch.equal(out, before) and torch.equal(out, fused_moe(x, want, w, ids, swiglu_limit=LIMIT))
 
