@@ -13,23 +13,20 @@ from . import tiles, x4_table
 from .tiles import TILED_NAMES, plane_names, tile, tile_
 
 
-def _x4_rows(tensors: dict[str, torch.Tensor], name: str) -> list[int]:
-    """The rows of plane `name` whose bits the tiled layout moves: every tier row of a delta plane, the tier
-    experts' rows of a base plane, none of a block-scale tensor."""
-    t = tensors[name]
-    if t.dtype != torch.uint8:
-        return []
-    if name.endswith("_delta"):
-        return list(range(t.shape[0]))
-    return tensors["delta_experts"].tolist() if "delta_experts" in tensors else []
-
-
 def x4_rows_of(t: torch.Tensor, delta: bool, experts: list[int], tier: set[int]) -> list[int]:
-    """_x4_rows for one tensor of a LayerPlanes: t's rows are `experts` (base planes) or tier rows
-    (`delta`); `tier` the tier experts."""
+    """The rows of t whose bits the tiled layout moves: every row of a `delta` plane (its rows are tier rows),
+    the tier experts' rows of a base plane (its rows are `experts`; `tier`: the tier experts), none of a
+    block-scale tensor."""
     if t.dtype != torch.uint8:
         return []
     return list(range(t.shape[0])) if delta else [k for k, e in enumerate(experts) if e in tier]
+
+
+def _x4_rows(tensors: dict[str, torch.Tensor], name: str) -> list[int]:
+    """x4_rows_of for a loaded layer's tensor `name`."""
+    t = tensors[name]
+    tier = set(tensors["delta_experts"].tolist()) if "delta_experts" in tensors else set()
+    return x4_rows_of(t, name.endswith("_delta"), list(range(t.shape[0])), tier)
 
 
 def untiled(t: torch.Tensor, rows: list[int], delta: bool) -> torch.Tensor:

@@ -15,7 +15,7 @@ from .align import align_pairs
 from .dequant import LayerPlanes
 from .kernel_launch import launch
 
-#: words (16 codes each) of a chunk, the unit of K a warp reads per row (mma_moe.cu) and of the x4 layout's
+#: words (16 codes each) of a chunk, the unit of K a warp reads per row (mma_moe.cu) and of the layouts'
 #: tiles (tiles.tile); K per warp must be a multiple of it. The kernels get it as a define (`compiled`).
 CHUNK_WORDS = 16
 
