@@ -220,8 +220,9 @@ def x4_layer(request: pytest.FixtureRequest) -> dict[str, torch.Tensor]:
 def test_x4_layers_equal_reference(x4_layer: dict, T: int, config: Config) -> None:
     """Planes repacked for the x4 decode (x4_table.prepare) through every kernel family: the decode
     blocks (direct, lean, sorted; DEFAULT at T = 1 and 3 takes direct blocks with their two accumulator
-    sets, at T = 2 direct ones with K whole, at T = 7, 16 and 30 lean ones, for both scale forms), the prefill blocks, and Triton, which reads
-    them put back; tier experts (their exact FP4 decode, x4_tier_reg) routed beside the base ones."""
+    sets, at T = 2 direct ones with K whole, at T = 7, 16 and 30 lean ones, for both scale forms), the
+    prefill blocks, and Triton, which reads them put back; tier experts (their exact FP4 decode,
+    x4_tier_reg) routed beside the base ones."""
     prepared = prepare(x4_layer)
     planes = LayerPlanes.from_tensors(prepared)
     assert planes.x4_layout

@@ -135,6 +135,14 @@ template <bool E8>
 DEV u32 x4_tier_scale(u32 sc) { return E8 ? sc + 0x3B003B00u : bmul2(sc, 0x7A807A80u); }
 #define X4_TIER_POST 256.f
 
+// The fp32 epilogue's factor for an expert's rows of table tile i (tx: the expert's tables, 4 floats a
+// tile; tr: its tier row or -1), which the decode left out: a tier expert of a tiled layer (x4 or not,
+// x4_tier_reg) 2^8, an x4 base expert its table's a, any other expert 1 (decode and prefill kernels).
+template <bool X4, bool TILED>
+DEV float decode_factor(int tr, const float* tx, int i) {
+  return tr >= 0 ? (TILED ? X4_TIER_POST : 1.f) : X4 ? tx[4 * i] : 1.f;
+}
+
 // The e4m3 scale pair of group `byte` (0..3 of sreg) in the decode kernels and the x4 / tiled-tier prefill:
 // at an even group, it and the next are converted together into `two` (e4m3_two; an x4 tier expert's
 // x4_tier_scale, a multiply a half, on the pair), and each group takes its own by one PRMT. Called for the

@@ -450,12 +450,10 @@ moe_mma(const u16* __restrict__ xin, const int* __restrict__ topk_ids, const int
   }
   const float* tb = table + ((size_t)e * TILES + tile) * 4;
   const u32 tlo = pack_bf16(tb[0], tb[1]), thi = pack_bf16(tb[2], tb[3]);
-  // x4 base experts: the tables' factor a (gate, up / down), which the decode leaves out for the
-  // epilogue; loaded here so that the loads are long done by then
+  // the epilogue's factors the decode leaves out (decode_factor: gate, up / down), loaded here so that the
+  // loads are long done by then
   const float* tx = table + (size_t)e * TILES * 4;
-  // (tier experts of a tiled layer, x4 or not: the 2^8 that x4_tier_reg leaves out)
-  const float a_first = tr >= 0 ? (TILED ? X4_TIER_POST : 1.f) : X4 ? tx[0] : 1.f,
-              a_last = tr >= 0 ? (TILED ? X4_TIER_POST : 1.f) : X4 ? tx[4 * (TILES - 1)] : 1.f;
+  const float a_first = decode_factor<X4, TILED>(tr, tx, 0), a_last = decode_factor<X4, TILED>(tr, tx, TILES - 1);
   const u16* xrow[NT];
 #pragma unroll
   for (int t = 0; t < NT; ++t) {

@@ -358,12 +358,10 @@ moe_prefill(const u16* __restrict__ xin, const int* __restrict__ sorted_pairs, c
   cp_async_wait<0>();
 
   // C fragment: c0, c1 -> row g, pair columns 2q, 2q + 1; c2, c3 -> row g + 8
-  // x4 base experts: the tables' factor a (gate, up / down), which the decode leaves out; the tier experts of
-  // a tiled layer (x4 or not): the 2^8 x4_tier_reg leaves out
+  // times the factors the decode leaves out (decode_factor: gate, up / down)
   const float* tx = table + (size_t)e * TILES * 4;
-  const float s2a = scale2[TILES == 2 ? 2 * e : e] * (tr >= 0 ? (TILED ? X4_TIER_POST : 1.f) : X4 ? tx[0] : 1.f),
-              s2u = TILES == 2 ? scale2[2 * e + 1] * (tr >= 0 ? (TILED ? X4_TIER_POST : 1.f) : X4 ? tx[4] : 1.f)
-                               : 0.f;
+  const float s2a = scale2[TILES == 2 ? 2 * e : e] * decode_factor<X4, TILED>(tr, tx, 0),
+              s2u = TILES == 2 ? scale2[2 * e + 1] * decode_factor<X4, TILED>(tr, tx, 1) : 0.f;
   const float L = (float)limit;
 #pragma unroll
   for (int n = 0; n < NT; ++n)
