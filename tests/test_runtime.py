@@ -287,13 +287,16 @@ def test_v4_cache_compact_scales(v4_cache, delta: str) -> None:
 def test_config_picks_each_regime_by_pairs() -> None:
     """launch.Config: decode kernels below the first prefill step, each prefill step from its pair count,
     Triton where neither tensor-core family runs, and Config.only pinning one block."""
-    from moet_cache.runtime.launch import (DEFAULT, MMA_STEPS, MMA_STEPS_X4, MMA_STEPS_X4_E4M3, PREFILL_STEPS,
-                                           SUM_IN_W2_BELOW, WHOLE_K_BELOW, Config, Grouped, Mma, Pairs, Prefill)
+    from moet_cache.runtime.launch import (DEFAULT, LEAN, MMA_STEPS, MMA_STEPS_X4, MMA_STEPS_X4_BASE,
+                                           MMA_STEPS_X4_E4M3, PREFILL_STEPS, SUM_IN_W2_BELOW, WHOLE, WHOLE_K_BELOW,
+                                           Config, Grouped, Mma, Pairs, Prefill)
 
     starts = [start for start, _ in PREFILL_STEPS]
     assert starts == sorted(starts) and starts[0] <= DEFAULT.large_from
     for steps, form in ((MMA_STEPS, {}), (MMA_STEPS_X4, {"x4": True}), (MMA_STEPS_X4_E4M3, {"x4": True, "e4m3": True}),
-                        (MMA_STEPS, {"e4m3": True})):
+                        (MMA_STEPS, {"e4m3": True}), (MMA_STEPS_X4_BASE, {"x4": True, "tier": False}),
+                        (MMA_STEPS_X4_E4M3, {"x4": True, "e4m3": True, "tier": False}),
+                        (MMA_STEPS, {"tier": False})):
         mma_starts = [start for start, _ in steps]
         assert mma_starts[0] == 0 and mma_starts == sorted(mma_starts) and mma_starts[-1] < starts[0]
         for (start, block), nxt in zip(steps, mma_starts[1:] + starts[:1]):
@@ -302,16 +305,20 @@ def test_config_picks_each_regime_by_pairs() -> None:
         # SUM_IN_W2_BELOW pairs (T = 1) the w2 kernel sums the top-k slots, where moe_sum does from there;
         # K whole from there to WHOLE_K_BELOW (T = 2: one wave), split in two before and after
         assert DEFAULT.pick(6, **form) == Mma(1, 2, 2, direct=True, pdl=True, sum_in_w2=True)
-        assert DEFAULT.pick(SUM_IN_W2_BELOW, **form) == Mma(1, 1, 1, direct=True, pdl=True)
+        assert DEFAULT.pick(SUM_IN_W2_BELOW, **form) == WHOLE == Mma(1, 1, 1, direct=True, pdl=True)
         assert DEFAULT.pick(WHOLE_K_BELOW, **form) == Mma(1, 2, 2, direct=True, pdl=True)
         assert SUM_IN_W2_BELOW <= 12 < WHOLE_K_BELOW <= 18
         assert DEFAULT.pick(starts[0] - 1, **form) == Mma(1, 2, 2, lean=True, pdl=True)
         assert all(block.pdl for _, block in steps)
-    # each form's lean blocks from its own pair count (the H200 crossovers): fitted tables 60, x4 24, x4
-    # with e4m3 scales (a scale every 16 codes) 30
-    assert not DEFAULT.pick(59).lean and DEFAULT.pick(60).lean
-    assert not DEFAULT.pick(23, x4=True).lean and DEFAULT.pick(24, x4=True).lean
-    assert not DEFAULT.pick(29, x4=True, e4m3=True).lean and DEFAULT.pick(30, x4=True, e4m3=True).lean
+    # each form's steps past T = 3 (the H200 crossovers): fitted tables K whole from 36 pairs, x4 with e8m0
+    # scales lean from 24 (without a tier K whole from 24, lean from 72), x4 with e4m3 scales K whole from 24
+    split = Mma(1, 2, 2, direct=True, pdl=True)
+    for e4m3 in (False, True):
+        assert DEFAULT.pick(35, e4m3=e4m3) == split and DEFAULT.pick(36, e4m3=e4m3) == WHOLE
+    assert DEFAULT.pick(23, x4=True) == split and DEFAULT.pick(24, x4=True) == LEAN
+    assert DEFAULT.pick(24, x4=True, tier=False) == WHOLE and DEFAULT.pick(72, x4=True, tier=False) == LEAN
+    assert DEFAULT.pick(23, x4=True, e4m3=True) == split and DEFAULT.pick(24, x4=True, e4m3=True) == WHOLE
+    assert DEFAULT.pick(223, x4=True, e4m3=True, tier=False) == WHOLE
     for (start, block), nxt in zip(PREFILL_STEPS, starts[1:] + [1 << 40]):
         assert DEFAULT.pick(start) == block and DEFAULT.pick(nxt - 1) == block
     assert isinstance(DEFAULT.pick(starts[0], prefill_runs=False), Mma)
@@ -329,21 +336,24 @@ def test_config_picks_each_regime_by_pairs() -> None:
     assert Config(mma=()).pick(6) == DEFAULT.tiny  # no decode kernels: Triton
     assert Config(mma_x4=()).pick(6, x4=True) == DEFAULT.tiny
     assert Config(mma_x4_e4m3=()).pick(6, x4=True, e4m3=True) == DEFAULT.tiny
+    assert Config(mma_x4_base=()).pick(6, x4=True, tier=False) == DEFAULT.tiny
     assert Config.only(Mma(1, 1, 1)).pick(5, x4=True, e4m3=True) == Mma(1, 1, 1)
 
 
 def test_layer_form_reads_the_layout_and_the_scales() -> None:
-    """launch.layer_form: what fused_moe_cuda hands Config.pick for a layer (x4 layout, e4m3 scales)."""
+    """launch.layer_form: what fused_moe_cuda hands Config.pick for a layer (x4 layout, e4m3 scales, a
+    tier)."""
     from moet_cache.planes import X4_PATTERN
     from moet_cache.runtime import x4_table
     from moet_cache.runtime.dequant import LayerPlanes
     from moet_cache.runtime.launch import layer_form
     from moet_cache.runtime.synthetic_layer import random_layer
 
-    for e8m0 in (True, False):
-        t = random_layer(4, 256, 256, n_tier=0, e8m0=e8m0, device="cpu", seed=1)
-        assert layer_form(LayerPlanes.from_tensors(t)) == {"x4": False, "e4m3": not e8m0}
+    for e8m0, n_tier in ((True, 0), (False, 0), (True, 1)):
+        t = random_layer(4, 256, 256, n_tier=n_tier, e8m0=e8m0, device="cpu", seed=1)
+        form = {"e4m3": not e8m0, "tier": n_tier > 0}
+        assert layer_form(LayerPlanes.from_tensors(t)) == {"x4": False, **form}
         pattern = torch.as_tensor(X4_PATTERN)
         x4 = x4_table.prepare(dict(t, w13_table=t["w13_table"][..., :1].abs() * pattern,
                                    w2_table=t["w2_table"][..., :1].abs() * pattern))
-        assert layer_form(LayerPlanes.from_tensors(x4)) == {"x4": True, "e4m3": not e8m0}
+        assert layer_form(LayerPlanes.from_tensors(x4)) == {"x4": True, **form}

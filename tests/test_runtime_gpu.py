@@ -12,7 +12,7 @@ from moet_cache.runtime import fused_moe
 from moet_cache.runtime.dequant import LayerPlanes
 from moet_cache.runtime import mma_moe, mma_prefill
 from moet_cache.planes import X4_PATTERN
-from moet_cache.runtime.launch import DEFAULT, Config, Mma, Pairs, Prefill, fused_moe_cuda
+from moet_cache.runtime.launch import DEFAULT, WHOLE, Config, Mma, Pairs, Prefill, fused_moe_cuda, layer_form
 from moet_cache.runtime.reference import fused_moe_reference
 from moet_cache.runtime.synthetic_layer import random_layer
 from moet_cache.runtime import layout, tiles, x4_table
@@ -212,7 +212,7 @@ def x4_layer(request: pytest.FixtureRequest) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("T,config", [(1, DEFAULT), (2, DEFAULT), (3, DEFAULT), (7, DEFAULT), (16, DEFAULT),
                                       (30, DEFAULT), (16, Config.only(Mma(1, 2, 2, True, True))),
-                                      (16, Config.only(Mma(1, 2, 2, direct=True))),
+                                      (16, Config.only(Mma(1, 2, 2, direct=True))), (16, Config.only(WHOLE)),
                                       (40, Config.only(Mma(1, 2, 2))), (64, DEFAULT),
                                       (300, Config.only(Prefill())), (300, Config.only(Prefill(4, 8, 4))),
                                       (300, Config.only(Prefill(16, 4, 2, True, 1))), (4096, DEFAULT),
@@ -220,7 +220,8 @@ def x4_layer(request: pytest.FixtureRequest) -> dict[str, torch.Tensor]:
 def test_x4_layers_equal_reference(x4_layer: dict, T: int, config: Config) -> None:
     """Planes repacked for the x4 decode (x4_table.prepare) through every kernel family: the decode
     blocks (direct, lean, sorted; DEFAULT at T = 1 and 3 takes direct blocks with their two accumulator
-    sets, at T = 2 direct ones with K whole, at T = 7, 16 and 30 lean ones, for both scale forms), the
+    sets, at T = 2 direct ones with K whole, at T = 7, 16 and 30 lean ones with e8m0 scales and ones with K
+    whole with e4m3, and K whole at T = 16 for both), the
     prefill blocks, and Triton, which reads them put back; tier experts (their exact FP4 decode,
     x4_tier_reg) routed beside the base ones."""
     prepared = prepare(x4_layer)
@@ -229,6 +230,17 @@ def test_x4_layers_equal_reference(x4_layer: dict, T: int, config: Config) -> No
     x, w, ids = _tokens_to_tier(x4_layer, T, 700 + T)
     got = fused_moe_cuda(x, planes, w, ids, 7.0, config)
     _check(got, _reference(x, x4_layer, w, ids, 7.0))
+
+
+@pytest.mark.parametrize("T", [7, 16])
+def test_x4_layer_without_a_tier_equals_reference(x4_layer: dict, T: int) -> None:
+    """An x4 layer with no tier takes its own decode steps (launch.MMA_STEPS_X4_BASE: K whole from 24 pairs
+    with e8m0 scales)."""
+    base = {k: v for k, v in x4_layer.items() if k not in ("w13_delta", "w2_delta", "delta_experts")}
+    planes = LayerPlanes.from_tensors(prepare(base))
+    assert planes.x4_layout and not layer_form(planes)["tier"]
+    x, w, ids = _tokens_to_tier(x4_layer, T, 750 + T)  # its tier experts are base ones here
+    _check(fused_moe_cuda(x, planes, w, ids, 7.0), _reference(x, base, w, ids, 7.0))
 
 
 @pytest.mark.parametrize("T,config", [(1, DEFAULT), (2, DEFAULT), (3, DEFAULT), (16, DEFAULT), (30, DEFAULT),

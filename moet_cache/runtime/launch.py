@@ -62,36 +62,49 @@ SUM_IN_W2_BELOW = 12
 WHOLE_K_BELOW = 18
 
 
-def _decode_steps(lean_from: int) -> tuple[tuple[int, Mma], ...]:
+#: the decode blocks past T = 3 (docs/RUNTIME.md, session 18): direct blocks with K whole, one warp a tile
+#: (WHOLE), or split in two, with more warps an SM and one chunk in flight (LEAN)
+WHOLE = Mma(1, 1, 1, direct=True, pdl=True)
+LEAN = Mma(1, 2, 2, direct=True, lean=True, pdl=True)
+
+
+def _decode_steps(*middle: tuple[int, Mma]) -> tuple[tuple[int, Mma], ...]:
     """The decode blocks by the pairs they take over from (launch.Config.mma), below the prefill steps; the
-    layer forms differ only in where the lean blocks start. Every one launched dependent (`pdl`: T = 1:
-    42.9 us against 45.6). Direct blocks, each expert's decode shared by its pairs, K split in two but from
-    SUM_IN_W2_BELOW to WHOLE_K_BELOW pairs; lean blocks (more warps, one chunk in flight, the tile
-    prefetched into the L2) from `lean_from`; sorted lean blocks from 224 pairs (session 8: T = 40: 724
-    against 749 direct; T = 32, direct: 522-535 against 573 sorted). Below SUM_IN_W2_BELOW pairs the w2
-    kernel also sums the top-k slots."""
+    layer forms differ only in the `middle` steps, from WHOLE_K_BELOW pairs up to 224. Every one launched
+    dependent (`pdl`: T = 1: 42.9 us against 45.6). Direct blocks, each expert's decode shared by its pairs:
+    K split in two below SUM_IN_W2_BELOW (where the w2 kernel also sums the top-k slots) and from
+    WHOLE_K_BELOW, K whole between; then the form's steps; sorted lean blocks from 224 pairs (session 8:
+    T = 40: 724 against 749 direct; T = 32, direct: 522-535 against 573 sorted)."""
     direct = Mma(1, 2, 2, direct=True, pdl=True)
-    return ((0, dataclasses.replace(direct, sum_in_w2=True)), (SUM_IN_W2_BELOW, Mma(1, 1, 1, direct=True, pdl=True)),
-            (WHOLE_K_BELOW, direct), (lean_from, dataclasses.replace(direct, lean=True)),
-            (224, Mma(1, 2, 2, lean=True, pdl=True)))
+    return ((0, dataclasses.replace(direct, sum_in_w2=True)), (SUM_IN_W2_BELOW, WHOLE), (WHOLE_K_BELOW, direct),
+            *middle, (224, Mma(1, 2, 2, lean=True, pdl=True)))
 
 
-#: fitted tables: lean from 60 pairs (H200, V4-Flash layer, one process, docs/RUNTIME.md: T = 12: 246.5 us
-#: against 251.8; T = 8: 194.6 against 194.4; T = 16: 339.7 against 348.0)
-MMA_STEPS = _decode_steps(60)
+#: fitted tables: K whole from 36 pairs (session 18, H200, V4-Flash layer, one process, two samples each,
+#: µs, stream / write, split or lean against K whole: with e4m3 scales and a 10% tier T = 16 328.9 / 320.2
+#: against 316.1 / 313.3, T = 24 444.9 / 439.5 against 428.5 / 423.6; e8m0 T = 8 161.8 / 167.9 against
+#: 159.9 / 165.5; T = 6 about 1% faster; T = 4 2-3% slower, 88.5 / 93.8 against 90.8 / 96.1: split to 35)
+MMA_STEPS = _decode_steps((36, WHOLE))
 
-#: x4 layers (x4_table.py: chunk-major tiles), e8m0 scales: lean from 24 pairs (session 14, two samples
-#: each, direct against lean: T = 2 52.5 us against 56.2; T = 4 87.8 against 86.2, with a 10% tier 96.0
-#: against 94.5; T = 6 122.3 against 116.7; T = 8 155.6 against 143.7; T = 16 278.5 against 247.5). On
-#: row-major planes (session 13) lean blocks had paid only from 64.
-MMA_STEPS_X4 = _decode_steps(24)
+#: x4 layers (x4_table.py: chunk-major tiles), e8m0 scales, with a tier (the build's default): lean from 24
+#: pairs (session 14, two samples each, direct against lean: T = 4 87.8 us against 86.2, with a 10% tier
+#: 96.0 against 94.5; T = 8 155.6 against 143.7; T = 16 278.5 against 247.5). K whole in their place is
+#: 1.5-6% slower at T = 4-12 (session 18, stream / write: T = 4 76.5 / 86.9 against 77.8 / 88.8; T = 12
+#: 176.0 / 180.4 against 179.8 / 191.4): its tier experts' blocks, a warp a tile over the whole K, end last.
+MMA_STEPS_X4 = _decode_steps((24, LEAN))
+
+#: x4 layers with e8m0 scales and no tier: K whole from 24 pairs to 71, lean after (session 18, stream /
+#: write, µs, lean against K whole: T = 4 70.8 / 79.5 against 67.4 / 74.2; T = 6 98.8 / 109.0 against 95.8 /
+#: 104.2; T = 8 124.9 / 134.1 against 122.8 / 132.1; T = 12 164.9 / 171.2 against 166.4 / 178.2)
+MMA_STEPS_X4_BASE = _decode_steps((24, WHOLE), (72, LEAN))
 
 #: x4 layers with e4m3 block scales (NVFP4 whose scales are not powers of two, e.g. the V3 family), whose
-#: decode converts a scale every 16 codes and so keeps more ALU work a chunk: lean from 30 pairs (session
-#: 14, two samples each, direct against lean: T = 2 54.3 us against 59.9; T = 4 90.5 against 91.0, with a
-#: 10% tier 94.4 against 94.0; T = 6 126.5 against 123.5, tier 131.2 against 127.5; T = 8 159.6 against
-#: 152.4; T = 16 284.9 against 261.6). Row-major (session 13): from 80.
-MMA_STEPS_X4_E4M3 = _decode_steps(30)
+#: decode converts a scale every 16 codes: K whole from 24 pairs, with a tier or not (session 18, stream,
+#: µs, split or lean against K whole: T = 4 74.6 against 72.3, with a 10% tier 81.0 against 81.2; T = 8
+#: 135.2 against 131.9, tier 146.4 against 145.0; T = 16 252.3 against 244.6, tier 276.1 against 269.9;
+#: T = 32 422.4 against 399.8, tier 439.9 against 425.3; do_bench's harness 1-3% slower at T = 12: 183.4
+#: against 186.0, tier 194.2 against 200.3)
+MMA_STEPS_X4_E4M3 = _decode_steps((24, WHOLE))
 
 
 def _step(steps: tuple[tuple[int, Mma | Prefill], ...], P: int) -> Mma | Prefill:
@@ -108,10 +121,12 @@ class Config:
     (mma_moe.cu) run where they can, each of `mma`'s steps from its pair count on (`()`: none). The
     Triton kernels run the rest: everything where neither can run (no sm_80, dims that do not split),
     Triton `large` from `large_from`. Layers in the x4 layout take `mma_x4`'s steps in place of `mma`'s,
-    or `mma_x4_e4m3`'s where their block scales are e4m3."""
+    or `mma_x4_e4m3`'s where their block scales are e4m3, or `mma_x4_base`'s where they are e8m0 and the
+    layer has no tier."""
 
     mma: tuple[tuple[int, Mma], ...] = MMA_STEPS  # (from P, block), ascending, the first from 0; () for none
     mma_x4: tuple[tuple[int, Mma], ...] = MMA_STEPS_X4  # the same for x4 layers
+    mma_x4_base: tuple[tuple[int, Mma], ...] = MMA_STEPS_X4_BASE  # and for x4 layers without a tier
     mma_x4_e4m3: tuple[tuple[int, Mma], ...] = MMA_STEPS_X4_E4M3  # and for x4 layers with e4m3 scales
     tiny_max: int = 12        # P up to this: Triton `tiny`
     pairs_max: int = 96       # then up to this: Triton `pairs`
@@ -123,11 +138,12 @@ class Config:
     prefill: tuple[tuple[int, Prefill], ...] = PREFILL_STEPS  # (from P, block), ascending; () for none
 
     def pick(self, P: int, mma_runs: bool = True, prefill_runs: bool = True,
-             x4: bool = False, e4m3: bool = False) -> Pairs | Grouped | Mma | Prefill:
+             x4: bool = False, e4m3: bool = False, tier: bool = True) -> Pairs | Grouped | Mma | Prefill:
         """The kernels for P pairs; `mma_runs` / `prefill_runs`: whether the tensor-core decode / prefill
         kernels run this layer here; `x4`: whether its planes are in the x4 layout (`mma_x4`'s steps);
-        `e4m3`: whether its block scales are e4m3 (an x4 layer then takes `mma_x4_e4m3`'s)."""
-        mma = (self.mma_x4_e4m3 if e4m3 else self.mma_x4) if x4 else self.mma
+        `e4m3`: whether its block scales are e4m3 (an x4 layer then takes `mma_x4_e4m3`'s); `tier`: whether
+        it has a tier (an x4 layer with e8m0 scales and none takes `mma_x4_base`'s)."""
+        mma = ((self.mma_x4_e4m3 if e4m3 else self.mma_x4 if tier else self.mma_x4_base) if x4 else self.mma)
         if prefill_runs and self.prefill and P >= self.prefill[0][0]:
             return _step(self.prefill, P)
         if mma and mma_runs and P < self.large_from:
@@ -141,24 +157,32 @@ class Config:
     @classmethod
     def only(cls, block: Pairs | Grouped | Mma | Prefill) -> "Config":
         """Always these kernels and blocks (tests, sweeps); Prefill where it cannot run: Triton `large`."""
-        if isinstance(block, Prefill):
-            return cls(mma=(), mma_x4=(), mma_x4_e4m3=(), tiny_max=0, pairs_max=0, large_from=0,
-                       prefill=((0, block),))
         if isinstance(block, Mma):
-            return cls(mma=((0, block),), mma_x4=((0, block),), mma_x4_e4m3=((0, block),), large_from=1 << 62,
-                       prefill=())
+            return cls(**{n: ((0, block),) for n in _LADDERS}, large_from=1 << 62, prefill=())
+        no_mma = {n: () for n in _LADDERS}
+        if isinstance(block, Prefill):
+            return cls(**no_mma, tiny_max=0, pairs_max=0, large_from=0, prefill=((0, block),))
         if isinstance(block, Pairs):
-            return cls(mma=(), mma_x4=(), mma_x4_e4m3=(), tiny_max=0, pairs_max=1 << 62, pairs=block, prefill=())
-        return cls(mma=(), mma_x4=(), mma_x4_e4m3=(), tiny_max=0, pairs_max=0, large_from=1 << 62, mid=block,
-                   prefill=())
+            return cls(**no_mma, tiny_max=0, pairs_max=1 << 62, pairs=block, prefill=())
+        return cls(**no_mma, tiny_max=0, pairs_max=0, large_from=1 << 62, mid=block, prefill=())
+
+    def decode_blocks(self) -> set[Mma]:
+        """Every block of every layer form's decode steps."""
+        return {block for name in _LADDERS for _, block in getattr(self, name)}
+
+
+#: Config's decode steps, one for each layer form
+_LADDERS = ("mma", "mma_x4", "mma_x4_base", "mma_x4_e4m3")
 
 
 DEFAULT = Config()
 
 
 def layer_form(planes: LayerPlanes) -> dict[str, bool]:
-    """Config.pick's `x4` and `e4m3` for a layer: its planes' layout and its block scales' form."""
-    return {"x4": planes.x4_layout, "e4m3": planes.w13_scale.dtype != torch.float8_e8m0fnu}
+    """Config.pick's `x4`, `e4m3` and `tier` for a layer: its planes' layout, its block scales' form and
+    whether it has a tier."""
+    return {"x4": planes.x4_layout, "e4m3": planes.w13_scale.dtype != torch.float8_e8m0fnu,
+            "tier": planes.delta_experts.numel() > 0}
 
 
 def _fit(n: int, want: int) -> int:

@@ -77,14 +77,13 @@ def tiles_fit(tensors: dict[str, torch.Tensor]) -> bool:
 
 def kernels_take(tensors: dict[str, torch.Tensor]) -> bool:
     """Whether the plane kernels run this layer on its device at every decode block of every layer form
-    (launch.MMA_STEPS*): a tiled layer the Triton kernels would have to read put back on every call (slow,
+    (launch.DEFAULT.decode_blocks): a tiled layer the Triton kernels would have to read put back on every call (slow,
     and not in a CUDA graph), so a layer is tiled only where they never do."""
     from .dequant import LayerPlanes
-    from .launch import MMA_STEPS, MMA_STEPS_X4, MMA_STEPS_X4_E4M3
+    from .launch import DEFAULT
     from .mma_moe import supported
     planes = LayerPlanes.from_tensors(tensors)
-    return all(supported(planes, planes.w13_base.device, block)
-               for _, block in MMA_STEPS + MMA_STEPS_X4 + MMA_STEPS_X4_E4M3)
+    return all(supported(planes, planes.w13_base.device, block) for block in DEFAULT.decode_blocks())
 
 
 def plane_names(tensors: dict[str, torch.Tensor]) -> dict[str, bool]:
