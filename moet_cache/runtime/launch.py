@@ -112,6 +112,10 @@ def _step(steps: tuple[tuple[int, Mma | Prefill], ...], P: int) -> Mma | Prefill
     return [block for start, block in steps if P >= start][-1]
 
 
+#: Config's decode steps, one for each layer form
+_LADDERS = ("mma", "mma_x4", "mma_x4_base", "mma_x4_e4m3")
+
+
 @dataclass(frozen=True)
 class Config:
     """Which kernels and blocks for P = T * top_k pairs; the defaults are the H200 measurements' best
@@ -143,7 +147,7 @@ class Config:
         kernels run this layer here; `x4`: whether its planes are in the x4 layout (`mma_x4`'s steps);
         `e4m3`: whether its block scales are e4m3 (an x4 layer then takes `mma_x4_e4m3`'s); `tier`: whether
         it has a tier (an x4 layer with e8m0 scales and none takes `mma_x4_base`'s)."""
-        mma = ((self.mma_x4_e4m3 if e4m3 else self.mma_x4 if tier else self.mma_x4_base) if x4 else self.mma)
+        mma = (self.mma_x4_e4m3 if e4m3 else self.mma_x4 if tier else self.mma_x4_base) if x4 else self.mma
         if prefill_runs and self.prefill and P >= self.prefill[0][0]:
             return _step(self.prefill, P)
         if mma and mma_runs and P < self.large_from:
@@ -169,10 +173,6 @@ class Config:
     def decode_blocks(self) -> set[Mma]:
         """Every block of every layer form's decode steps."""
         return {block for name in _LADDERS for _, block in getattr(self, name)}
-
-
-#: Config's decode steps, one for each layer form
-_LADDERS = ("mma", "mma_x4", "mma_x4_base", "mma_x4_e4m3")
 
 
 DEFAULT = Config()

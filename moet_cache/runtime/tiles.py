@@ -77,8 +77,8 @@ def tiles_fit(tensors: dict[str, torch.Tensor]) -> bool:
 
 def kernels_take(tensors: dict[str, torch.Tensor]) -> bool:
     """Whether the plane kernels run this layer on its device at every decode block of every layer form
-    (launch.DEFAULT.decode_blocks): a tiled layer the Triton kernels would have to read put back on every call (slow,
-    and not in a CUDA graph), so a layer is tiled only where they never do."""
+    (launch.DEFAULT.decode_blocks): a tiled layer the Triton kernels would have to read put back on every
+    call (slow, and not in a CUDA graph), so a layer is tiled only where they never do."""
     from .dequant import LayerPlanes
     from .launch import DEFAULT
     from .mma_moe import supported
