@@ -62,10 +62,11 @@ SUM_IN_W2_BELOW = 12
 WHOLE_K_BELOW = 18
 
 
-#: the decode blocks past T = 3 (docs/RUNTIME.md, session 18): direct blocks with K whole, one warp a tile
-#: (WHOLE), or split in two, with more warps an SM and one chunk in flight (LEAN)
+#: the direct decode blocks (docs/RUNTIME.md, session 18): K split in two (SPLIT), K whole, one warp a tile
+#: (WHOLE), or split with more warps an SM and one chunk in flight (LEAN)
+SPLIT = Mma(1, 2, 2, direct=True, pdl=True)
 WHOLE = Mma(1, 1, 1, direct=True, pdl=True)
-LEAN = Mma(1, 2, 2, direct=True, lean=True, pdl=True)
+LEAN = dataclasses.replace(SPLIT, lean=True)
 
 
 def _decode_steps(*middle: tuple[int, Mma]) -> tuple[tuple[int, Mma], ...]:
@@ -75,8 +76,7 @@ def _decode_steps(*middle: tuple[int, Mma]) -> tuple[tuple[int, Mma], ...]:
     K split in two below SUM_IN_W2_BELOW (where the w2 kernel also sums the top-k slots) and from
     WHOLE_K_BELOW, K whole between; then the form's steps; sorted lean blocks from 224 pairs (session 8:
     T = 40: 724 against 749 direct; T = 32, direct: 522-535 against 573 sorted)."""
-    direct = Mma(1, 2, 2, direct=True, pdl=True)
-    return ((0, dataclasses.replace(direct, sum_in_w2=True)), (SUM_IN_W2_BELOW, WHOLE), (WHOLE_K_BELOW, direct),
+    return ((0, dataclasses.replace(SPLIT, sum_in_w2=True)), (SUM_IN_W2_BELOW, WHOLE), (WHOLE_K_BELOW, SPLIT),
             *middle, (224, Mma(1, 2, 2, lean=True, pdl=True)))
 
 

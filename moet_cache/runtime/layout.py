@@ -37,6 +37,13 @@ def untiled(t: torch.Tensor, rows: list[int], delta: bool) -> torch.Tensor:
     return out
 
 
+def _to_tiled_(tensors: dict[str, torch.Tensor], name: str, t: torch.Tensor, delta: bool) -> None:
+    """t, the layer's tensor `name` or a copy of it, into the tiled layout in place: the bits of its x4 rows
+    moved, then tiles (`untiled`'s inverse)."""
+    x4_table.relayout_rows_(t, _x4_rows(tensors, name), delta, inverse=False)
+    tile_(t)
+
+
 def _tiled_fits(tensors: dict[str, torch.Tensor]) -> bool:
     return tiles.tiles_fit(tensors) and x4_table.tier_scales_fit(tensors)
 
@@ -50,8 +57,7 @@ def prepare_in_place(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
     if "w13_base" not in tensors or not (_tiled_fits(tensors) and tiles.kernels_take(tensors)):
         return {}
     for name, delta in plane_names(tensors).items():
-        x4_table.relayout_rows_(tensors[name], _x4_rows(tensors, name), delta, inverse=False)
-        tile_(tensors[name])
+        _to_tiled_(tensors, name, tensors[name], delta)
     return TILED_NAMES
 
 
@@ -64,7 +70,7 @@ def prepare(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     planes = plane_names(tensors)
     out = {k: v for k, v in tensors.items() if k not in planes}
     for name, delta in planes.items():
-        t = tensors[name].clone()
-        x4_table.relayout_rows_(t, _x4_rows(tensors, name), delta, inverse=False)
-        out[TILED_NAMES[name]] = tile(t)
+        t = tensors[name].contiguous().clone()
+        _to_tiled_(tensors, name, t, delta)
+        out[TILED_NAMES[name]] = t
     return out

@@ -175,8 +175,8 @@ DEV void tier_regs(u32 wb, u32 wd, u32 sc, u32& lo, u32& hi) {
 }
 
 // The tiles of every layer laid out at load (tiles.py): each 16 rows stored chunk-major, [chunk][16 rows]
-// [a row's chunk], a row's chunk being `unit` of its elements (CHUNK_WORDS plane words; 8 e8m0 or 16 e4m3 scale bytes).
-// Element k of the tile's row i is at this offset from the tile's start, in the same elements.
+// [a row's chunk], a row's chunk being `unit` of its elements (CHUNK_WORDS plane words; 8 e8m0 or 16 e4m3
+// scale bytes). Element k of the tile's row i is at this offset from the tile's start, in the same elements.
 DEV int tiled_at(int i, int k, int unit) { return (k / unit * 16 + i) * unit + k % unit; }
 
 // Ask the L2 for `bytes` (a multiple of 16, 16-byte aligned) from p, with no register and no completion

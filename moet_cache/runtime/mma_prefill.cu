@@ -5,9 +5,9 @@
 //
 // TILED: each 16-row tile of planes and scales stored chunk-major (tiles.py), which the copies address by
 // tiled_at; every layer the kernels take at load, x4 or not.
-// X4: planes repacked for the x4 table (x4_table.py; always TILED), base experts decoded by x4_reg with the register
-// index (q, q + 4) known at run time (x4_reg_rt), tier experts by x4_tier_reg, the true block scale (no
-// 2^-120: no table carries it).
+// X4: planes repacked for the x4 table (x4_table.py; always TILED), base experts decoded by x4_reg with
+// the register index (q, q + 4) known at run time (x4_reg_rt), tier experts by x4_tier_reg, the true block
+// scale (no 2^-120: no table carries it).
 // Roles as in mma_moe.cu: the weights are mma's A operand (16 rows x 16 k: one int32 word of 16 codes
 // of each row, decoded in registers by PRMT), the pairs its B operand (8 pairs an n-tile). The K order
 // is this file's own (not mma_moe.cu's chunk order): inside each word, mma column 2q + s + 8h stands
