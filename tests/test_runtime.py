@@ -3,6 +3,7 @@ source checkpoint's FP4 codes: every delta plane, base only, a mixed tier, both 
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
@@ -288,8 +289,8 @@ def test_config_picks_each_regime_by_pairs() -> None:
     """launch.Config: decode kernels below the first prefill step, each prefill step from its pair count,
     Triton where neither tensor-core family runs, and Config.only pinning one block."""
     from moet_cache.runtime.launch import (DEFAULT, LEAN, MMA_STEPS, MMA_STEPS_X4, MMA_STEPS_X4_BASE,
-                                           MMA_STEPS_X4_E4M3, PREFILL_STEPS, SUM_IN_W2_BELOW, WHOLE, WHOLE_K_BELOW,
-                                           Config, Grouped, Mma, Pairs, Prefill)
+                                           MMA_STEPS_X4_E4M3, PREFILL_LATER, PREFILL_STEPS, SUM_IN_W2_BELOW, WHOLE,
+                                           WHOLE_K_BELOW, Config, Grouped, Mma, Pairs, PrefillLater, Prefill)
 
     starts = [start for start, _ in PREFILL_STEPS]
     assert starts == sorted(starts) and starts[0] <= DEFAULT.large_from
@@ -310,17 +311,30 @@ def test_config_picks_each_regime_by_pairs() -> None:
         assert SUM_IN_W2_BELOW <= 12 < WHOLE_K_BELOW <= 18
         assert DEFAULT.pick(starts[0] - 1, **form) == Mma(1, 2, 2, lean=True, pdl=True)
         assert all(block.pdl for _, block in steps)
-    # each form's steps past T = 3 (the H200 crossovers): fitted tables K whole from 36 pairs, x4 with e8m0
-    # scales lean from 24 (without a tier K whole from 24, lean from 72), x4 with e4m3 scales K whole from 24
+    # each form's steps past T = 3 (the H200 crossovers): fitted tables K whole from 36 pairs to 287, sorted
+    # from 288; x4 with e8m0 scales lean from 24 (without a tier K whole from 24, lean from 72), x4 with e4m3
+    # scales K whole from 24; the x4 forms sorted from 224
     split = Mma(1, 2, 2, direct=True, pdl=True)
+    sorted_lean = Mma(1, 2, 2, lean=True, pdl=True)
     for e4m3 in (False, True):
         assert DEFAULT.pick(35, e4m3=e4m3) == split and DEFAULT.pick(36, e4m3=e4m3) == WHOLE
+        assert DEFAULT.pick(287, e4m3=e4m3) == WHOLE and DEFAULT.pick(288, e4m3=e4m3) == sorted_lean
+        assert DEFAULT.pick(224, x4=True, e4m3=e4m3) == sorted_lean
     assert DEFAULT.pick(23, x4=True) == split and DEFAULT.pick(24, x4=True) == LEAN
     assert DEFAULT.pick(24, x4=True, tier=False) == WHOLE and DEFAULT.pick(72, x4=True, tier=False) == LEAN
     assert DEFAULT.pick(23, x4=True, e4m3=True) == split and DEFAULT.pick(24, x4=True, e4m3=True) == WHOLE
     assert DEFAULT.pick(223, x4=True, e4m3=True, tier=False) == WHOLE
     for (start, block), nxt in zip(PREFILL_STEPS, starts[1:] + [1 << 40]):
-        assert DEFAULT.pick(start) == block and DEFAULT.pick(nxt - 1) == block
+        assert DEFAULT.pick(start, tier=False) == block and DEFAULT.pick(nxt - 1, tier=False) == block
+    # the first prefill step comes later by form (PREFILL_LATER: x4 64, a tier 128, e4m3 256 pairs), the
+    # sorted lean blocks before it; the steps after it stay where they are
+    for x4, e4m3, tier in itertools.product((False, True), repeat=3):
+        form = {"x4": x4, "e4m3": e4m3, "tier": tier}
+        first = starts[0] + 64 * x4 + 128 * tier + 256 * e4m3
+        assert first == starts[0] + PREFILL_LATER.of(**form) < starts[1]
+        assert DEFAULT.pick(first - 1, **form) == Mma(1, 2, 2, lean=True, pdl=True)
+        assert DEFAULT.pick(first, **form) == PREFILL_STEPS[0][1] and DEFAULT.pick(starts[1], **form) == PREFILL_STEPS[1][1]
+    assert Config(prefill_later=PrefillLater()).pick(starts[0], x4=True, e4m3=True) == PREFILL_STEPS[0][1]
     assert isinstance(DEFAULT.pick(starts[0], prefill_runs=False), Mma)
     assert isinstance(DEFAULT.pick(DEFAULT.large_from, prefill_runs=False), Grouped)
     assert isinstance(DEFAULT.pick(6, mma_runs=False, prefill_runs=False), Pairs)

@@ -57,6 +57,11 @@ def _reference(x: torch.Tensor, t: dict, w: torch.Tensor, ids: torch.Tensor, lim
     return fused_moe_reference(x.to(dev), planes, w.to(dev), ids.to(dev), limit).to(x.device)
 
 
+#: the tiled fitted blocks' output against the natural layout's where they sum in another order (norm; rows
+#: 3x): measured at most 5.4e-4 (rows 1.0e-3) against the reference's 4-6e-3 (session 19, H200)
+ACC2_TOL = 2e-3
+
+
 def _check(got: torch.Tensor, ref: torch.Tensor, tol: float = 1.5e-2) -> None:
     assert got.shape == ref.shape and torch.isfinite(got).all()
     rel = ((got.float() - ref).norm() / ref.norm()).item()
@@ -213,7 +218,7 @@ def x4_layer(request: pytest.FixtureRequest) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("T,config", [(1, DEFAULT), (2, DEFAULT), (3, DEFAULT), (7, DEFAULT), (16, DEFAULT),
                                       (30, DEFAULT), (16, Config.only(Mma(1, 2, 2, True, True))),
                                       (16, Config.only(Mma(1, 2, 2, direct=True))), (16, Config.only(WHOLE)),
-                                      (40, Config.only(Mma(1, 2, 2))), (64, DEFAULT),
+                                      (40, Config.only(Mma(1, 2, 2))), (64, DEFAULT), (300, DEFAULT),
                                       (300, Config.only(Prefill())), (300, Config.only(Prefill(4, 8, 4))),
                                       (300, Config.only(Prefill(16, 4, 2, True, 1))), (4096, DEFAULT),
                                       (5, Config.only(Pairs(64, 8, 2)))])
@@ -221,9 +226,9 @@ def test_x4_layers_equal_reference(x4_layer: dict, T: int, config: Config) -> No
     """Planes repacked for the x4 decode (x4_table.prepare) through every kernel family: the decode
     blocks (direct, lean, sorted; DEFAULT at T = 1 and 3 takes direct blocks with their two accumulator
     sets, at T = 2 direct ones with K whole, at T = 7, 16 and 30 lean ones with e8m0 scales and ones with K
-    whole with e4m3, and K whole at T = 16 for both), the
-    prefill blocks, and Triton, which reads them put back; tier experts (their exact FP4 decode,
-    x4_tier_reg) routed beside the base ones."""
+    whole with e4m3, and K whole at T = 16 for both; at T = 300 the prefill blocks with e8m0 scales and
+    sorted lean ones with e4m3, launch.PREFILL_LATER), the prefill blocks, and Triton, which reads them put
+    back; tier experts (their exact FP4 decode, x4_tier_reg) routed beside the base ones."""
     prepared = prepare(x4_layer)
     planes = LayerPlanes.from_tensors(prepared)
     assert planes.x4_layout
@@ -245,14 +250,14 @@ def test_x4_layer_without_a_tier_equals_reference(x4_layer: dict, T: int) -> Non
 
 @pytest.mark.parametrize("T,config", [(1, DEFAULT), (2, DEFAULT), (3, DEFAULT), (16, DEFAULT), (30, DEFAULT),
                                       (16, Config.only(Mma(1, 2, 2, True, True))), (40, Config.only(Mma(1, 2, 2))),
-                                      (64, DEFAULT), (300, Config.only(Prefill())),
+                                      (44, DEFAULT), (64, DEFAULT), (300, Config.only(Prefill())),
                                       (300, Config.only(Prefill(4, 8, 4))), (4096, DEFAULT),
                                       (5, Config.only(Pairs(64, 8, 2)))])
 def test_tiled_fitted_layers_equal_reference(layer: dict, T: int, config: Config) -> None:
     """A fitted-table layer as the vLLM method serves it, its planes and scales in tiles (tiles.py, the bits
     as loaded), through the decode blocks (direct, lean, sorted), the prefill blocks and Triton (which reads
-    them put back), tier experts routed beside base ones; the decode's output is the natural layout's bit
-    for bit."""
+    them put back), tier experts routed beside base ones; the output is the natural layout's bit for bit,
+    or within ACC2_TOL of it where the tiled blocks sum in another order (e8m0 one-column blocks)."""
     t = {k: v.clone() for k, v in layer.items()}
     names = layout.prepare_in_place(t)
     assert names == tiles.TILED_NAMES
@@ -261,8 +266,18 @@ def test_tiled_fitted_layers_equal_reference(layer: dict, T: int, config: Config
     x, w, ids = _tokens_to_tier(layer, T, 800 + T)
     got = fused_moe_cuda(x, planes, w, ids, 7.0, config)
     _check(got, _reference(x, layer, w, ids, 7.0))
-    if not isinstance(config.pick(ids.numel()), Pairs):
-        assert torch.equal(got, fused_moe_cuda(x, LayerPlanes.from_tensors(layer), w, ids, 7.0, config))
+    form = layer_form(planes)
+    block = config.pick(ids.numel(), **form)
+    if isinstance(block, Pairs):
+        return
+    natural = fused_moe_cuda(x, LayerPlanes.from_tensors(layer), w, ids, 7.0, config)
+    if isinstance(block, Mma) and block.nt == 1 and not block.lean and not form["e4m3"]:
+        # tiled one-column blocks with e8m0 scales sum into two accumulator sets (mma_moe.cu ACC2): the same
+        # fp32 terms in another order, so the w13 outputs may round to a neighbouring bf16 and move the w2
+        # sums with them
+        _check(got, natural.float(), tol=ACC2_TOL)
+    else:
+        assert torch.equal(got, natural)
 
 
 def test_x4_prepare_in_place_on_the_gpu(x4_layer: dict) -> None:

@@ -36,7 +36,7 @@ class Grouped:
 
 #: the prefill blocks by the pairs they take over from (launch.Config.prefill): H200, V4-Flash layer, one
 #: process (docs/RUNTIME.md). Below 1536 pairs the decode kernels are faster (T = 192: 1412 us against
-#: 1623); (2, 8, 4) wins to about 3400 pairs (T = 512: 1814 against 1971; T = 768: 2686 against 2109),
+#: 1623), and for longer in every form but fitted e8m0 (PREFILL_LATER); (2, 8, 4) wins to about 3400 pairs (T = 512: 1814 against 1971; T = 768: 2686 against 2109),
 #: (4, 8, 4) to about 15700 (T = 2560: 4567 against 4674; T = 3072: 5520 against 4735).
 PREFILL_STEPS: tuple[tuple[int, Prefill], ...] = (
     (1536, Prefill(2, 8, 4, pipe=True, ctas=2)),
@@ -69,22 +69,26 @@ WHOLE = Mma(1, 1, 1, direct=True, pdl=True)
 LEAN = dataclasses.replace(SPLIT, lean=True)
 
 
-def _decode_steps(*middle: tuple[int, Mma]) -> tuple[tuple[int, Mma], ...]:
+def _decode_steps(*middle: tuple[int, Mma], sorted_from: int = 224) -> tuple[tuple[int, Mma], ...]:
     """The decode blocks by the pairs they take over from (launch.Config.mma), below the prefill steps; the
-    layer forms differ only in the `middle` steps, from WHOLE_K_BELOW pairs up to 224. Every one launched
-    dependent (`pdl`: T = 1: 42.9 us against 45.6). Direct blocks, each expert's decode shared by its pairs:
-    K split in two below SUM_IN_W2_BELOW (where the w2 kernel also sums the top-k slots) and from
-    WHOLE_K_BELOW, K whole between; then the form's steps; sorted lean blocks from 224 pairs (session 8:
-    T = 40: 724 against 749 direct; T = 32, direct: 522-535 against 573 sorted)."""
+    layer forms differ only in the `middle` steps, from WHOLE_K_BELOW pairs up to `sorted_from`. Every one
+    launched dependent (`pdl`: T = 1: 42.9 us against 45.6). Direct blocks, each expert's decode shared by
+    its pairs: K split in two below SUM_IN_W2_BELOW (where the w2 kernel also sums the top-k slots) and from
+    WHOLE_K_BELOW, K whole between; then the form's steps; sorted lean blocks from `sorted_from` pairs
+    (session 8: T = 40: 724 against 749 direct; T = 32, direct: 522-535 against 573 sorted)."""
     return ((0, dataclasses.replace(SPLIT, sum_in_w2=True)), (SUM_IN_W2_BELOW, WHOLE), (WHOLE_K_BELOW, SPLIT),
-            *middle, (224, Mma(1, 2, 2, lean=True, pdl=True)))
+            *middle, (sorted_from, Mma(1, 2, 2, lean=True, pdl=True)))
 
 
 #: fitted tables: K whole from 36 pairs (session 18, H200, V4-Flash layer, one process, two samples each,
 #: µs, stream / write, split or lean against K whole: with e4m3 scales and a 10% tier T = 16 328.9 / 320.2
 #: against 316.1 / 313.3, T = 24 444.9 / 439.5 against 428.5 / 423.6; e8m0 T = 8 161.8 / 167.9 against
-#: 159.9 / 165.5; T = 6 about 1% faster; T = 4 2-3% slower, 88.5 / 93.8 against 90.8 / 96.1: split to 35)
-MMA_STEPS = _decode_steps((36, WHOLE))
+#: 159.9 / 165.5; T = 6 about 1% faster; T = 4 2-3% slower, 88.5 / 93.8 against 90.8 / 96.1: split to 35),
+#: sorted from 288 pairs (session 19, stream, two samples, µs, sorted lean against K whole: e8m0 T = 38
+#: 600.1 / 596.2 against 550.6 / 550.7, T = 44 636.5 / 634.3 against 606.8 / 603.2; e4m3 with a 10% tier
+#: T = 38 636.6 / 636.0 against 608.4 / 608.7, T = 46 698.4 / 712.5 against 699.3 / 689.6; session 18:
+#: K whole 0.5-3% slower at T = 48)
+MMA_STEPS = _decode_steps((36, WHOLE), sorted_from=288)
 
 #: x4 layers (x4_table.py: chunk-major tiles), e8m0 scales, with a tier (the build's default): lean from 24
 #: pairs (session 14, two samples each, direct against lean: T = 4 87.8 us against 86.2, with a 10% tier
@@ -107,6 +111,30 @@ MMA_STEPS_X4_BASE = _decode_steps((24, WHOLE), (72, LEAN))
 MMA_STEPS_X4_E4M3 = _decode_steps((24, WHOLE))
 
 
+@dataclass(frozen=True)
+class PrefillLater:
+    """The pairs by which a layer form's first prefill step comes after `Config.prefill`'s: the prefill
+    blocks' time grows more than the sorted lean decode blocks' with the x4 layout, a tier and e4m3 scales."""
+
+    x4: int = 0
+    tier: int = 0
+    e4m3: int = 0
+
+    def of(self, x4: bool, e4m3: bool, tier: bool) -> int:
+        return self.x4 * x4 + self.tier * tier + self.e4m3 * e4m3
+
+
+#: the crossovers from the sorted lean blocks to the first prefill step, by form (session 19, H200, V4-Flash
+#: layer, stream harness, µs, lean against prefill): fitted e8m0 base only about 1550 pairs (T = 256 1521.3
+#: against 1546.6; T = 264 1567.7 against 1517.0), x4 about 1660 (T = 272 1600.7 against 1611.0; T = 280
+#: 1630.1 against 1616.7), fitted with a tier about 1680, x4 with a tier about 1760 (T = 288 1698.7 against
+#: 1705.6), fitted e4m3 about 1800, x4 e4m3 about 1870, fitted e4m3 with a tier about 1900 (T = 320 1889.3
+#: against 1874.5), x4 e4m3 with a tier about 1950 (T = 320 1883.5 against 1899.4): 1536 + 64 x4 + 128 tier +
+#: 256 e4m3 within 70 pairs of each. At T = 256 (1536 pairs) the x4 layer with a tier (the build's default)
+#: takes 1531.1 in place of 1701.7, x4 e4m3 with a tier 1539.6 in place of 1891.4.
+PREFILL_LATER = PrefillLater(x4=64, tier=128, e4m3=256)
+
+
 def _step(steps: tuple[tuple[int, Mma | Prefill], ...], P: int) -> Mma | Prefill:
     """The block of the last of `steps` (from P, block; ascending) that P has reached."""
     return [block for start, block in steps if P >= start][-1]
@@ -126,7 +154,7 @@ class Config:
     Triton kernels run the rest: everything where neither can run (no sm_80, dims that do not split),
     Triton `large` from `large_from`. Layers in the x4 layout take `mma_x4`'s steps in place of `mma`'s,
     or `mma_x4_e4m3`'s where their block scales are e4m3, or `mma_x4_base`'s where they are e8m0 and the
-    layer has no tier."""
+    layer has no tier. A layer's first prefill step comes `prefill_later.of(its form)` pairs later."""
 
     mma: tuple[tuple[int, Mma], ...] = MMA_STEPS  # (from P, block), ascending, the first from 0; () for none
     mma_x4: tuple[tuple[int, Mma], ...] = MMA_STEPS_X4  # the same for x4 layers
@@ -140,6 +168,7 @@ class Config:
     mid: Grouped = Grouped(16, 64, 16, 4, 2, True)
     large: Grouped = Grouped(128, 128, 4, 8, 3, False)
     prefill: tuple[tuple[int, Prefill], ...] = PREFILL_STEPS  # (from P, block), ascending; () for none
+    prefill_later: PrefillLater = PREFILL_LATER
 
     def pick(self, P: int, mma_runs: bool = True, prefill_runs: bool = True,
              x4: bool = False, e4m3: bool = False, tier: bool = True) -> Pairs | Grouped | Mma | Prefill:
@@ -148,7 +177,7 @@ class Config:
         `e4m3`: whether its block scales are e4m3 (an x4 layer then takes `mma_x4_e4m3`'s); `tier`: whether
         it has a tier (an x4 layer with e8m0 scales and none takes `mma_x4_base`'s)."""
         mma = (self.mma_x4_e4m3 if e4m3 else self.mma_x4 if tier else self.mma_x4_base) if x4 else self.mma
-        if prefill_runs and self.prefill and P >= self.prefill[0][0]:
+        if prefill_runs and self.prefill and P >= self.prefill[0][0] + self.prefill_later.of(x4, e4m3, tier):
             return _step(self.prefill, P)
         if mma and mma_runs and P < self.large_from:
             return _step(mma, P)
@@ -165,7 +194,8 @@ class Config:
             return cls(**{n: ((0, block),) for n in _LADDERS}, large_from=1 << 62, prefill=())
         no_mma = {n: () for n in _LADDERS}
         if isinstance(block, Prefill):
-            return cls(**no_mma, tiny_max=0, pairs_max=0, large_from=0, prefill=((0, block),))
+            return cls(**no_mma, tiny_max=0, pairs_max=0, large_from=0, prefill=((0, block),),
+                       prefill_later=PrefillLater())
         if isinstance(block, Pairs):
             return cls(**no_mma, tiny_max=0, pairs_max=1 << 62, pairs=block, prefill=())
         return cls(**no_mma, tiny_max=0, pairs_max=0, large_from=1 << 62, mid=block, prefill=())

@@ -385,7 +385,10 @@ moe_mma(const u16* __restrict__ xin, const int* __restrict__ topk_ids, const int
         void* __restrict__ out, int top_k, int K, int N, double limit, int has_limit, int direct,
         void* __restrict__ y, int* __restrict__ arrived, int y_type) {
   constexpr int BM = 8 * NT, W = TILES * KS, D = CHUNKS_IN_FLIGHT(NT, LEAN);
-  constexpr bool TWO_ACC = X4 && NT == 1 && !LEAN;  // k_loop's ACC2: measured for these blocks only
+  // k_loop's ACC2 in the direct and sorted one-column blocks of x4 layers (session 12) and of tiled fitted
+  // layers with e8m0 scales (session 19: 1-3.5% faster at T = 1-24; with e4m3 scales and a tier 3-6% slower
+  // at T = 2); natural-layout blocks would spill with it
+  constexpr bool TWO_ACC = (X4 || (TILED && E8)) && NT == 1 && !LEAN;
   static_assert(TILED || !X4, "x4 planes are always tiled");
   const int e = direct ? topk_ids[blockIdx.x] : block_expert[blockIdx.x];
   if (e < 0) return;
