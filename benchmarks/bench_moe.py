@@ -14,6 +14,8 @@ each a median, the weights always read from HBM:
           experts run out), so no copy finds its weights in the L2; the replay's time / N, no flush.
 Bytes read: the planes/codes and scales of the distinct experts the routing touches (+ the tier's
 delta planes of the tier experts touched). Speed is reported as ratios within one run and one harness.
+The eight forms the vLLM method serves (x4 or fitted tables, e8m0 or e4m3 scales, base only or a 10%
+tier) run in every harness, and the run ends with issue 12's goals read from them, form by form.
 """
 
 from __future__ import annotations
@@ -361,18 +363,17 @@ def speed(args: argparse.Namespace) -> list[dict]:
                  "allocated_MiB": resident8 / MiB, "planes_e8m0_base_MiB": layer_bytes(none8) / MiB,
                  "planes_e4m3_base_MiB": layer_bytes(none4) / MiB, "copy_GBps": copy})
     x4_8, ms = x4_layer(planes8)
-    x4_none8, _ = x4_layer(none8)
-    x4_none4, _ = x4_layer(none4)
-    x4_4, _ = x4_layer(planes4)
     fitted8, tile_ms = served_layer(planes8)
     print(f"at load, a layer's planes and scales (10% tier) take {ms:.1f} ms to repack for x4, {tile_ms:.1f} ms "
           "to tile (fitted tables)", flush=True)
     rows.append({"what": "x4_repack_ms_per_layer", "ms": ms})
     rows.append({"what": "tile_ms_per_layer", "ms": tile_ms})
-    layers = {"e8m0 base-only": served_layer(none8)[0], "e8m0 tier10%": fitted8,
-              "e4m3 base-only": served_layer(none4)[0], "e8m0 base-only untiled": none8,
-              "x4 e8m0 base-only": x4_none8, "x4 e8m0 tier10%": x4_8, "x4 e4m3 base-only": x4_none4,
-              "x4 e4m3 tier10%": x4_4}
+    # the eight forms the vLLM method serves (x4 or fitted tables, e8m0 or e4m3 scales, base only or a 10%
+    # tier), each laid out as it lays them out: timed in every harness, the goals read from them
+    layers = {"x4 e8m0 base-only": x4_layer(none8)[0], "x4 e8m0 tier10%": x4_8,
+              "x4 e4m3 base-only": x4_layer(none4)[0], "x4 e4m3 tier10%": x4_layer(planes4)[0],
+              "fitted e8m0 base-only": served_layer(none8)[0], "fitted e8m0 tier10%": fitted8,
+              "fitted e4m3 base-only": served_layer(none4)[0], "fitted e4m3 tier10%": served_layer(planes4)[0]}
     g = torch.Generator(device="cuda").manual_seed(3)
     w13 = (torch.randn((E, 2 * I, H), generator=g, device="cuda") * 0.02).to(torch.bfloat16)
     w2 = (torch.randn((E, H, I), generator=g, device="cuda") * 0.02).to(torch.bfloat16)
@@ -392,31 +393,35 @@ def speed(args: argparse.Namespace) -> list[dict]:
         w, ids = routing(T, 10 + T)
         x = (torch.randn((T, H), device="cuda") * 0.5).to(torch.bfloat16)
         for harness in args.harness:
-            rows += speed_at(args, harness, T, x, w, ids, copy, layers, bf16, hums)
+            rows += speed_at(args, harness, T, x, w, ids, copy, layers, none8, bf16, hums)
+    print_goals(rows, copy)
     return rows
 
 
 def speed_at(args: argparse.Namespace, harness: str, T: int, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor,
-             copy: float, layers: dict[str, dict[str, torch.Tensor]], bf16: Callable,
-             hums: dict[str, tuple["Humming", int]]) -> list[dict]:
-    """Every contender at T tokens in one harness: printed, and the rows for --json."""
+             copy: float, layers: dict[str, dict[str, torch.Tensor]], untiled: dict[str, torch.Tensor],
+             bf16: Callable, hums: dict[str, tuple["Humming", int]]) -> list[dict]:
+    """Every contender at T tokens in one harness: printed, and the rows for --json. `layers` (the served
+    forms) run in every harness; `untiled` (a fitted layer in the loader's natural layout, through the
+    plane kernels and through Triton), the bf16 MoE and Humming's int2 in do_bench's only."""
     from moet_cache.runtime.launch import Config
 
     rows: list[dict] = []
     res: list[Result] = []
     if args.sweep and harness == args.harness[0]:
         for cfg in sweep_configs(T, args.sweep_triton):
-            for form, layer in (("fitted", layers["e8m0 base-only"]), ("x4", layers["x4 e8m0 base-only"])):
+            for form, layer in (("fitted", layers["fitted e8m0 base-only"]), ("x4", layers["x4 e8m0 base-only"])):
                 try:
                     r = bench_planes(f"sweep {form} {cfg}", layer, x, w, ids, cfg)
                     print(f"  T={T} {form:6s} {r.us:9.1f} us {r.gbps:7.0f} GB/s  {cfg}", flush=True)
                 except Exception as e:  # noqa: BLE001
                     print(f"  T={T} {form} config failed {cfg}: {type(e).__name__}: {str(e)[:200]}", flush=True)
-    contenders = [(name, layer, None) for name, layer in layers.items()]
-    contenders.insert(3, ("e8m0 base, Triton", layers["e8m0 base-only untiled"], Config(mma=(), prefill=())))
-    for name, layer, cfg in contenders:
-        if harness == "write" or name.startswith("x4"):  # the other harnesses time the build's default layers
-            res.append(bench_planes(f"planes {name}", layer, x, w, ids, cfg, harness))
+    for name, layer in layers.items():
+        res.append(bench_planes(f"planes {name}", layer, x, w, ids, None, harness))
+    if harness == "write":
+        res.append(bench_planes("planes fitted e8m0 base-only untiled", untiled, x, w, ids, None, harness))
+        res.append(bench_planes("planes fitted e8m0 base-only, Triton", untiled, x, w, ids,
+                                Config(mma=(), prefill=()), harness))
 
     def experts(i: torch.Tensor) -> int:
         return len(set(i.reshape(-1).tolist()))
@@ -428,6 +433,8 @@ def speed_at(args: argparse.Namespace, harness: str, T: int, x: torch.Tensor, w:
         except Exception as e:  # noqa: BLE001
             print(f"  bf16 failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
     for hname, (hum, per_expert) in hums.items():
+        if harness != "write" and hname == "humming int2":
+            continue
         try:
             def make(i: torch.Tensor, hum: Humming = hum) -> Callable[[], object]:
                 run = hum.prepare(i)
@@ -449,6 +456,58 @@ def speed_at(args: argparse.Namespace, harness: str, T: int, x: torch.Tensor, w:
                      "GBps": r.gbps, "copy_frac": r.gbps / copy, "speedup_vs_humming": vs_h,
                      "speedup_vs_humming_nvfp4": vs_n, "speedup_vs_bf16": vs_b, "note": r.note})
     return rows
+
+
+#: issue 12's goals: decode (T <= 16) at least 1.3x Humming MXFP4's speed and 50% of copy bandwidth on the
+#: bytes read; prefill (T = 4096) within 1.25x Humming's time; resident MoE bytes within 1% of the planes
+DECODE_MAX_T, DECODE_SPEEDUP, DECODE_COPY, PREFILL_T, PREFILL_SLOWDOWN, RESIDENT_TOL = 16, 1.3, 0.5, 4096, 1.25, 0.01
+
+
+def print_goals(rows: list[dict], copy: float) -> None:
+    """The goals, form by form, from the speed rows of the served forms (`planes ...`) in each harness: a
+    table of (x Humming MXFP4, % of copy) with `!` where a goal is missed, then the misses counted."""
+    speed = [r for r in rows if r["what"] == "speed" and r["name"].startswith("planes ")
+             and "untiled" not in r["name"] and "Triton" not in r["name"]]
+    forms = list(dict.fromkeys(r["name"][len("planes "):] for r in speed))
+    print(f"\ngoals: decode T <= {DECODE_MAX_T} >= {DECODE_SPEEDUP}x Humming MXFP4 and >= {100 * DECODE_COPY:.0f}% "
+          f"of copy ({copy:.0f} GB/s); prefill T = {PREFILL_T} <= {PREFILL_SLOWDOWN}x Humming's time; "
+          "'!' marks a miss", flush=True)
+    missed: dict[str, list[str]] = {}
+    checked = 0
+    for harness in dict.fromkeys(r["harness"] for r in speed):
+        print(f"{harness:6s} T     " + "".join(f"{f:>22s}" for f in forms), flush=True)
+        for T in sorted({r["tokens"] for r in speed if r["harness"] == harness}):
+            cells = []
+            for f in forms:
+                r = next((r for r in speed if (r["harness"], r["tokens"], r["name"]) == (harness, T, f"planes {f}")),
+                         None)
+                if r is None:
+                    cells.append(f"{'-':>22s}")
+                    continue
+                x = r["speedup_vs_humming"]
+                if T <= DECODE_MAX_T:
+                    fast, full = x >= DECODE_SPEEDUP, r["copy_frac"] >= DECODE_COPY
+                elif T == PREFILL_T:
+                    fast, full = x >= 1 / PREFILL_SLOWDOWN, True
+                else:
+                    fast = full = True  # no goal between decode and T = 4096
+                checked += T <= DECODE_MAX_T or T == PREFILL_T
+                for ok, goal in ((fast, "speed"), (full, "copy")):
+                    if not ok:
+                        missed.setdefault(f"{harness} {goal}", []).append(f"{f} T={T}")
+                cells.append(f"{x:6.2f}x{'!' if not fast else ' '} {100 * r['copy_frac']:5.1f}%{'!' if not full else ' '}")
+            print(f"{harness:6s} {T:<5d} " + "".join(f"{c:>22s}" for c in cells), flush=True)
+    vram = next((r for r in rows if r["what"] == "vram" and "allocated_MiB" in r), None)
+    if vram is not None:
+        off = abs(vram["allocated_MiB"] / vram["planes_e8m0_tier_MiB"] - 1)
+        print(f"resident MoE bytes: {vram['allocated_MiB']:.1f} MiB allocated for {vram['planes_e8m0_tier_MiB']:.1f} "
+              f"MiB of planes ({100 * off:.2f}% off: {'met' if off <= RESIDENT_TOL else 'MISSED'})", flush=True)
+    for key, where in missed.items():
+        print(f"missed ({key}): {len(where)}: {', '.join(where)}", flush=True)
+    if not checked:
+        print(f"no speed goal checked: no T <= {DECODE_MAX_T} or T = {PREFILL_T} timed", flush=True)
+    elif not missed:
+        print(f"every speed goal met ({checked} form, T and harness points)", flush=True)
 
 
 def fidelity(args: argparse.Namespace) -> list[dict]:

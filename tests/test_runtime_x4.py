@@ -184,3 +184,30 @@ def test_bench_moe_counts_an_x4_layers_bytes_as_its_natural_twins(monkeypatch: p
     assert bench.bytes_read(t, ids) == 3 * per_expert + 2 * delta
     assert bench.bytes_read(x4, ids) == bench.bytes_read(t, ids)
     assert bench.bytes_read({k: v for k, v in x4.items() if k != "delta_experts"}, ids) == 3 * per_expert
+
+
+def test_bench_moe_goals_mark_each_miss(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    """bench_moe's goals table: a served form's decode row misses on speed below 1.3x Humming and on copy
+    below 50%, a prefill row only above 1.25x Humming's time; the Triton and untiled extras count for
+    nothing, and the resident bytes are judged within 1%."""
+    bench = _bench_moe(monkeypatch)
+
+    def row(name: str, T: int, x: float, frac: float, harness: str = "stream") -> dict:
+        return {"what": "speed", "harness": harness, "name": name, "tokens": T, "speedup_vs_humming": x,
+                "copy_frac": frac}
+
+    rows = [{"what": "vram", "allocated_MiB": 100.5, "planes_e8m0_tier_MiB": 100.0},
+            row("planes x4 e8m0 tier10%", 1, 2.3, 0.41), row("planes x4 e8m0 tier10%", 16, 1.29, 0.62),
+            row("planes fitted e8m0 base-only", 16, 1.45, 0.5), row("planes x4 e8m0 tier10%", 64, 1.0, 0.3),
+            row("planes x4 e8m0 tier10%", 4096, 0.81, 0.9), row("planes fitted e8m0 base-only", 4096, 0.79, 0.9),
+            row("planes fitted e8m0 base-only, Triton", 1, 0.2, 0.1, "write"), row("humming mxfp4", 1, 1.0, 0.2)]
+    bench.print_goals(rows, 4250.0)
+    out = capsys.readouterr().out
+    assert "missed (stream copy): 1: x4 e8m0 tier10% T=1" in out
+    assert "missed (stream speed): 2: x4 e8m0 tier10% T=16, fitted e8m0 base-only T=4096" in out
+    assert "Triton" not in out and "humming" not in out.split("\n", 2)[2] and "write" not in out
+    assert "(0.50% off: met)" in out
+    bench.print_goals([r for r in rows if r.get("tokens") in (None, 64)], 4250.0)  # no goal at T = 64
+    assert "no speed goal checked" in capsys.readouterr().out
+    bench.print_goals(rows[:1] + [row("planes x4 e8m0 tier10%", 8, 1.8, 0.6), rows[5]], 4250.0)
+    assert "missed" not in (out := capsys.readouterr().out) and "every speed goal met (2 form" in out
