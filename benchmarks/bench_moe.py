@@ -474,6 +474,7 @@ def print_goals(rows: list[dict], copy: float) -> None:
           "'!' marks a miss", flush=True)
     missed: dict[str, list[str]] = {}
     checked = 0
+    mark = {True: " ", False: "!"}
     for harness in dict.fromkeys(r["harness"] for r in speed):
         print(f"{harness:6s} T     " + "".join(f"{f:>22s}" for f in forms), flush=True)
         for T in sorted({r["tokens"] for r in speed if r["harness"] == harness}):
@@ -495,7 +496,7 @@ def print_goals(rows: list[dict], copy: float) -> None:
                 for ok, goal in ((fast, "speed"), (full, "copy")):
                     if not ok:
                         missed.setdefault(f"{harness} {goal}", []).append(f"{f} T={T}")
-                cells.append(f"{x:6.2f}x{'!' if not fast else ' '} {100 * r['copy_frac']:5.1f}%{'!' if not full else ' '}")
+                cells.append(f"{x:6.2f}x{mark[fast]} {100 * r['copy_frac']:5.1f}%{mark[full]}")
             print(f"{harness:6s} {T:<5d} " + "".join(f"{c:>22s}" for c in cells), flush=True)
     vram = next((r for r in rows if r["what"] == "vram" and "allocated_MiB" in r), None)
     if vram is not None:

@@ -333,7 +333,8 @@ def test_config_picks_each_regime_by_pairs() -> None:
         first = starts[0] + 64 * x4 + 128 * tier + 256 * e4m3
         assert first == starts[0] + PREFILL_LATER.of(**form) < starts[1]
         assert DEFAULT.pick(first - 1, **form) == Mma(1, 2, 2, lean=True, pdl=True)
-        assert DEFAULT.pick(first, **form) == PREFILL_STEPS[0][1] and DEFAULT.pick(starts[1], **form) == PREFILL_STEPS[1][1]
+        assert DEFAULT.pick(first, **form) == PREFILL_STEPS[0][1]
+        assert DEFAULT.pick(starts[1], **form) == PREFILL_STEPS[1][1]
     assert Config(prefill_later=PrefillLater()).pick(starts[0], x4=True, e4m3=True) == PREFILL_STEPS[0][1]
     assert isinstance(DEFAULT.pick(starts[0], prefill_runs=False), Mma)
     assert isinstance(DEFAULT.pick(DEFAULT.large_from, prefill_runs=False), Grouped)

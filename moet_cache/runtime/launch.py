@@ -36,8 +36,9 @@ class Grouped:
 
 #: the prefill blocks by the pairs they take over from (launch.Config.prefill): H200, V4-Flash layer, one
 #: process (docs/RUNTIME.md). Below 1536 pairs the decode kernels are faster (T = 192: 1412 us against
-#: 1623), and for longer in every form but fitted e8m0 (PREFILL_LATER); (2, 8, 4) wins to about 3400 pairs (T = 512: 1814 against 1971; T = 768: 2686 against 2109),
-#: (4, 8, 4) to about 15700 (T = 2560: 4567 against 4674; T = 3072: 5520 against 4735).
+#: 1623), and for longer in every form but fitted e8m0 (PREFILL_LATER); (2, 8, 4) wins to about 3400 pairs
+#: (T = 512: 1814 against 1971; T = 768: 2686 against 2109), (4, 8, 4) to about 15700 (T = 2560: 4567
+#: against 4674; T = 3072: 5520 against 4735).
 PREFILL_STEPS: tuple[tuple[int, Prefill], ...] = (
     (1536, Prefill(2, 8, 4, pipe=True, ctas=2)),
     (3584, Prefill(4, 8, 4, pipe=True, ctas=2)),
