@@ -196,7 +196,7 @@ def test_prefill_kernels(layer: dict, T: int, block: Prefill, mode: str) -> None
 
 
 def test_prefill_cuda_graph_capture(layer: dict) -> None:
-    """The prefill path (the default from P = 1536) has no host sync either."""
+    """The prefill path (the default from P = 1536-1984 by layer form) has no host sync either."""
     T = 512
     assert isinstance(DEFAULT.pick(T * K), Prefill)
     x = torch.randn((T, H), device="cuda").to(torch.bfloat16)
