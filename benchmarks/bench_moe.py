@@ -43,6 +43,7 @@ class Result:
     us: float
     bytes_read: int
     note: str = ""
+    form: str = ""  # the served form this row times (the goals' rows), or "" for a sweep point or an extra
 
     @property
     def gbps(self) -> float:
@@ -203,7 +204,7 @@ def layer_bytes(t: dict[str, torch.Tensor]) -> int:
 
 
 def bench_planes(name: str, t: dict[str, torch.Tensor], x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor,
-                 config=None, harness: str = "write") -> Result:
+                 config=None, harness: str = "write", form: str = "") -> Result:
     from moet_cache.runtime.dequant import LayerPlanes
     from moet_cache.runtime.launch import DEFAULT, fused_moe_cuda, layer_form
 
@@ -212,7 +213,7 @@ def bench_planes(name: str, t: dict[str, torch.Tensor], x: torch.Tensor, w: torc
     us, nbytes, note = measure(lambda i: lambda: fused_moe_cuda(x, planes, w, i, 10.0, cfg), ids, harness,
                                lambda i: bytes_read(t, i))
     picked = cfg.pick(ids.numel(), **layer_form(planes))
-    return Result(name, x.shape[0], us, nbytes, f"{note}; {type(picked).__name__.lower()} {picked}")
+    return Result(name, x.shape[0], us, nbytes, f"{note}; {type(picked).__name__.lower()} {picked}", form)
 
 
 def bytes_read(t: dict[str, torch.Tensor], ids: torch.Tensor) -> int:
@@ -417,7 +418,7 @@ def speed_at(args: argparse.Namespace, harness: str, T: int, x: torch.Tensor, w:
                 except Exception as e:  # noqa: BLE001
                     print(f"  T={T} {form} config failed {cfg}: {type(e).__name__}: {str(e)[:200]}", flush=True)
     for name, layer in layers.items():
-        res.append(bench_planes(f"planes {name}", layer, x, w, ids, None, harness))
+        res.append(bench_planes(f"planes {name}", layer, x, w, ids, None, harness, form=name))
     if harness == "write":
         res.append(bench_planes("planes fitted e8m0 base-only untiled", untiled, x, w, ids, None, harness))
         res.append(bench_planes("planes fitted e8m0 base-only, Triton", untiled, x, w, ids,
@@ -454,7 +455,7 @@ def speed_at(args: argparse.Namespace, harness: str, T: int, x: torch.Tensor, w:
               f"x{vs_b:5.2f} vs bf16  [{r.note}]", flush=True)
         rows.append({"what": "speed", "harness": harness, "name": r.name, "tokens": T, "experts": hit, "us": r.us,
                      "GBps": r.gbps, "copy_frac": r.gbps / copy, "speedup_vs_humming": vs_h,
-                     "speedup_vs_humming_nvfp4": vs_n, "speedup_vs_bf16": vs_b, "note": r.note})
+                     "speedup_vs_humming_nvfp4": vs_n, "speedup_vs_bf16": vs_b, "note": r.note, "form": r.form})
     return rows
 
 
@@ -464,11 +465,11 @@ DECODE_MAX_T, DECODE_SPEEDUP, DECODE_COPY, PREFILL_T, PREFILL_SLOWDOWN, RESIDENT
 
 
 def print_goals(rows: list[dict], copy: float) -> None:
-    """The goals, form by form, from the speed rows of the served forms (`planes ...`) in each harness: a
-    table of (x Humming MXFP4, % of copy) with `!` where a goal is missed, then the misses counted."""
-    speed = [r for r in rows if r["what"] == "speed" and r["name"].startswith("planes ")
-             and "untiled" not in r["name"] and "Triton" not in r["name"]]
-    forms = list(dict.fromkeys(r["name"][len("planes "):] for r in speed))
+    """The goals, form by form, from the speed rows of the served forms (those with a `form`) in each
+    harness: a table of (x Humming MXFP4, % of copy) with `!` where a goal is missed, then the misses
+    counted."""
+    speed = [r for r in rows if r["what"] == "speed" and r.get("form")]
+    forms = list(dict.fromkeys(r["form"] for r in speed))
     print(f"\ngoals: decode T <= {DECODE_MAX_T} >= {DECODE_SPEEDUP}x Humming MXFP4 and >= {100 * DECODE_COPY:.0f}% "
           f"of copy ({copy:.0f} GB/s); prefill T = {PREFILL_T} <= {PREFILL_SLOWDOWN}x Humming's time; "
           "'!' marks a miss", flush=True)
@@ -480,8 +481,7 @@ def print_goals(rows: list[dict], copy: float) -> None:
         for T in sorted({r["tokens"] for r in speed if r["harness"] == harness}):
             cells = []
             for f in forms:
-                r = next((r for r in speed if (r["harness"], r["tokens"], r["name"]) == (harness, T, f"planes {f}")),
-                         None)
+                r = next((r for r in speed if (r["harness"], r["tokens"], r["form"]) == (harness, T, f)), None)
                 if r is None:
                     cells.append(f"{'-':>22s}")
                     continue

@@ -193,8 +193,9 @@ def test_bench_moe_goals_mark_each_miss(monkeypatch: pytest.MonkeyPatch, capsys:
     bench = _bench_moe(monkeypatch)
 
     def row(name: str, T: int, x: float, frac: float, harness: str = "stream") -> dict:
+        served = name in ("planes x4 e8m0 tier10%", "planes fitted e8m0 base-only")  # speed_at's `form` rows
         return {"what": "speed", "harness": harness, "name": name, "tokens": T, "speedup_vs_humming": x,
-                "copy_frac": frac}
+                "copy_frac": frac, "form": name.removeprefix("planes ") if served else ""}
 
     rows = [{"what": "vram", "allocated_MiB": 100.5, "planes_e8m0_tier_MiB": 100.0},
             row("planes x4 e8m0 tier10%", 1, 2.3, 0.41), row("planes x4 e8m0 tier10%", 16, 1.29, 0.62),
