@@ -182,7 +182,8 @@ def test_an_x4_cache_takes_the_x4_decode_and_computes_the_same(tmp_path: Path) -
     import torch
 
     from moet_cache.runtime import fused_moe
-    from moet_cache.runtime.x4_table import X4_NAMES, is_x4, prepare
+    from moet_cache.runtime.layout import prepare
+    from moet_cache.runtime.x4_table import X4_NAMES, is_x4
     from moet_cache.synthetic import make_checkpoint, small_spec
 
     src = make_checkpoint(tmp_path / "src", small_spec(moe_intermediate_size=256, num_hidden_layers=2))

@@ -359,7 +359,7 @@ def test_layer_form_reads_the_layout_and_the_scales() -> None:
     """launch.layer_form: what fused_moe_cuda hands Config.pick for a layer (x4 layout, e4m3 scales, a
     tier)."""
     from moet_cache.planes import X4_PATTERN
-    from moet_cache.runtime import x4_table
+    from moet_cache.runtime import layout
     from moet_cache.runtime.dequant import LayerPlanes
     from moet_cache.runtime.launch import layer_form
     from moet_cache.runtime.synthetic_layer import random_layer
@@ -369,6 +369,6 @@ def test_layer_form_reads_the_layout_and_the_scales() -> None:
         form = {"e4m3": not e8m0, "tier": n_tier > 0}
         assert layer_form(LayerPlanes.from_tensors(t)) == {"x4": False, **form}
         pattern = torch.as_tensor(X4_PATTERN)
-        x4 = x4_table.prepare(dict(t, w13_table=t["w13_table"][..., :1].abs() * pattern,
-                                   w2_table=t["w2_table"][..., :1].abs() * pattern))
+        x4 = layout.prepare(dict(t, w13_table=t["w13_table"][..., :1].abs() * pattern,
+                                 w2_table=t["w2_table"][..., :1].abs() * pattern))
         assert layer_form(LayerPlanes.from_tensors(x4)) == {"x4": True, **form}

@@ -16,7 +16,8 @@ from moet_cache.runtime.launch import DEFAULT, WHOLE, Config, Mma, Pairs, Prefil
 from moet_cache.runtime.reference import fused_moe_reference
 from moet_cache.runtime.synthetic_layer import random_layer
 from moet_cache.runtime import layout, tiles, x4_table
-from moet_cache.runtime.x4_table import X4_NAMES, prepare, prepare_in_place
+from moet_cache.runtime.layout import prepare, prepare_in_place
+from moet_cache.runtime.x4_table import X4_NAMES
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -223,7 +224,7 @@ def x4_layer(request: pytest.FixtureRequest) -> dict[str, torch.Tensor]:
                                       (300, Config.only(Prefill(16, 4, 2, True, 1))), (4096, DEFAULT),
                                       (5, Config.only(Pairs(64, 8, 2)))])
 def test_x4_layers_equal_reference(x4_layer: dict, T: int, config: Config) -> None:
-    """Planes repacked for the x4 decode (x4_table.prepare) through every kernel family: the decode
+    """Planes repacked for the x4 decode (layout.prepare) through every kernel family: the decode
     blocks (direct, lean, sorted; DEFAULT at T = 1 and 3 takes direct blocks with their two accumulator
     sets, at T = 2 direct ones with K whole, at T = 7, 16 and 30 lean ones with e8m0 scales and ones with K
     whole with e4m3, and K whole at T = 16 for both; at T = 300 the prefill blocks with e8m0 scales and
@@ -283,7 +284,7 @@ def test_tiled_fitted_layers_equal_reference(layer: dict, T: int, config: Config
 def test_x4_prepare_in_place_on_the_gpu(x4_layer: dict) -> None:
     """The vLLM method's in-place repack gives what prepare gives, and fused_moe takes the result."""
     t = {k: v.clone() for k, v in x4_layer.items()}
-    assert prepare_in_place(t)
+    assert prepare_in_place(t) == X4_NAMES
     prepared = prepare(x4_layer)
     for natural, x4 in X4_NAMES.items():
         assert torch.equal(t[natural].view(torch.uint8), prepared[x4].view(torch.uint8))

@@ -12,7 +12,7 @@ from moet_cache.runtime import fused_moe, layout, tiles
 from moet_cache.runtime.dequant import LayerPlanes, dequant_expert
 from moet_cache.runtime.synthetic_layer import random_layer
 from moet_cache.runtime.tiles import CHUNK_CODES, TILE_ROWS, TILED_NAMES, tile, tiles_fit
-from moet_cache.runtime.x4_table import X4_NAMES, to_x4
+from moet_cache.runtime.x4_table import X4_NAMES
 
 E, H, I = 8, 512, 256  # the smallest dims whose planes split into tiles: K in whole chunks
 
@@ -50,7 +50,7 @@ def test_tile_puts_each_chunk_of_a_tiles_rows_together(dtype: torch.dtype, chunk
 
 def test_tile_is_always_a_copy() -> None:
     """Where a row is one chunk the tiles are the rows themselves: tile still hands back a copy, so that
-    moving bits in it (layout.untiled) leaves the layer's planes as they are."""
+    moving bits in it (layout.to_natural) leaves the layer's planes as they are."""
     src = torch.randint(0, 256, (2, TILE_ROWS, CHUNK_CODES // 4), dtype=torch.uint8)
     for inverse in (False, True):
         out = tile(src, inverse)
@@ -59,7 +59,7 @@ def test_tile_is_always_a_copy() -> None:
 
 def test_a_fitted_layer_is_tiled_and_an_x4_one_repacked(layer: dict) -> None:
     """layout.prepare: a fitted-table layer's planes and scales tiled under TILED_NAMES, the tier experts'
-    base rows and the delta planes with their bits moved as an x4 layer's (x4_table.to_x4), the other
+    base rows and the delta planes with their bits moved as an x4 layer's (x4_table.relayout_rows_), the other
     experts' bits as loaded; the same layer with x4 tables repacked under X4_NAMES; LayerPlanes reads which,
     and puts either back."""
     tiled = layout.prepare(layer)
@@ -70,7 +70,7 @@ def test_a_fitted_layer_is_tiled_and_an_x4_one_repacked(layer: dict) -> None:
         assert got.dtype == src.dtype and got.shape == src.shape
         for row in range(src.shape[0]):
             moved = src.dtype == torch.uint8 and (natural.endswith("_delta") or row in tier)
-            want = to_x4(src[row : row + 1], natural.endswith("_delta")) if moved else tile(src[row : row + 1])
+            want = layout.to_layout(src[row : row + 1], [0] if moved else [], natural.endswith("_delta"))
             assert torch.equal(got[row : row + 1].view(torch.uint8), want.view(torch.uint8)), (name, row)
         if natural.startswith("w13"):  # K = H, two chunks (w2's one chunk a row tiles onto itself)
             assert not torch.equal(got.view(torch.uint8), src.view(torch.uint8))

@@ -8,11 +8,13 @@ import pytest
 import torch
 
 from moet_cache.planes import X4_PATTERN
+from moet_cache.runtime import layout, x4_table
 from moet_cache.runtime.dequant import LayerPlanes, unpack_plane
+from moet_cache.runtime.layout import prepare, prepare_in_place
 from moet_cache.runtime.synthetic_layer import random_layer
-from moet_cache.runtime.tiles import tile, tiles_fit
+from moet_cache.runtime.tiles import TILED_NAMES, tile, tiles_fit
 from moet_cache.runtime.x4_table import (MAX_TIER_E8M0_BYTE, X4_NAMES, bit_moves, delta_bit_moves, is_x4,
-                                         prepare, prepare_in_place, scales_fit, to_natural, to_x4)
+                                         scales_fit)
 
 E, H, I = 8, 512, 256  # the smallest dims whose planes split into the x4 layout's tiles: K in whole chunks
 
@@ -25,6 +27,16 @@ def x4_tables(t: dict[str, torch.Tensor], seed: int = 0) -> dict[str, torch.Tens
     out["w13_table"] = (torch.rand((E, 2, 1), generator=g) + 0.5) * pattern
     out["w2_table"] = (torch.rand((E, 1), generator=g) + 0.5) * pattern
     return out
+
+
+def to_x4(t: torch.Tensor, delta: bool = False) -> torch.Tensor:
+    """A plane or block-scale tensor in the x4 layout (layout.py: every plane row's bits moved, then tiles)."""
+    return layout.to_layout(t, layout.moved_rows(t, delta, [], set(), x4=True), delta)
+
+
+def to_natural(t: torch.Tensor, delta: bool = False) -> torch.Tensor:
+    """to_x4's inverse."""
+    return layout.to_natural(t, layout.moved_rows(t, delta, [], set(), x4=True), delta)
 
 
 @pytest.fixture(params=["e8m0", "e4m3"])
@@ -53,6 +65,20 @@ def test_to_x4_round_trips_every_expert(delta: bool) -> None:
             assert (a >> s) & 1 == (b >> d) & 1
 
 
+def test_relayout_rows_moves_those_rows_only() -> None:
+    """x4_table.relayout_rows_ moves the bits of the rows it is given, in runs of consecutive rows or alone,
+    and no other row's; back again with inverse."""
+    plane = torch.randint(0, 256, (6, 32, 128), dtype=torch.uint8, generator=torch.Generator().manual_seed(2))
+    for delta in (False, True):
+        got = plane.clone()
+        x4_table.relayout_rows_(got, [4, 0, 1, 3, 0], delta, inverse=False)
+        for r in range(6):
+            moved = x4_table._move_bits(plane[r].view(torch.int32), delta, inverse=False).view(torch.uint8)
+            assert torch.equal(got[r], moved if r in (0, 1, 3, 4) else plane[r]), (delta, r)
+        x4_table.relayout_rows_(got, [0, 1, 3, 4], delta, inverse=True)
+        assert torch.equal(got, plane)
+
+
 def test_is_x4_takes_layers_whose_tables_all_have_the_form(layer: dict) -> None:
     assert is_x4(layer)
     off = dict(layer, w2_table=layer["w2_table"].clone())
@@ -60,9 +86,9 @@ def test_is_x4_takes_layers_whose_tables_all_have_the_form(layer: dict) -> None:
     assert not is_x4(off)  # one table off by an ulp
 
 
-def test_prepare_leaves_fitted_layers_and_moves_x4_ones(layer: dict) -> None:
+def test_prepare_tiles_fitted_layers_and_repacks_x4_ones(layer: dict) -> None:
     fitted = random_layer(E, H, I, n_tier=3, e8m0=True, device="cpu", seed=4)
-    assert not is_x4(fitted) and prepare(fitted) is fitted
+    assert not is_x4(fitted) and "w13_base_tiled" in prepare(fitted)
     prepared = prepare(layer)
     assert set(prepared) == (set(layer) - set(X4_NAMES)) | set(X4_NAMES.values())
     for natural, x4 in X4_NAMES.items():  # every expert's base plane and scales, every tier row's delta plane
@@ -101,7 +127,7 @@ def test_scales_too_large_for_x4_keep_the_natural_layout() -> None:
     big = t["w2_weight_scale"].view(torch.uint8).clone()
     big[0, 0, 0] = 253  # 2^126: x4 would overflow bf16's exponent
     t["w2_weight_scale"] = big.view(torch.float8_e8m0fnu)
-    assert not scales_fit(t) and prepare(t) is t
+    assert not scales_fit(t) and set(TILED_NAMES.values()) <= set(prepare(t))  # tiled, its bits as loaded
 
 
 def test_a_tier_expert_takes_smaller_scales_than_a_base_one(layer: dict) -> None:
@@ -119,15 +145,15 @@ def test_a_tier_expert_takes_smaller_scales_than_a_base_one(layer: dict) -> None
 def test_prepare_in_place_only_where_the_kernels_run(layer: dict, monkeypatch: pytest.MonkeyPatch) -> None:
     """On a CPU (no plane kernels) the vLLM method's repack leaves the planes as loaded; where the kernels
     take the layer it repacks them once (a second call, on the x4 names, moves nothing)."""
-    from moet_cache.runtime import x4_table
+    from moet_cache.runtime import tiles
     before = layer["w13_base"].clone()
-    assert not x4_table.kernels_take(layer) and not prepare_in_place(layer)
+    assert not tiles.kernels_take(layer) and prepare_in_place(layer) == {}
     assert torch.equal(layer["w13_base"], before)
-    monkeypatch.setattr(x4_table, "kernels_take", lambda tensors: True)
-    assert prepare_in_place(layer)
+    monkeypatch.setattr(tiles, "kernels_take", lambda tensors: True)
+    assert prepare_in_place(layer) == X4_NAMES
     assert torch.equal(layer["w13_base"], prepare({**layer, "w13_base": before})["w13_base_x4"])
     renamed = {X4_NAMES.get(k, k): v for k, v in layer.items()}
-    assert not prepare_in_place(renamed)
+    assert prepare_in_place(renamed) == {}
 
 
 def _bench_moe(monkeypatch: pytest.MonkeyPatch):

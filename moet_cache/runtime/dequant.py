@@ -125,16 +125,13 @@ class LayerPlanes:
     def natural_of(self, t: torch.Tensor, delta: bool = False, experts: list[int] | None = None) -> torch.Tensor:
         """One of these planes ([n, rows, K/4]; `delta`: a delta plane) or block-scale tensors in the natural
         layout: t itself, or a copy put back. `experts`: the experts of a base plane's rows (all, in order,
-        when None), of which the tiled layout moved the tier experts' bits (tiles.py)."""
-        if self.x4_layout:
-            from .x4_table import to_natural
-            return to_natural(t, delta)
-        if self.tiled:
-            from .layout import untiled, x4_rows_of
-            tier = set(self.delta_experts.tolist())
-            rows = x4_rows_of(t, delta, list(range(t.shape[0])) if experts is None else experts, tier)
-            return untiled(t, rows, delta)
-        return t
+        when None), of which the tiled layout moved the tier experts' bits (layout.py)."""
+        if not self.tiled:
+            return t
+        from .layout import moved_rows, to_natural
+        rows = moved_rows(t, delta, list(range(t.shape[0])) if experts is None else experts,
+                          set(self.delta_experts.tolist()), self.x4_layout)
+        return to_natural(t, rows, delta)
 
     def tier_rows(self) -> dict[int, int]:
         """expert -> its row in the tier planes."""

@@ -1,6 +1,6 @@
 """The x4 base table's bit layouts: a layer built with `--base-table x4` (every table a * X4_PATTERN, that is
 +a, +4a, -a, -4a) is decoded on the GPU by bit arithmetic instead of a table lookup (docs/RUNTIME.md,
-"The x4 base table"), once its planes have been repacked at load (`prepare`).
+"The x4 base table"), once its planes have been repacked at load (layout.py).
 
 A base code is the FP4 code's sign s (high bit) and high exponent bit e1 (low bit). The kernels make
 each bf16 pair of an mma A register from one 32-bit plane word: register r (0..7) holds the codes
@@ -19,11 +19,10 @@ puts them on bf16's sign, the exponent's two low bits and the mantissa's top bit
 E2M1 x 2^-126, bf16 subnormals included (mma_bits.cu x4_tier_reg), which one bf16 multiply by the block
 scale x 2^118 makes the weight x 2^-8 exactly (the 2^8 in the epilogue).
 
-The repack also tiles every plane and block-scale tensor chunk-major, as every layer the kernels take
-is (tiles.py).
-
-Prepared tensors carry the repacked planes and scales under X4_NAMES (`w13_base_x4`, ...,
-`w2_weight_scale_x4`) in place of their natural names, so a layout can never be mistaken for the other.
+This module holds the bit facts and the bit moves (`relayout_rows_`); layout.py repacks a layer: every
+row's bits moved, then every plane and block-scale tensor tiled chunk-major, as every layer the kernels
+take is (tiles.py). The repacked tensors go under X4_NAMES (`w13_base_x4`, ..., `w2_weight_scale_x4`) in
+place of their natural names, so a layout can never be mistaken for another.
 """
 
 from __future__ import annotations
@@ -34,7 +33,7 @@ import torch
 
 from ..planes import has_x4_form
 from .mma_moe import compiled, runs_here
-from .tiles import EXPERTS_A_STEP, kernels_take, plane_names, tile_, tiles_fit
+from .tiles import EXPERTS_A_STEP
 
 #: the prepared tensors' names of the repacked planes and block scales, by their natural-layout names (the
 #: delta planes only where the layer has a tier)
@@ -123,35 +122,6 @@ def _relayout_(plane: torch.Tensor, delta: bool, inverse: bool) -> None:
         words[i : i + EXPERTS_A_STEP] = _move_bits(words[i : i + EXPERTS_A_STEP], delta, inverse)
 
 
-def _to_x4_(t: torch.Tensor, delta: bool) -> None:
-    """A plane (bits moved, then tiled) or a block-scale tensor (tiled) into the x4 layout, in place."""
-    if t.dtype == torch.uint8:
-        _relayout_(t, delta, inverse=False)
-    tile_(t)
-
-
-def _to_natural_(t: torch.Tensor, delta: bool) -> None:
-    """The inverse of _to_x4_, in place."""
-    tile_(t, inverse=True)
-    if t.dtype == torch.uint8:
-        _relayout_(t, delta, inverse=True)
-
-
-def to_x4(t: torch.Tensor, delta: bool = False) -> torch.Tensor:
-    """A plane [E, rows, K/4] (uint8, a base plane or, `delta`, a delta one) or a block-scale tensor [E, rows,
-    K/group] in the x4 layout (a copy)."""
-    out = t.contiguous().clone()
-    _to_x4_(out, delta)
-    return out
-
-
-def to_natural(t: torch.Tensor, delta: bool = False) -> torch.Tensor:
-    """The inverse of to_x4 (a copy)."""
-    out = t.contiguous().clone()
-    _to_natural_(out, delta)
-    return out
-
-
 def is_x4(tensors: dict[str, torch.Tensor]) -> bool:
     """Whether every base table of the layer has the x4 form (planes.has_x4_form, bit for bit)."""
     return all(has_x4_form(tensors[n].detach().float().cpu().numpy()) for n in ("w13_table", "w2_table"))
@@ -182,35 +152,20 @@ def scales_fit(tensors: dict[str, torch.Tensor]) -> bool:
     return all(int(s.max()) <= MAX_E8M0_BYTE for s in _e8m0_scales(tensors)) and tier_scales_fit(tensors)
 
 
+def _runs(rows: list[int]) -> list[tuple[int, int]]:
+    """Rows as runs of consecutive ones, [start, stop) each, ascending."""
+    runs: list[list[int]] = []
+    for r in sorted(set(rows)):
+        if runs and runs[-1][1] == r:
+            runs[-1][1] = r + 1
+        else:
+            runs.append([r, r + 1])
+    return [(a, b) for a, b in runs]
+
+
 def relayout_rows_(plane: torch.Tensor, rows: list[int], delta: bool, inverse: bool) -> None:
-    """Move the bits of rows `rows` (experts, or tier rows) of a plane [n, rows, K/4] as the x4 layout does
-    (inverse: back), in place (a tiled layer's tier experts, tiles.py)."""
-    for r in rows:
-        _relayout_(plane[r : r + 1], delta, inverse)
-
-
-def prepare_in_place(tensors: dict[str, torch.Tensor]) -> bool:
-    """Repack the planes and block scales of a loaded layer in place when the x4 decode applies to it: every
-    table has the x4 form, the plane kernels take the layer on its device (so its planes split into tiles)
-    and its block scales fit. The caller then hands them on under X4_NAMES (the vLLM method renames its
-    parameters and buffers). Returns whether it did; tensors already under X4_NAMES (a second call) are
-    left as they are."""
-    if "w13_base" not in tensors or not (is_x4(tensors) and scales_fit(tensors) and tiles_fit(tensors)
-                                         and kernels_take(tensors)):
-        return False
-    for name, delta in plane_names(tensors).items():
-        _to_x4_(tensors[name], delta)
-    return True
-
-
-def prepare(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The layer's tensors with its planes and block scales in the x4 layout, under X4_NAMES, when every
-    table has the x4 form, the scales fit and the planes split into tiles; else the tensors as given. Copies:
-    for tests and benchmarks (the vLLM method repacks its parameters in place, `prepare_in_place`)."""
-    if not (is_x4(tensors) and scales_fit(tensors) and tiles_fit(tensors)):
-        return tensors
-    planes = plane_names(tensors)
-    out = {k: v for k, v in tensors.items() if k not in planes}
-    for name, delta in planes.items():
-        out[X4_NAMES[name]] = to_x4(tensors[name], delta)
-    return out
+    """Move the bits of rows `rows` (experts, or tier rows) of a plane [n, rows, K/4] (a base plane, or `delta`
+    one) as the x4 layout does (inverse: back), in place: each run of consecutive rows at once (every row
+    of an x4 layer's planes, one run; a fitted layer's tier experts, layout.py)."""
+    for start, stop in _runs(rows):
+        _relayout_(plane[start:stop], delta, inverse)
