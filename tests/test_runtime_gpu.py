@@ -11,6 +11,7 @@ import torch
 from moet_cache.runtime import fused_moe
 from moet_cache.runtime.dequant import LayerPlanes
 from moet_cache.runtime import mma_moe, mma_prefill
+from moet_cache.runtime.mma_moe import two_accumulators
 from moet_cache.planes import X4_PATTERN
 from moet_cache.runtime.launch import DEFAULT, WHOLE, Config, Mma, Pairs, Prefill, fused_moe_cuda, layer_form
 from moet_cache.runtime.reference import fused_moe_reference
@@ -272,8 +273,8 @@ def test_tiled_fitted_layers_equal_reference(layer: dict, T: int, config: Config
     if isinstance(block, Pairs):
         return
     natural = fused_moe_cuda(x, LayerPlanes.from_tensors(layer), w, ids, 7.0, config)
-    if isinstance(block, Mma) and block.nt == 1 and not block.lean and not form["e4m3"]:
-        # tiled one-column blocks with e8m0 scales sum into two accumulator sets (mma_moe.cu ACC2): the same
+    if isinstance(block, Mma) and two_accumulators(block, x4=False, tiled=True, e8m0=not form["e4m3"]):
+        # the tiled blocks sum into two accumulator sets where the natural layout's sum into one: the same
         # fp32 terms in another order, so the w13 outputs may round to a neighbouring bf16 and move the w2
         # sums with them
         _check(got, natural.float(), tol=ACC2_TOL)

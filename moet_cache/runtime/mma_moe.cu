@@ -376,7 +376,8 @@ __global__ void pair_rows(const u16* __restrict__ x, u16* __restrict__ xp, int g
 // The input rows come K-paired (k_paired). w13 (TILES 2): act[pair, pair_col(n)] = bf16(swiglu(gate * s2g,
 // up * s2u)), input row = pair / top_k (w2 reads the intermediate K-paired). w2 (TILES 1): out[pair, n] =
 // down * s2 * topk_weight[pair] (fp32), input row = pair.
-template <int TILES, int NT, int KS, bool E8, bool LEAN, bool X4, bool TILED>
+// ACC2: k_loop's two accumulator sets (mma_moe.two_accumulators says where).
+template <int TILES, int NT, int KS, bool E8, bool LEAN, bool X4, bool TILED, bool ACC2>
 __global__ void __launch_bounds__(TILES * KS * 32, NT <= 2 && TILES * KS * 32 <= 512 ? MIN_THREADS_SM(NT, LEAN) / (TILES * KS * 32) : 1)
 moe_mma(const u16* __restrict__ xin, const int* __restrict__ topk_ids, const int* __restrict__ sorted_pairs,
         const int* __restrict__ block_expert, const long long* __restrict__ delta_experts, int n_tier,
@@ -385,11 +386,8 @@ moe_mma(const u16* __restrict__ xin, const int* __restrict__ topk_ids, const int
         void* __restrict__ out, int top_k, int K, int N, double limit, int has_limit, int direct,
         void* __restrict__ y, int* __restrict__ arrived, int y_type) {
   constexpr int BM = 8 * NT, W = TILES * KS, D = CHUNKS_IN_FLIGHT(NT, LEAN);
-  // k_loop's ACC2 in the direct and sorted one-column blocks of x4 layers (session 12) and of tiled fitted
-  // layers with e8m0 scales (session 19: 1-3.5% faster at T = 1-24; with e4m3 scales and a tier 3-6% slower
-  // at T = 2); natural-layout blocks would spill with it
-  constexpr bool TWO_ACC = (X4 || (TILED && E8)) && NT == 1 && !LEAN;
   static_assert(TILED || !X4, "x4 planes are always tiled");
+  static_assert(!ACC2 || (NT == 1 && !LEAN), "two accumulator sets in one-column blocks that are not lean");
   const int e = direct ? topk_ids[blockIdx.x] : block_expert[blockIdx.x];
   if (e < 0) return;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
@@ -473,9 +471,9 @@ moe_mma(const u16* __restrict__ xin, const int* __restrict__ topk_ids, const int
   wait_prior();      // xin is the kernel ahead's output
 
   if (tr >= 0)  // a tiled layer's tier experts, x4 or not, take the x4 tier decode (tiles.py)
-    k_loop<NT, D, E8, true, TILED, TILED, TWO_ACC>(acc, ch, wc, sc, drow, tlo, thi, xin, xrow, q, cb, ce);
+    k_loop<NT, D, E8, true, TILED, TILED, ACC2>(acc, ch, wc, sc, drow, tlo, thi, xin, xrow, q, cb, ce);
   else
-    k_loop<NT, D, E8, false, X4, TILED, TWO_ACC>(acc, ch, wc, sc, drow, tlo, thi, xin, xrow, q, cb, ce);
+    k_loop<NT, D, E8, false, X4, TILED, ACC2>(acc, ch, wc, sc, drow, tlo, thi, xin, xrow, q, cb, ce);
 
   // every tile's parts summed into warp 0
   float sum[TILES][NT][4];

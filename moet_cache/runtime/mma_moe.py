@@ -47,6 +47,15 @@ class Mma:
             raise ValueError("only direct blocks sum the top-k slots in the w2 kernel")
 
 
+def two_accumulators(block: Mma, x4: bool, tiled: bool, e8m0: bool) -> bool:
+    """Whether a kernel of `block` sums its mma into two accumulator sets (mma_moe.cu k_loop's ACC2): the
+    one-column blocks that are not lean, of x4 layers (session 12) and of tiled fitted layers with e8m0
+    scales (session 19: 1-3.5% faster at T = 1-24; with e4m3 scales and a tier 3-6% slower at T = 2).
+    Natural-layout blocks would spill with it; lean ones spill or lose 1-3% (session 13). The sums then
+    come in another order than one set's, so the output may differ from the natural layout's by rounding."""
+    return block.nt == 1 and not block.lean and (x4 or (tiled and e8m0))
+
+
 def k_paired(x: torch.Tensor) -> torch.Tensor:
     """bf16 [T, K] with position 4j + 2h + s of each 16 holding element j + 4s + 8h (mma_moe.cu pair_col):
     each 8 bytes are the decode kernels' B registers (b0, b1) of one mma step."""
@@ -176,13 +185,17 @@ def fused_moe_mma(x: torch.Tensor, planes: LayerPlanes, topk_weights: torch.Tens
     y = torch.empty((T, H), dtype=x.dtype, device=dev) if fuse_sum else out
     limit = 0.0 if swiglu_limit is None else float(swiglu_limit)
     with torch.cuda.device(dev):  # the compile loads into, and the launch uses, dev's context
-        flags = ", ".join(str(f).lower() for f in (block.lean, planes.x4_layout, planes.tiled))
-        k13 = _kernel(f"moe_mma<2, {block.nt}, {block.ks13}, {str(ops.e8m0[0]).lower()}, {flags}>", dev.index)
+        def name(tiles: int, ks: int, e8m0: bool) -> str:
+            flags = (e8m0, block.lean, planes.x4_layout, planes.tiled,
+                     two_accumulators(block, planes.x4_layout, planes.tiled, e8m0))
+            return f"moe_mma<{tiles}, {block.nt}, {ks}, {', '.join(str(f).lower() for f in flags)}>"
+
+        k13 = _kernel(name(2, block.ks13, ops.e8m0[0]), dev.index)
         launch(k13, (grid_x, I // 16, 1), (64 * block.ks13, 1, 1),
                [xin, ids, sorted_pairs, block_expert, *ops.layer_args(0), act, top_k, H, I, limit,
                 int(swiglu_limit is not None), int(block.direct), act, arrived, -1],
                block.pdl)
-        k2 = _kernel(f"moe_mma<1, {block.nt}, {block.ks2}, {str(ops.e8m0[1]).lower()}, {flags}>", dev.index)
+        k2 = _kernel(name(1, block.ks2, ops.e8m0[1]), dev.index)
         launch(k2, (grid_x, H // 16, 1), (32 * block.ks2, 1, 1),
                [act, ids, sorted_pairs, block_expert, *ops.layer_args(1), out, top_k, I, H, 0.0, 0,
                 int(block.direct), y, arrived, _SUM_OUT[x.dtype] if fuse_sum else -1],
