@@ -49,9 +49,10 @@ def _to_layout_(t: torch.Tensor, rows: list[int], delta: bool) -> None:
 
 
 def _names(tensors: dict[str, torch.Tensor]) -> dict[str, str] | None:
-    """The names of the layout the layer takes (natural name -> the layout's), or None where neither fits:
-    the planes do not split into tiles, or the tier experts' scales do not fit the x4 tier decode."""
-    if not (tiles.tiles_fit(tensors) and x4_table.tier_scales_fit(tensors)):
+    """The names of the layout a loaded layer takes (natural name -> the layout's), or None where neither fits
+    (the planes do not split into tiles, or the tier experts' scales do not fit the x4 tier decode) or the
+    tensors are already renamed."""
+    if "w13_base" not in tensors or not (tiles.tiles_fit(tensors) and x4_table.tier_scales_fit(tensors)):
         return None
     return X4_NAMES if x4_table.is_x4(tensors) and x4_table.scales_fit(tensors) else TILED_NAMES
 
@@ -68,7 +69,7 @@ def prepare_in_place(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
     the layer on its device (tiles.kernels_take). Returns the names the caller hands them on under (natural
     name -> the layout's: X4_NAMES or TILED_NAMES), or {} where nothing moved (no layout fits, the kernels
     do not take the layer, or its tensors are already renamed)."""
-    names = _names(tensors) if "w13_base" in tensors else None
+    names = _names(tensors)
     if names is None or not tiles.kernels_take(tensors):
         return {}
     for name, delta in plane_names(tensors).items():
@@ -79,7 +80,7 @@ def prepare_in_place(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
 def prepare(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The layer's tensors in its layout as copies, under the layout's names, whether or not the kernels run
     here (tests, benchmarks); the tensors as given where no layout fits."""
-    names = _names(tensors) if "w13_base" in tensors else None
+    names = _names(tensors)
     if names is None:
         return tensors
     planes = plane_names(tensors)
