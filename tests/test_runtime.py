@@ -3,6 +3,7 @@ source checkpoint's FP4 codes: every delta plane, base only, a mixed tier, both 
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 from pathlib import Path
@@ -353,6 +354,25 @@ def test_config_picks_each_regime_by_pairs() -> None:
     assert Config(mma_x4_e4m3=()).pick(6, x4=True, e4m3=True) == DEFAULT.tiny
     assert Config(mma_x4_base=()).pick(6, x4=True, tier=False) == DEFAULT.tiny
     assert Config.only(Mma(1, 1, 1)).pick(5, x4=True, e4m3=True) == Mma(1, 1, 1)
+
+
+def test_prefill_blocks_fit_each_cards_shared_memory() -> None:
+    """mma_prefill.within: on a card whose CTAs may take less shared memory than the H200's 227 KB (99 KB on
+    sm_86, sm_89 and sm_120, the RTX PRO 6000), every prefill step still runs on the prefill kernels, with
+    fewer stages where it must; at the H200's limit every step is as measured."""
+    from moet_cache.runtime.launch import PREFILL_STEPS
+    from moet_cache.runtime.mma_prefill import Prefill, within
+
+    h200, rtx_pro_6000 = 227 * 1024, 99 * 1024
+    for _, block in PREFILL_STEPS:
+        assert within(block, h200) == block
+        fit = within(block, rtx_pro_6000)
+        assert fit is not None and fit.smem_bytes() <= rtx_pro_6000
+        assert dataclasses.replace(fit, stages=block.stages) == block
+        assert fit == block or dataclasses.replace(fit, stages=fit.stages + 1).smem_bytes() > rtx_pro_6000
+    # the step that needs it: 104 KB with 4 stages, 78 KB with 3
+    assert Prefill(4, 8, 4).smem_bytes() == 106496 and within(Prefill(4, 8, 4), rtx_pro_6000) == Prefill(4, 8, 3)
+    assert within(Prefill(4, 8, 4), Prefill(4, 8, 2).smem_bytes() - 1) is None  # not even two stages
 
 
 def test_layer_form_reads_the_layout_and_the_scales() -> None:

@@ -174,6 +174,7 @@ def _replay_equals_eager(step) -> None:
                                           (300, Prefill(4, 8, 4, True, 2), "full tier"),
                                           (300, Prefill(16, 4, 2, True, 1), "tier"),
                                           (300, Prefill(2, 8, 4, True, 2), "tier"),
+                                          (300, Prefill(4, 8, 3, True, 2), "tier"),
                                           (4096, Prefill(2, 8, 4, True, 2), "full tier")])
 def test_prefill_kernels(layer: dict, T: int, block: Prefill, mode: str) -> None:
     """The prefill tensor-core kernels (mma_prefill.cu), forced below their default range too: half the
@@ -195,6 +196,22 @@ def test_prefill_kernels(layer: dict, T: int, block: Prefill, mode: str) -> None
     assert mma_prefill.supported(planes, x, ids.numel(), block)
     got = fused_moe_cuda(x, planes, w, ids, limit, Config.only(block))
     _check(got, _reference(x, t, w, ids, limit))
+
+
+def test_prefill_on_a_card_with_less_shared_memory(layer: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where a CTA may take 99 KB of shared memory (sm_86, sm_89, sm_120: the RTX PRO 6000), the default
+    prefill step that takes 104 KB runs on the prefill kernels with 3 stages (mma_prefill.within), not on
+    Triton's with the layer put back in the natural layout on every call, and gives the reference."""
+    T = 700  # 4200 pairs: Prefill(4, 8, 4), 104 KB
+    served = LayerPlanes.from_tensors(prepare(layer))
+    assert DEFAULT.pick(T * K, **layer_form(served)) == Prefill(4, 8, 4, True, 2)
+    monkeypatch.setattr(mma_prefill, "smem_limit", lambda device: 99 * 1024)
+    ran, run = [], mma_prefill.fused_moe_prefill
+    monkeypatch.setattr(mma_prefill, "fused_moe_prefill", lambda *a: ran.append(a[-1]) or run(*a))
+    x, w, ids = _tokens_to_tier(layer, T, 21)
+    got = fused_moe_cuda(x, served, w, ids, 7.0)
+    assert ran == [Prefill(4, 8, 3, True, 2)]
+    _check(got, _reference(x, layer, w, ids, 7.0))
 
 
 def test_prefill_cuda_graph_capture(layer: dict) -> None:

@@ -247,9 +247,11 @@ def fused_moe_cuda(x: torch.Tensor, planes: LayerPlanes, topk_weights: torch.Ten
     form = layer_form(planes)
     c = config.pick(P, **form)
     if isinstance(c, Prefill):
-        if mma_prefill.supported(planes, x, P, c):
+        # fewer stages where the device's shared memory is smaller than the H200's (mma_prefill.within)
+        fit = mma_prefill.within(c, mma_prefill.smem_limit(dev)) if mma_moe.runs_here(dev) else None
+        if fit is not None and mma_prefill.supported(planes, x, P, fit):
             return mma_moe.sum_slots(
-                mma_prefill.fused_moe_prefill(x, planes, topk_weights, topk_ids, swiglu_limit, c), x.dtype)
+                mma_prefill.fused_moe_prefill(x, planes, topk_weights, topk_ids, swiglu_limit, fit), x.dtype)
         c = config.pick(P, prefill_runs=False, **form)
     if isinstance(c, Mma):
         if mma_moe.supported(planes, dev, c):

@@ -5,7 +5,7 @@ ldmatrix, mma.sync bf16)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Any
 
@@ -51,6 +51,24 @@ class Prefill:
         return self.stages * (8 * self.nt * 256 + rows * (2 * 32 + 8))
 
 
+def smem_limit(device: torch.device) -> int:
+    """The dynamic shared memory a CTA may opt in to on this CUDA device: 227 KB on sm_90 (H100, H200) and
+    sm_100, 163 KB on sm_80, 99 KB on sm_86, sm_89 and sm_120 (RTX PRO 6000)."""
+    return getattr(torch.cuda.get_device_properties(device), "shared_memory_per_block_optin", 49152)
+
+
+def within(block: Prefill, limit: int) -> Prefill | None:
+    """`block`, or the same with fewer stages where it takes more shared memory than `limit` bytes, or None
+    where two stages do not fit. Prefill(4, 8, 4) takes 104 KB, which the RTX PRO 6000's 99 KB refuse; with 3
+    stages it runs there, where without it the layer would go to the Triton kernels, which read the natural
+    layout only: the layer's planes put back on every call (docs/RUNTIME.md, session 21)."""
+    for stages in range(block.stages, 1, -1):
+        fit = replace(block, stages=stages)
+        if fit.smem_bytes() <= limit:
+            return fit
+    return None
+
+
 def _aligned(*tensors: torch.Tensor) -> bool:
     return all(t.data_ptr() % 16 == 0 for t in tensors)
 
@@ -67,8 +85,7 @@ def supported(planes: LayerPlanes, x: torch.Tensor, P: int, block: Prefill) -> b
         return False
     if max(x.shape[0] * H, P * I) >= 1 << 31 or P // (8 * block.nt) + planes.num_experts > 65535:
         return False  # int32 activation offsets; the blocks are gridDim.y
-    props = torch.cuda.get_device_properties(dev)
-    if block.smem_bytes() > getattr(props, "shared_memory_per_block_optin", 49152):
+    if block.smem_bytes() > smem_limit(dev):
         return False
     tensors = [planes.w13_base, planes.w2_base, planes.w13_scale, planes.w2_scale]
     if planes.delta_experts.numel():
