@@ -123,6 +123,7 @@ def quant_classes() -> tuple[type, type]:
                 layer.register_buffer(name, torch.zeros(shape, dtype=dtype), persistent=False)
             # What apply hands fused_moe, named once here rather than re-derived on every forward.
             layer.moet_tensor_names = (*planes, *tier)
+            layer.moet_act_dtype = params_dtype  # the activations' dtype, for the kernels compiled at load
 
         def get_fused_moe_quant_config(self, layer: torch.nn.Module) -> Any:
             return FUSED_MOE_UNQUANTIZED_CONFIG  # activations stay as they come; the planes are ours
@@ -142,6 +143,12 @@ def quant_classes() -> tuple[type, type]:
                 else:
                     layer.register_buffer(names[natural], tensor, persistent=False)
             layer.moet_tensor_names = tuple(names.get(n, n) for n in layer.moet_tensor_names)
+            # every kernel the layer can launch, compiled now rather than at its first forward (a no-op where
+            # the plane kernels do not run, and for each layer after the first: runtime/warm_up.py)
+            from .runtime.dequant import LayerPlanes
+            from .runtime.warm_up import warm_up
+            warm_up(LayerPlanes.from_tensors({n: getattr(layer, n) for n in layer.moet_tensor_names}),
+                    dtype=layer.moet_act_dtype)
 
         def apply(self, layer: torch.nn.Module, x: torch.Tensor, topk_weights: torch.Tensor,
                   topk_ids: torch.Tensor, shared_experts: Any = None,

@@ -392,3 +392,13 @@ def test_layer_form_reads_the_layout_and_the_scales() -> None:
         x4 = layout.prepare(dict(t, w13_table=t["w13_table"][..., :1].abs() * pattern,
                                  w2_table=t["w2_table"][..., :1].abs() * pattern))
         assert layer_form(LayerPlanes.from_tensors(x4)) == {"x4": True, **form}
+
+
+def test_warm_up_compiles_nothing_where_the_plane_kernels_do_not_run() -> None:
+    """runtime.warm_up on a CPU layer (vLLM's CPU build calls it at load): no kernels, nothing compiled."""
+    from moet_cache.runtime.dequant import LayerPlanes
+    from moet_cache.runtime.synthetic_layer import random_layer
+    from moet_cache.runtime.warm_up import kernel_names, warm_up
+
+    planes = LayerPlanes.from_tensors(random_layer(8, 256, 128, n_tier=2, e8m0=True, device="cpu", seed=3))
+    assert kernel_names(planes, planes.w13_base.device) == [] and warm_up(planes) == 0

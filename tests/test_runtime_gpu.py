@@ -18,6 +18,7 @@ from moet_cache.runtime.reference import fused_moe_reference
 from moet_cache.runtime.synthetic_layer import random_layer
 from moet_cache.runtime import layout, tiles, x4_table
 from moet_cache.runtime.layout import prepare, prepare_in_place
+from moet_cache.runtime.warm_up import kernel_names, warm_up
 from moet_cache.runtime.x4_table import X4_NAMES
 
 pytestmark = [pytest.mark.gpu,
@@ -232,6 +233,33 @@ def x4_layer(request: pytest.FixtureRequest) -> dict[str, torch.Tensor]:
     t["w13_table"] = (torch.rand((E, 2, 1), generator=g, device="cuda") + 0.5) * pattern
     t["w2_table"] = (torch.rand((E, 1), generator=g, device="cuda") + 0.5) * pattern
     return t
+
+
+@pytest.mark.parametrize("form", ["fitted", "x4", "x4 base only"])
+def test_warm_up_compiles_every_kernel_the_layer_launches(layer: dict, x4_layer: dict, form: str) -> None:
+    """warm_up (at load) compiles every kernel fused_moe then launches for the layer at the first pair count of
+    each of its form's decode and prefill steps: none is compiled afterwards (the compile caches emptied
+    first, so that kernels other tests compiled do not hide one warm_up missed)."""
+    t = layer if form == "fitted" else x4_layer
+    if form == "x4 base only":
+        t = {k: v for k, v in t.items() if "delta" not in k}
+    t = prepare(t)
+    planes = LayerPlanes.from_tensors(t)
+    mma_moe.compiled.cache_clear()
+    mma_prefill._kernel.cache_clear()
+    assert warm_up(planes) == len(kernel_names(planes, planes.w13_base.device)) > 0
+    compiled = mma_moe.compiled.cache_info().misses
+    shape = layer_form(planes)
+    starts = [(start, block) for start, block in DEFAULT.decode_steps(**shape)]
+    starts += [(start + (DEFAULT.prefill_later.of(**shape) if i == 0 else 0), block)
+               for i, (start, block) in enumerate(DEFAULT.prefill)]
+    for start, block in starts:
+        T = max(1, -(-start // K))
+        assert DEFAULT.pick(T * K, **shape) == block
+        x, w, ids = _tokens_to_tier(x4_layer, T, 40 + T)
+        fused_moe(x, t, w, ids, swiglu_limit=7.0)
+    torch.cuda.synchronize()
+    assert mma_moe.compiled.cache_info().misses == compiled
 
 
 @pytest.mark.parametrize("T,config", [(1, DEFAULT), (2, DEFAULT), (3, DEFAULT), (7, DEFAULT), (16, DEFAULT),

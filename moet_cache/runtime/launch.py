@@ -177,7 +177,7 @@ class Config:
         kernels run this layer here; `x4`: whether its planes are in the x4 layout (`mma_x4`'s steps);
         `e4m3`: whether its block scales are e4m3 (an x4 layer then takes `mma_x4_e4m3`'s); `tier`: whether
         it has a tier (an x4 layer with e8m0 scales and none takes `mma_x4_base`'s)."""
-        mma = (self.mma_x4_e4m3 if e4m3 else self.mma_x4 if tier else self.mma_x4_base) if x4 else self.mma
+        mma = self.decode_steps(x4, e4m3, tier)
         if prefill_runs and self.prefill and P >= self.prefill[0][0] + self.prefill_later.of(x4, e4m3, tier):
             return _step(self.prefill, P)
         if mma and mma_runs and P < self.large_from:
@@ -187,6 +187,10 @@ class Config:
         if P <= self.pairs_max:
             return self.pairs
         return self.large if P >= self.large_from else self.mid
+
+    def decode_steps(self, x4: bool = False, e4m3: bool = False, tier: bool = True) -> tuple[tuple[int, Mma], ...]:
+        """The decode steps of a layer form (`pick`'s arguments)."""
+        return (self.mma_x4_e4m3 if e4m3 else self.mma_x4 if tier else self.mma_x4_base) if x4 else self.mma
 
     @classmethod
     def only(cls, block: Pairs | Grouped | Mma | Prefill) -> "Config":

@@ -99,6 +99,19 @@ def _kernel(name: str, device: int) -> Any:
     return compiled("mma_moe.cu", name, device)
 
 
+def kernel_name(block: Mma, tiles: int, e8m0: bool, x4: bool, tiled: bool) -> str:
+    """The moe_mma instantiation of `block` for w13 (tiles 2) or w2 (tiles 1) of a layer whose block scales of
+    that projection are e8m0 or not, in the x4 layout or not, tiled or not."""
+    flags = (e8m0, block.lean, x4, tiled, two_accumulators(block, x4, tiled, e8m0))
+    ks = block.ks13 if tiles == 2 else block.ks2
+    return f"moe_mma<{tiles}, {block.nt}, {ks}, {', '.join(str(f).lower() for f in flags)}>"
+
+
+def sum_name(dtype: torch.dtype) -> str | None:
+    """The moe_sum instantiation for activations of `dtype`, or None where torch sums instead (sum_slots)."""
+    return f"moe_sum<{_SUM_OUT[dtype]}>" if dtype in _SUM_OUT else None
+
+
 @dataclass(frozen=True)
 class Operands:
     """One layer's tensors as the plane kernels take them (mma_moe.cu and mma_prefill.cu: w13 then w2),
@@ -144,7 +157,7 @@ def sum_slots(part: torch.Tensor, dtype: torch.dtype, dependent: bool = False) -
         return part.sum(1).to(dtype)
     y = torch.empty((T, H), dtype=dtype, device=part.device)
     with torch.cuda.device(part.device):
-        launch(_kernel(f"moe_sum<{_SUM_OUT[dtype]}>", part.device.index), ((H // 4 + 127) // 128, T, 1),
+        launch(_kernel(sum_name(dtype), part.device.index), ((H // 4 + 127) // 128, T, 1),
                (128, 1, 1), [part.contiguous(), y, top_k, H], dependent)
     return y
 
@@ -185,17 +198,12 @@ def fused_moe_mma(x: torch.Tensor, planes: LayerPlanes, topk_weights: torch.Tens
     y = torch.empty((T, H), dtype=x.dtype, device=dev) if fuse_sum else out
     limit = 0.0 if swiglu_limit is None else float(swiglu_limit)
     with torch.cuda.device(dev):  # the compile loads into, and the launch uses, dev's context
-        def name(tiles: int, ks: int, e8m0: bool) -> str:
-            flags = (e8m0, block.lean, planes.x4_layout, planes.tiled,
-                     two_accumulators(block, planes.x4_layout, planes.tiled, e8m0))
-            return f"moe_mma<{tiles}, {block.nt}, {ks}, {', '.join(str(f).lower() for f in flags)}>"
-
-        k13 = _kernel(name(2, block.ks13, ops.e8m0[0]), dev.index)
+        k13 = _kernel(kernel_name(block, 2, ops.e8m0[0], planes.x4_layout, planes.tiled), dev.index)
         launch(k13, (grid_x, I // 16, 1), (64 * block.ks13, 1, 1),
                [xin, ids, sorted_pairs, block_expert, *ops.layer_args(0), act, top_k, H, I, limit,
                 int(swiglu_limit is not None), int(block.direct), act, arrived, -1],
                block.pdl)
-        k2 = _kernel(name(1, block.ks2, ops.e8m0[1]), dev.index)
+        k2 = _kernel(kernel_name(block, 1, ops.e8m0[1], planes.x4_layout, planes.tiled), dev.index)
         launch(k2, (grid_x, H // 16, 1), (32 * block.ks2, 1, 1),
                [act, ids, sorted_pairs, block_expert, *ops.layer_args(1), out, top_k, I, H, 0.0, 0,
                 int(block.direct), y, arrived, _SUM_OUT[x.dtype] if fuse_sum else -1],

@@ -93,13 +93,17 @@ def supported(planes: LayerPlanes, x: torch.Tensor, P: int, block: Prefill) -> b
     return all(t.is_contiguous() for t in tensors) and _aligned(*tensors)
 
 
-@lru_cache(maxsize=None)
-def _kernel(tiles: int, nt: int, warps: int, stages: int, e8: bool, pipe: bool, ctas: int, x4: bool, tiled: bool,
-            smem: int, device: int) -> Any:
-    """The kernel for these template arguments, compiled by NVRTC and loaded once a process and device,
-    its dynamic shared-memory limit raised to what it uses."""
-    name = (f"moe_prefill<{tiles}, {nt}, {warps}, {stages}, {str(e8).lower()}, {str(pipe).lower()}, {ctas}, "
+def kernel_name(block: Prefill, tiles: int, e8m0: bool, x4: bool, tiled: bool) -> str:
+    """The moe_prefill instantiation of `block` for w13 (tiles 2) or w2 (tiles 1), as mma_moe.kernel_name."""
+    flags = ", ".join(str(f).lower() for f in (e8m0, block.pipe))
+    return (f"moe_prefill<{tiles}, {block.nt}, {block.warps}, {block.stages}, {flags}, {block.ctas}, "
             f"{str(x4).lower()}, {str(tiled).lower()}>")
+
+
+@lru_cache(maxsize=None)
+def _kernel(name: str, smem: int, device: int) -> Any:
+    """The kernel of this name, compiled by NVRTC and loaded once a process and device, its dynamic
+    shared-memory limit raised to what it uses."""
     k = compiled("mma_prefill.cu", name, device)
     if hasattr(k, "set_shared_memory_config"):
         k.set_shared_memory_config(smem)
@@ -125,13 +129,11 @@ def fused_moe_prefill(x: torch.Tensor, planes: LayerPlanes, topk_weights: torch.
     smem = block.smem_bytes()
     threads = 32 * block.warps
     with torch.cuda.device(dev):  # the compile loads into, and the launch uses, dev's context
-        k13 = _kernel(2, block.nt, block.warps, block.stages, ops.e8m0[0], block.pipe, block.ctas, planes.x4_layout,
-                      planes.tiled, smem, dev.index)
+        k13 = _kernel(kernel_name(block, 2, ops.e8m0[0], planes.x4_layout, planes.tiled), smem, dev.index)
         k13(grid=(I // (16 * block.warps), blocks.max_blocks, 1), block=(threads, 1, 1), shared_mem=smem,
             args=[xin, blocks.sorted_pairs, blocks.block_expert, *ops.layer_args(0), act,
                   top_k, H, I, limit, int(swiglu_limit is not None)])
-        k2 = _kernel(1, block.nt, block.warps, block.stages, ops.e8m0[1], block.pipe, block.ctas, planes.x4_layout,
-                     planes.tiled, smem, dev.index)
+        k2 = _kernel(kernel_name(block, 1, ops.e8m0[1], planes.x4_layout, planes.tiled), smem, dev.index)
         k2(grid=(H // (32 * block.warps), blocks.max_blocks, 1), block=(threads, 1, 1), shared_mem=smem,
            args=[act, blocks.sorted_pairs, blocks.block_expert, *ops.layer_args(1), out,
                  top_k, I, H, 0.0, 0])
