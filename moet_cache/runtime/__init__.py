@@ -2,8 +2,9 @@
 
 `fused_moe` takes what `Cache.load(..., expand=False)` yields for a layer (docs/LOADER.md) and the
 router's final `topk_weights` / `topk_ids`. CPU tensors take the plain torch reference
-(`reference.py`); CUDA tensors take the Triton kernels (`triton_moe.py`). docs/RUNTIME.md has the
-choices and the measured figures.
+(`reference.py`); CUDA tensors take the tensor-core plane kernels (`mma_moe.cu` for decode, `mma_prefill.cu`
+for prefill; sm_80+), and the Triton kernels (`triton_moe.py`) where those do not run (`launch.py`).
+docs/RUNTIME.md has the choices and the measured figures.
 """
 
 from __future__ import annotations
