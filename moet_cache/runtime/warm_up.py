@@ -1,12 +1,12 @@
 """Every plane kernel a layer can launch, compiled at load, in threads, so that none is compiled mid-serving.
 
 Each kernel is compiled by NVRTC at its first use, once a process (mma_moe.compiled). Left to first use, a
-V4-Flash x4 layer's 14 kernels cost 7.4 s of first calls where the driver's JIT cache is cold (a fresh
-container; torch builds whose NVRTC wrapper hands the driver a cubin, which that cache never keeps), one
-after another, and a step that vLLM's profile run and graph captures had not met stalled serving for its
-two kernels' compile (0.7-1.1 s; 2.9 s for the last prefill step).
-NVRTC runs outside the GIL, so in threads they take about the longest kernel's own time: 3.0 s at load on
-16 cores, cold; 0.5 s where the JIT cache is warm (docs/RUNTIME.md, session 21)."""
+V4-Flash x4 layer's 14 kernels cost 7.4 s of first calls, one after another, where the driver's JIT cache
+is cold: a fresh container, and every start with torch 2.13 and up (2.14 is vLLM 0.34's pin), whose NVRTC
+wrapper hands the driver a cubin, which that cache does not keep. A step that vLLM's profile run and graph
+captures had not met stalled serving for its two kernels' compile (0.7-1.1 s; 2.9 s for the last prefill
+step). NVRTC runs outside the GIL, so in threads they take about the longest kernel's own time: 3.0 s at
+load on 16 cores, cold; 0.5 s where the JIT cache is warm (docs/RUNTIME.md, session 21)."""
 
 from __future__ import annotations
 
