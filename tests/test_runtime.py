@@ -327,11 +327,11 @@ def test_config_picks_each_regime_by_pairs() -> None:
     assert DEFAULT.pick(223, x4=True, e4m3=True, tier=False) == WHOLE
     for (start, block), nxt in zip(PREFILL_STEPS, starts[1:] + [1 << 40]):
         assert DEFAULT.pick(start, tier=False) == block and DEFAULT.pick(nxt - 1, tier=False) == block
-    # the first prefill step comes later by form (PREFILL_LATER: x4 64, a tier 128, e4m3 256 pairs), the
-    # sorted lean blocks before it; the steps after it stay where they are
+    # the first prefill step comes later by form (PREFILL_LATER: a tier 112, e4m3 160 pairs), the sorted lean
+    # blocks before it; the steps after it stay where they are
     for x4, e4m3, tier in itertools.product((False, True), repeat=3):
         form = {"x4": x4, "e4m3": e4m3, "tier": tier}
-        first = starts[0] + 64 * x4 + 128 * tier + 256 * e4m3
+        first = starts[0] + 112 * tier + 160 * e4m3
         assert first == starts[0] + PREFILL_LATER.of(**form) < starts[1]
         assert DEFAULT.pick(first - 1, **form) == Mma(1, 2, 2, lean=True, pdl=True)
         assert DEFAULT.pick(first, **form) == PREFILL_STEPS[0][1]

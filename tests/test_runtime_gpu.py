@@ -176,6 +176,11 @@ def _replay_equals_eager(step) -> None:
                                           (300, Prefill(16, 4, 2, True, 1), "tier"),
                                           (300, Prefill(2, 8, 4, True, 2), "tier"),
                                           (300, Prefill(4, 8, 3, True, 2), "tier"),
+                                          (300, Prefill(4, 4, 2, True, 2), "tier"),
+                                          (300, Prefill(4, 4, 2, True, 2), "full tier"),
+                                          (300, Prefill(8, 4, 2, True, 2), "cold"),
+                                          (4096, Prefill(8, 4, 2, True, 2), "hot"),
+                                          (4096, Prefill(4, 4, 2, True, 2), "full tier"),
                                           (4096, Prefill(2, 8, 4, True, 2), "full tier")])
 def test_prefill_kernels(layer: dict, T: int, block: Prefill, mode: str) -> None:
     """The prefill tensor-core kernels (mma_prefill.cu), forced below their default range too: half the
@@ -200,17 +205,19 @@ def test_prefill_kernels(layer: dict, T: int, block: Prefill, mode: str) -> None
 
 
 def test_prefill_on_a_card_with_less_shared_memory(layer: dict, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Where a CTA may take 99 KB of shared memory (sm_86, sm_89, sm_120: the RTX PRO 6000), the default
-    prefill step that takes 104 KB runs on the prefill kernels with 3 stages (mma_prefill.within), not on
-    Triton's with the layer put back in the natural layout on every call, and gives the reference."""
-    T = 700  # 4200 pairs: Prefill(4, 8, 4), 104 KB
+    """Where a CTA may take 99 KB of shared memory (sm_86, sm_89, sm_120: the RTX PRO 6000), a prefill step
+    whose block takes 104 KB (session 19's Prefill(4, 8, 4)) runs on the prefill kernels with 3 stages
+    (mma_prefill.within), not on Triton's with the layer put back in the natural layout on every call, and
+    gives the reference."""
+    T = 700
+    config = Config(prefill=((1536, Prefill(4, 8, 4, True, 2)),))
     served = LayerPlanes.from_tensors(prepare(layer))
-    assert DEFAULT.pick(T * K, **layer_form(served)) == Prefill(4, 8, 4, True, 2)
+    assert config.pick(T * K, **layer_form(served)) == Prefill(4, 8, 4, True, 2)
     monkeypatch.setattr(mma_prefill, "smem_limit", lambda device: 99 * 1024)
     ran, run = [], mma_prefill.fused_moe_prefill
     monkeypatch.setattr(mma_prefill, "fused_moe_prefill", lambda *a: ran.append(a[-1]) or run(*a))
     x, w, ids = _tokens_to_tier(layer, T, 21)
-    got = fused_moe_cuda(x, served, w, ids, 7.0)
+    got = fused_moe_cuda(x, served, w, ids, 7.0, config)
     assert ran == [Prefill(4, 8, 3, True, 2)]
     _check(got, _reference(x, layer, w, ids, 7.0))
 
@@ -267,7 +274,9 @@ def test_warm_up_compiles_every_kernel_the_layer_launches(layer: dict, x4_layer:
                                       (16, Config.only(Mma(1, 2, 2, direct=True))), (16, Config.only(WHOLE)),
                                       (40, Config.only(Mma(1, 2, 2))), (64, DEFAULT), (300, DEFAULT),
                                       (300, Config.only(Prefill())), (300, Config.only(Prefill(4, 8, 4))),
-                                      (300, Config.only(Prefill(16, 4, 2, True, 1))), (4096, DEFAULT),
+                                      (300, Config.only(Prefill(16, 4, 2, True, 1))),
+                                      (300, Config.only(Prefill(4, 4, 2, True, 2))),
+                                      (2048, Config.only(Prefill(8, 4, 2, True, 2))), (4096, DEFAULT),
                                       (5, Config.only(Pairs(64, 8, 2)))])
 def test_x4_layers_equal_reference(x4_layer: dict, T: int, config: Config) -> None:
     """Planes repacked for the x4 decode (layout.prepare) through every kernel family: the decode

@@ -35,14 +35,15 @@ class Grouped:
 
 
 #: the prefill blocks by the pairs they take over from (launch.Config.prefill): H200, V4-Flash layer, one
-#: process (docs/RUNTIME.md). Below 1536 pairs the decode kernels are faster (T = 192: 1412 us against
-#: 1623), and for longer in every form but fitted e8m0 (PREFILL_LATER); (2, 8, 4) wins to about 3400 pairs
-#: (T = 512: 1814 against 1971; T = 768: 2686 against 2109), (4, 8, 4) to about 15700 (T = 2560: 4567
-#: against 4674; T = 3072: 5520 against 4735).
+#: process, write harness, four served forms (docs/RUNTIME.md, session 21). A block's pairs are best about
+#: the pairs an expert has: 32 (nt 4) up to about 8192 pairs (T = 1280: 2422 us against 2722 for nt 8;
+#: T = 1536: 2978 against 2737), 64 (nt 8) up to about 17400 (T = 2560: 3576 against 4564 for nt 16;
+#: T = 3072: 4894 against 4692), 128 after. Four warps a CTA: 1-21% faster at T = 320-2730 than session 19's
+#: (2, 8, 4) and (4, 8, 4) blocks, which take 8 warps and 88-104 KB of shared memory where these take 35-84.
 PREFILL_STEPS: tuple[tuple[int, Prefill], ...] = (
-    (1536, Prefill(2, 8, 4, pipe=True, ctas=2)),
-    (3584, Prefill(4, 8, 4, pipe=True, ctas=2)),
-    (16384, Prefill(16, 4, 2, pipe=True, ctas=1)),
+    (1536, Prefill(4, 4, 2, pipe=True, ctas=2)),
+    (8192, Prefill(8, 4, 2, pipe=True, ctas=2)),
+    (17408, Prefill(16, 4, 2, pipe=True, ctas=1)),
 )
 
 
@@ -125,15 +126,14 @@ class PrefillLater:
         return self.x4 * x4 + self.tier * tier + self.e4m3 * e4m3
 
 
-#: the crossovers from the sorted lean blocks to the first prefill step, by form (session 19, H200, V4-Flash
-#: layer, stream harness, µs, lean against prefill): fitted e8m0 base only about 1550 pairs (T = 256 1521.3
-#: against 1546.6; T = 264 1567.7 against 1517.0), x4 about 1660 (T = 272 1600.7 against 1611.0; T = 280
-#: 1630.1 against 1616.7), fitted with a tier about 1680, x4 with a tier about 1760 (T = 288 1698.7 against
-#: 1705.6), fitted e4m3 about 1800, x4 e4m3 about 1870, fitted e4m3 with a tier about 1900 (T = 320 1889.3
-#: against 1874.5), x4 e4m3 with a tier about 1950 (T = 320 1883.5 against 1899.4): 1536 + 64 x4 + 128 tier +
-#: 256 e4m3 within 70 pairs of each. At T = 256 (1536 pairs) the x4 layer with a tier (the build's default)
-#: takes 1531.1 in place of 1701.7, x4 e4m3 with a tier 1539.6 in place of 1891.4.
-PREFILL_LATER = PrefillLater(x4=64, tier=128, e4m3=256)
+#: the crossovers from the sorted lean blocks to the first prefill step, by form (session 21, H200, V4-Flash
+#: layer, write harness, µs, lean against Prefill(4, 4, 2)): the lean blocks' time grows about 5.4 us a token
+#: from T = 256 to 320 where the prefill block's stays (x4 with a tier: 1539.9 against 1631.8 at T = 256,
+#: 1886.4 against 1634.2 at T = 320), so they cross at about 1540 pairs x4 base only (1528.7 / 1534.8 at T =
+#: 256), 1640 x4 with a tier, 1660 fitted with a tier, 1810 x4 e4m3 with a tier (1548.2 / 1790.3 at 256, 1893.4
+#: / 1794.4 at 320): 1536 + 112 tier + 160 e4m3 within 20 pairs of each. (Session 19, against the slower
+#: Prefill(2, 8, 4): 1536 + 64 x4 + 128 tier + 256 e4m3.)
+PREFILL_LATER = PrefillLater(x4=0, tier=112, e4m3=160)
 
 
 def _step(steps: tuple[tuple[int, Mma | Prefill], ...], P: int) -> Mma | Prefill:

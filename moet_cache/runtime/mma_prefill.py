@@ -59,9 +59,9 @@ def smem_limit(device: torch.device) -> int:
 
 def within(block: Prefill, limit: int) -> Prefill | None:
     """`block`, or the same with fewer stages where it takes more shared memory than `limit` bytes, or None
-    where two stages do not fit. Prefill(4, 8, 4) takes 104 KB, which the RTX PRO 6000's 99 KB refuse; with 3
-    stages it runs there, where without it the layer would go to the Triton kernels, which read the natural
-    layout only: the layer's planes put back on every call (docs/RUNTIME.md, session 21)."""
+    where two stages do not fit. Refused, a step would send the layer to the Triton kernels, which read the
+    natural layout only: the layer's planes put back on every call. Session 19's Prefill(4, 8, 4) took 104 KB,
+    which the RTX PRO 6000's 99 KB refuse; today's steps take 84 KB at most (docs/RUNTIME.md, session 21)."""
     for stages in range(block.stages, 1, -1):
         fit = replace(block, stages=stages)
         if fit.smem_bytes() <= limit:
