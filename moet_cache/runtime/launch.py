@@ -38,7 +38,7 @@ class Grouped:
 #: process, write harness, four served forms (docs/RUNTIME.md, session 21). A block's pairs are best about
 #: the pairs an expert has: 32 (nt 4) up to about 8192 pairs (T = 1280: 2422 us against 2722 for nt 8;
 #: T = 1536: 2978 against 2737), 64 (nt 8) up to about 17400 (T = 2560: 3576 against 4564 for nt 16;
-#: T = 3072: 4894 against 4692), 128 after. Four warps a CTA: 4-25% faster at T = 304-2816 (T = 2048: 21-25%)
+#: T = 3072: 4894 against 4692), 128 after. Four warps a CTA: 4-9% faster at T = 1344-2816, 21-25% at 2048
 #: than the (2, 8, 4) and (4, 8, 4) blocks before them, which took 8 warps and 88-104 KB of shared memory
 #: where these take 35-84.
 PREFILL_STEPS: tuple[tuple[int, Prefill], ...] = (
