@@ -370,7 +370,7 @@ def test_prefill_blocks_fit_each_cards_shared_memory() -> None:
         assert fit is not None and fit.smem_bytes() <= rtx_pro_6000
         assert dataclasses.replace(fit, stages=block.stages) == block
         assert fit == block or dataclasses.replace(fit, stages=fit.stages + 1).smem_bytes() > rtx_pro_6000
-    # the step that needs it: 104 KB with 4 stages, 78 KB with 3
+    # session 19's step that needed it: 104 KB with 4 stages, 78 KB with 3
     assert Prefill(4, 8, 4).smem_bytes() == 106496 and within(Prefill(4, 8, 4), rtx_pro_6000) == Prefill(4, 8, 3)
     assert within(Prefill(4, 8, 4), Prefill(4, 8, 2).smem_bytes() - 1) is None  # not even two stages
 

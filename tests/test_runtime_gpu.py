@@ -223,7 +223,7 @@ def test_prefill_on_a_card_with_less_shared_memory(layer: dict, monkeypatch: pyt
 
 
 def test_prefill_cuda_graph_capture(layer: dict) -> None:
-    """The prefill path (the default from P = 1536-1984 by layer form) has no host sync either."""
+    """The prefill path (the default from P = 1536-1808 by layer form) has no host sync either."""
     T = 512
     assert isinstance(DEFAULT.pick(T * K), Prefill)
     x = torch.randn((T, H), device="cuda").to(torch.bfloat16)
