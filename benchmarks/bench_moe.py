@@ -326,11 +326,13 @@ def sweep_configs(T: int, triton: bool) -> list:
         out += [Config.only(m) for m in (
             Mma(1, 2, 2, direct=True, lean=True), Mma(1, 2, 2, direct=True, lean=True, pdl=True),
             Mma(1, 2, 2, lean=True, pdl=True), Mma(1, 2, 2), Mma(2, 2, 2), Mma(2, 4, 4), Mma(4, 1, 1))]
-        out += [Config.only(Prefill(*b)) for b in ((2, 8, 4, True, 2), (4, 8, 4, True, 2))]
+        out += [Config.only(Prefill(*b)) for b in ((4, 4, 2, True, 2), (2, 8, 4, True, 2), (4, 8, 4, True, 2))]
     else:
         out += [Config.only(Mma(*m)) for m in ((1, 2, 2), (4, 1, 1))]
-        out += [Config.only(Prefill(*b)) for b in ((16, 4, 2, True, 1), (12, 4, 3, True, 1), (12, 4, 2, True, 2),
-                                                   (8, 4, 3, True, 2), (4, 8, 4, True, 2), (8, 8, 3), (4, 8, 4))]
+        # the three default steps first (launch.PREFILL_STEPS), then the shapes they were chosen against
+        out += [Config.only(Prefill(*b)) for b in ((4, 4, 2, True, 2), (8, 4, 2, True, 2), (16, 4, 2, True, 1),
+                                                   (12, 4, 3, True, 1), (12, 4, 2, True, 2), (8, 4, 3, True, 2),
+                                                   (4, 8, 4, True, 2), (8, 8, 3), (4, 8, 4))]
     if not triton:
         return out
     if T <= 16:
