@@ -68,6 +68,11 @@ class LayerPlanes:
     def inter(self) -> int:
         return self.w13_base.shape[1] // 2
 
+    @property
+    def e8m0(self) -> tuple[bool, bool]:
+        """Whether w13's and w2's block scales are e8m0 (else e4m3)."""
+        return (self.w13_scale.dtype == torch.float8_e8m0fnu, self.w2_scale.dtype == torch.float8_e8m0fnu)
+
     @classmethod
     def from_tensors(cls, t: dict[str, torch.Tensor]) -> "LayerPlanes":
         """Check names, shapes and dtypes; a layer loaded with delta="none" gets an empty tier."""

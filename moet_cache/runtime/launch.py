@@ -217,7 +217,7 @@ DEFAULT = Config()
 def layer_form(planes: LayerPlanes) -> dict[str, bool]:
     """Config.pick's `x4`, `e4m3` and `tier` for a layer: its planes' layout, its block scales' form and
     whether it has a tier."""
-    return {"x4": planes.x4_layout, "e4m3": planes.w13_scale.dtype != torch.float8_e8m0fnu,
+    return {"x4": planes.x4_layout, "e4m3": not planes.e8m0[0],
             "tier": planes.delta_experts.numel() > 0}
 
 
@@ -274,7 +274,7 @@ def fused_moe_cuda(x: torch.Tensor, planes: LayerPlanes, topk_weights: torch.Ten
     d2 = _words(planes.w2_delta) if n else b2
     s13, s2 = planes.w13_scale.contiguous().view(torch.uint8), planes.w2_scale.contiguous().view(torch.uint8)
     g13, g2 = H // s13.shape[-1], I // s2.shape[-1]
-    e8_13, e8_2 = planes.w13_scale.dtype == torch.float8_e8m0fnu, planes.w2_scale.dtype == torch.float8_e8m0fnu
+    e8_13, e8_2 = planes.e8m0
     s2_13 = planes.w13_scale_2.contiguous()
     s2_2 = planes.w2_scale_2.contiguous()
     t13, t2 = planes.w13_table.contiguous(), planes.w2_table.contiguous()

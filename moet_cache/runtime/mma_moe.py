@@ -135,7 +135,7 @@ class Operands:
         scales = (planes.w13_scale, planes.w2_scale)
         return cls(topk_weights.reshape(-1).float().contiguous(), tier, base, delta,
                    tuple(s.contiguous().view(torch.uint8) for s in scales),
-                   tuple(s.dtype == torch.float8_e8m0fnu for s in scales),
+                   planes.e8m0,
                    (planes.w13_scale_2.float().contiguous(), planes.w2_scale_2.float().contiguous()),
                    (planes.w13_table.float().contiguous(), planes.w2_table.float().contiguous()))
 

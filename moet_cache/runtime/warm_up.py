@@ -29,7 +29,7 @@ def kernel_names(planes: LayerPlanes, device: torch.device, config: Config = DEF
     if not mma_moe.runs_here(device):
         return []
     x4, tiled = planes.x4_layout, planes.tiled
-    e8m0 = {2: planes.w13_scale.dtype == torch.float8_e8m0fnu, 1: planes.w2_scale.dtype == torch.float8_e8m0fnu}
+    e8m0 = {2: planes.e8m0[0], 1: planes.e8m0[1]}  # by the kernels' tiles: w13 2, w2 1
     names = {("mma_moe.cu", "pair_rows")}
     if (moe_sum := mma_moe.sum_name(dtype)) is not None:
         names.add(("mma_moe.cu", moe_sum))
