@@ -33,6 +33,8 @@ Environment variables:
   MOET_CACHE_DEBUG=1           same as --debug
   MOET_CACHE_SPLIT_DEVICE=...  build: auto (default), cpu, torch-cpu, cuda
   MOET_CACHE_KERNELS=numpy     force the numpy kernels (A/B runs)
+  MOET_CACHE_KERNEL_IMAGES=DIR serve: where the GPU kernels' compiled images
+                               are kept between starts (off: none kept)
   MOET_CACHE_TEST_KILL_AT=W    tests only: SIGKILL this process at commit
                                window W (docs/GUARANTEES.md)"""
 

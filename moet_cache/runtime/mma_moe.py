@@ -1,6 +1,7 @@
-"""The tensor-core plane kernels (mma_moe.cu): compiled by NVRTC at first use, launched on one block a
-pair straight from topk_ids, each expert's pairs taken by the block of its first (`direct`, decode), or
-on the pairs sorted by expert (align.py). CUDA only, compute capability 8.0 and up (mma.sync bf16)."""
+"""The tensor-core plane kernels (mma_moe.cu): compiled by NVRTC at first use (or loaded from their kept
+images, kernel_cache.py), launched on one block a pair straight from topk_ids, each expert's pairs taken by
+the block of its first (`direct`, decode), or on the pairs sorted by expert (align.py). CUDA only, compute
+capability 8.0 and up (mma.sync bf16)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch
 
 from .align import align_pairs
 from .dequant import LayerPlanes
+from .kernel_cache import load_kernel
 from .kernel_launch import launch
 
 #: words (16 codes each) of a chunk, the unit of K a warp reads per row (mma_moe.cu) and of the layouts'
@@ -87,12 +89,12 @@ def kernel_source(name: str) -> str:
 
 @lru_cache(maxsize=None)
 def compiled(file: str, name: str, device: int) -> Any:
-    """A kernel of a kernel file by its instantiated name, compiled by NVRTC for the device's compute
-    capability and loaded once a process and device (a loaded module belongs to one device's context)."""
+    """A kernel of a kernel file by its instantiated name, for the device's compute capability, loaded once a
+    process and device (a loaded module belongs to one device's context): from its image kept on disk, or
+    compiled by NVRTC and kept (kernel_cache.py)."""
     capability = torch.cuda.get_device_capability(device)
-    return torch.cuda._compile_kernel(kernel_source(file), name,
-                                      compute_capability=f"{capability[0]}{capability[1]}",
-                                      nvcc_options=["-std=c++17", f"-DCHUNK_WORDS={CHUNK_WORDS}"])
+    return load_kernel(kernel_source(file), name, f"{capability[0]}{capability[1]}",
+                       ("-std=c++17", f"-DCHUNK_WORDS={CHUNK_WORDS}"))
 
 
 def _kernel(name: str, device: int) -> Any:

@@ -1,0 +1,140 @@
+"""The plane kernels' compiled images kept on disk, so that a start loads them instead of compiling them.
+
+torch 2.11 and up (vLLM 0.34 pins 2.14) have NVRTC compile to a cubin, which the driver's JIT cache does
+not keep, so every process start compiled a layer form's kernels again: 3.5 s at load for an x4 layer's
+14 kernels on 16 cores in threads (warm_up.py), 3.9 s on 4. Loaded from their kept images: 0.02 s
+(docs/RUNTIME.md, session 22). Each image is a file named by the digest of everything that decides its
+bytes: the source, the instantiation, the architecture, the options and the toolchain (torch's and
+NVRTC's versions). The file carries the digest of the image, so an image that does not match it (a torn
+or corrupted file) is compiled again and replaced, never loaded.
+
+The folder: $MOET_CACHE_KERNEL_IMAGES, else $XDG_CACHE_HOME/moet-cache/kernels, else
+~/.cache/moet-cache/kernels; MOET_CACHE_KERNEL_IMAGES=off keeps nothing. It can be deleted at any time;
+where it cannot be read or written, the kernels are compiled as before: slower to start, never wrong.
+The one variable the library reads itself: the runtime runs inside vLLM's process, where no CLI hands it
+options (as Triton reads TRITON_CACHE_DIR).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from ..fsutil import atomic_write_bytes, read_all
+from ..hashing import xxh3_hex
+
+ENV = "MOET_CACHE_KERNEL_IMAGES"
+_MAGIC = b"moet-cache kernel image 1\n"
+_MAX_FILE = 64 << 20  # an image is a few hundred KB
+
+
+@dataclass(frozen=True)
+class Image:
+    """A compiled kernel file (a cubin, or PTX from an older torch) and its kernel's mangled name."""
+
+    mangled: str
+    data: bytes
+
+
+def folder(env: Mapping[str, str] = os.environ) -> Path | None:
+    """Where images are kept, or None (MOET_CACHE_KERNEL_IMAGES empty or off)."""
+    if ENV in env:
+        value = env[ENV].strip()
+        return None if value.lower() in ("", "0", "off", "none") else Path(value)
+    base = env.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "moet-cache" / "kernels"
+
+
+def image_path(where: Path, source: str, name: str, arch: str, options: tuple[str, ...],
+               toolchain: str) -> Path:
+    """The file of one image: every input of the compile in its name's digest."""
+    key = json.dumps([source, name, arch, list(options), toolchain])
+    return where / f"{xxh3_hex(key.encode())}.kernel"
+
+
+def read_image(path: Path) -> Image | None:
+    """The image in `path`, or None: missing, unreadable, or not what was written (its digest)."""
+    try:
+        raw = read_all(path, limit=_MAX_FILE)
+    except OSError:
+        return None
+    if not raw.startswith(_MAGIC):
+        return None
+    head, sep, data = raw[len(_MAGIC):].partition(b"\n")
+    if not sep:
+        return None
+    try:
+        meta = json.loads(head)
+        mangled, size, digest = meta["mangled"], meta["bytes"], meta["xxh3_128"]
+    except (ValueError, KeyError, TypeError):
+        return None
+    if not isinstance(mangled, str) or size != len(data) or digest != xxh3_hex(data):
+        return None
+    return Image(mangled, data)
+
+
+def write_image(path: Path, image: Image) -> bool:
+    """Keep `image` at `path` (atomically: a reader finds the old file, the new one or none); False where
+    the folder cannot be written."""
+    meta = json.dumps({"mangled": image.mangled, "bytes": len(image.data), "xxh3_128": xxh3_hex(image.data)})
+    try:
+        atomic_write_bytes(path, _MAGIC + meta.encode() + b"\n" + image.data)
+    except OSError:
+        return False
+    return True
+
+
+def cached_image(source: str, name: str, arch: str, options: tuple[str, ...], toolchain: str,
+                 compile_image: Callable[[], Image], where: Path | None) -> Image:
+    """The image from `where` if it holds a sound one for these inputs, else compile_image()'s, then kept."""
+    if where is None:
+        return compile_image()
+    path = image_path(where, source, name, arch, options, toolchain)
+    if (image := read_image(path)) is not None:
+        return image
+    image = compile_image()
+    write_image(path, image)
+    return image
+
+
+@lru_cache(maxsize=1)
+def toolchain() -> str:
+    """torch's version and CUDA, and the NVRTC library's own version: what else decides an image's bytes."""
+    import torch
+
+    version = "unknown"
+    try:
+        import ctypes
+
+        from torch.cuda._utils import _get_gpu_rtc_library
+
+        major, minor = ctypes.c_int(), ctypes.c_int()
+        if _get_gpu_rtc_library().nvrtcVersion(ctypes.byref(major), ctypes.byref(minor)) == 0:
+            version = f"{major.value}.{minor.value}"
+    except (ImportError, AttributeError, OSError):
+        pass
+    return f"torch {torch.__version__} cuda {torch.version.cuda} nvrtc {version}"
+
+
+def load_kernel(source: str, name: str, arch: str, options: tuple[str, ...]) -> Any:
+    """The kernel `name` (an instantiation of `source`) for compute capability `arch` ("90"), loaded into the
+    current device's context from its kept image, or compiled by NVRTC (through torch) and kept. A torch
+    without its compile and load helpers takes torch.cuda._compile_kernel, with nothing kept."""
+    import torch
+
+    try:
+        from torch.cuda._utils import _cuda_load_module, _nvrtc_compile
+    except ImportError:
+        return torch.cuda._compile_kernel(source, name, compute_capability=arch, nvcc_options=list(options))
+
+    def compile_image() -> Image:
+        data, mangled = _nvrtc_compile(source, name, arch, None, list(options))
+        return Image(mangled, bytes(data))
+
+    image = cached_image(source, name, arch, options, toolchain(), compile_image, folder())
+    return _cuda_load_module(image.data, [image.mangled])[image.mangled]

@@ -1,0 +1,109 @@
+"""kernel_cache: a kept image is loaded instead of compiled; any change to what decides its bytes is another
+file; a torn, truncated or flipped file is compiled again and replaced, never loaded; a folder that cannot be
+written costs only the compile. Real files; the compile is a counting stand-in (CI has no GPU). The GPU side
+(a kernel loaded from its kept image runs as the compiled one) is in tests/test_runtime_gpu.py."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from moet_cache.runtime import kernel_cache
+from moet_cache.runtime.kernel_cache import Image, cached_image, folder, image_path, read_image, write_image
+
+SOURCE = "__global__ void k(int* p) { *p = 1; }"
+ARGS = (SOURCE, "k", "90", ("-std=c++17",), "torch 2.14 cuda 12.8 nvrtc 12.8")
+
+
+class _Compiler:
+    def __init__(self, data: bytes = b"\x7fELF cubin bytes \x00\n\xff" * 1000) -> None:
+        self.calls = 0
+        self.data = data
+
+    def __call__(self) -> Image:
+        self.calls += 1
+        return Image("_Z1kPi", self.data)
+
+
+def test_kept_image_is_loaded_not_compiled(tmp_path: Path) -> None:
+    compile_image = _Compiler()
+    first = cached_image(*ARGS, compile_image, tmp_path)
+    again = cached_image(*ARGS, compile_image, tmp_path)
+    assert compile_image.calls == 1
+    assert again == first == Image("_Z1kPi", compile_image.data)
+    assert [p.name for p in tmp_path.iterdir()] == [image_path(tmp_path, *ARGS).name]  # no temp file left
+
+
+@pytest.mark.parametrize("index, other", [(0, SOURCE + " "), (1, "k2"), (2, "120"),
+                                          (3, ("-std=c++17", "-DX=1")), (4, "torch 2.14 cuda 12.8 nvrtc 12.9")])
+def test_every_input_of_the_compile_names_another_file(tmp_path: Path, index: int, other) -> None:
+    changed = list(ARGS)
+    changed[index] = other
+    assert image_path(tmp_path, *changed) != image_path(tmp_path, *ARGS)
+    compile_image = _Compiler()
+    cached_image(*ARGS, compile_image, tmp_path)
+    cached_image(*changed, compile_image, tmp_path)
+    assert compile_image.calls == 2
+
+
+def _damage_cases(raw: bytes) -> dict[str, bytes]:
+    flipped = bytearray(raw)
+    flipped[-100] ^= 0x01  # one bit of the image
+    return {"a bit of the image flipped": bytes(flipped), "truncated": raw[:-1],
+            "torn in the header": raw[:30], "empty": b"", "another file": b"\x7fELF" + raw[4:],
+            "header not JSON": raw.replace(b'"mangled"', b"mangled", 1)}
+
+
+@pytest.mark.parametrize("case", list(_damage_cases(b"x" * 200)))
+def test_damaged_image_is_compiled_again_and_replaced(tmp_path: Path, case: str) -> None:
+    compile_image = _Compiler()
+    cached_image(*ARGS, compile_image, tmp_path)
+    path = image_path(tmp_path, *ARGS)
+    path.write_bytes(_damage_cases(path.read_bytes())[case])
+    assert read_image(path) is None
+    assert cached_image(*ARGS, compile_image, tmp_path) == Image("_Z1kPi", compile_image.data)
+    assert compile_image.calls == 2
+    assert read_image(path) == Image("_Z1kPi", compile_image.data)  # replaced by a sound one
+
+
+def test_unwritable_folder_costs_only_the_compile(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_bytes(b"")
+    where = blocker / "kernels"  # its parent is a file: cannot be created, whoever runs the test
+    compile_image = _Compiler()
+    assert cached_image(*ARGS, compile_image, where) == Image("_Z1kPi", compile_image.data)
+    assert cached_image(*ARGS, compile_image, where).data == compile_image.data
+    assert compile_image.calls == 2
+    assert write_image(image_path(where, *ARGS), Image("m", b"x")) is False
+
+
+def test_no_folder_keeps_nothing(tmp_path: Path) -> None:
+    compile_image = _Compiler()
+    cached_image(*ARGS, compile_image, None)
+    cached_image(*ARGS, compile_image, None)
+    assert compile_image.calls == 2
+
+
+def test_folder_from_the_environment(tmp_path: Path) -> None:
+    assert folder({kernel_cache.ENV: str(tmp_path)}) == tmp_path
+    for off in ("off", "OFF", "", "0", "none"):
+        assert folder({kernel_cache.ENV: off}) is None
+    assert folder({"XDG_CACHE_HOME": "/x/cache"}) == Path("/x/cache/moet-cache/kernels")
+    assert folder({}) == Path.home() / ".cache" / "moet-cache" / "kernels"
+    assert folder({"XDG_CACHE_HOME": ""}) == Path.home() / ".cache" / "moet-cache" / "kernels"
+
+
+def test_image_round_trip_keeps_every_byte(tmp_path: Path) -> None:
+    data = bytes(range(256)) * 64 + b"\n\n"  # newlines and NULs inside the image
+    path = tmp_path / "a.kernel"
+    assert write_image(path, Image("_Z3fooILi2ELb1EEvPKt", data)) is True
+    assert read_image(path) == Image("_Z3fooILi2ELb1EEvPKt", data)
+    assert oct(os.stat(path).st_mode & 0o777) == oct(0o644)
+
+
+def test_toolchain_names_torch() -> None:
+    import torch
+
+    assert f"torch {torch.__version__}" in kernel_cache.toolchain()
