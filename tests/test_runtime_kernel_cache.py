@@ -107,3 +107,31 @@ def test_toolchain_names_torch() -> None:
     import torch
 
     assert f"torch {torch.__version__}" in kernel_cache.toolchain()
+
+
+def test_load_kernel_compiles_once_through_torchs_helpers(tmp_path: Path, monkeypatch) -> None:
+    """load_kernel hands torch's NVRTC helper the source, instantiation, architecture and options and keeps
+    the image; a second call (load_kernel holds nothing in memory: mma_moe.compiled does) loads it without
+    compiling."""
+    import torch.cuda._utils as cuda_utils
+
+    calls: list[tuple] = []
+
+    def fake_compile(source, name, arch, include_dirs, options):
+        calls.append((source, name, arch, include_dirs, options))
+        return b"\x7fELF image", "_Z1kPi"
+
+    loaded: list[tuple] = []
+
+    def fake_load(data, names):
+        loaded.append((data, names))
+        return {n: ("kernel", data) for n in names}
+
+    monkeypatch.setattr(cuda_utils, "_nvrtc_compile", fake_compile)
+    monkeypatch.setattr(cuda_utils, "_cuda_load_module", fake_load)
+    monkeypatch.setenv(kernel_cache.ENV, str(tmp_path))
+    for _ in range(2):
+        assert kernel_cache.load_kernel(SOURCE, "k", "120", ("-std=c++17",)) == ("kernel", b"\x7fELF image")
+    assert calls == [(SOURCE, "k", "120", None, ["-std=c++17"])]
+    assert loaded == [(b"\x7fELF image", ["_Z1kPi"])] * 2
+    assert len(list(tmp_path.iterdir())) == 1
