@@ -68,6 +68,17 @@ def test_damaged_image_is_compiled_again_and_replaced(tmp_path: Path, case: str)
     assert read_image(path) == Image("_Z1kPi", compile_image.data)  # replaced by a sound one
 
 
+def test_oversized_or_linked_image_is_not_read(tmp_path: Path, monkeypatch) -> None:
+    path = tmp_path / "a.kernel"
+    assert write_image(path, Image("m", b"x" * 1000))
+    monkeypatch.setattr(kernel_cache, "_MAX_FILE", 100)  # read_all's limit: the library's InputError
+    assert read_image(path) is None
+    monkeypatch.undo()
+    link = tmp_path / "b.kernel"
+    link.symlink_to(path)  # never followed (fsutil.open_regular)
+    assert read_image(path) == Image("m", b"x" * 1000) and read_image(link) is None
+
+
 def test_unwritable_folder_costs_only_the_compile(tmp_path: Path) -> None:
     blocker = tmp_path / "file"
     blocker.write_bytes(b"")

@@ -17,6 +17,7 @@ options (as Triton reads TRITON_CACHE_DIR).
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 from collections.abc import Callable, Mapping
@@ -25,6 +26,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from ..errors import MoetError
 from ..fsutil import atomic_write_bytes, read_all
 from ..hashing import xxh3_hex
 
@@ -61,7 +63,7 @@ def read_image(path: Path) -> Image | None:
     """The image in `path`, or None: missing, unreadable, or not what was written (its digest)."""
     try:
         raw = read_all(path, limit=_MAX_FILE)
-    except OSError:
+    except (OSError, MoetError):  # missing, not a plain file, unreadable, over the limit
         return None
     if not raw.startswith(_MAGIC):
         return None
@@ -84,7 +86,7 @@ def write_image(path: Path, image: Image) -> bool:
     meta = json.dumps({"mangled": image.mangled, "bytes": len(image.data), "xxh3_128": xxh3_hex(image.data)})
     try:
         atomic_write_bytes(path, _MAGIC + meta.encode() + b"\n" + image.data)
-    except OSError:
+    except (OSError, MoetError):  # not writable, or full (DiskFullError)
         return False
     return True
 
@@ -109,14 +111,12 @@ def toolchain() -> str:
 
     version = "unknown"
     try:
-        import ctypes
-
         from torch.cuda._utils import _get_gpu_rtc_library
 
         major, minor = ctypes.c_int(), ctypes.c_int()
         if _get_gpu_rtc_library().nvrtcVersion(ctypes.byref(major), ctypes.byref(minor)) == 0:
             version = f"{major.value}.{minor.value}"
-    except (ImportError, AttributeError, OSError):
+    except (ImportError, AttributeError, OSError, RuntimeError):  # no NVRTC here: the name says unknown
         pass
     return f"torch {torch.__version__} cuda {torch.version.cuda} nvrtc {version}"
 
