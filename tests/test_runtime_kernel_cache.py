@@ -128,8 +128,9 @@ def test_load_kernel_compiles_once_through_torchs_helpers(tmp_path: Path, monkey
 
     calls: list[tuple] = []
 
-    def fake_compile(source, name, arch, include_dirs, options):
-        calls.append((source, name, arch, include_dirs, options))
+    def fake_compile(source, name, *positional, compute_capability=None, nvcc_options=None, **other):
+        # by keyword only: the parameter after compute_capability differs between torch versions
+        calls.append((source, name, positional, compute_capability, nvcc_options, other))
         return b"\x7fELF image", "_Z1kPi"
 
     loaded: list[tuple] = []
@@ -143,6 +144,6 @@ def test_load_kernel_compiles_once_through_torchs_helpers(tmp_path: Path, monkey
     monkeypatch.setenv(kernel_cache.ENV, str(tmp_path))
     for _ in range(2):
         assert kernel_cache.load_kernel(SOURCE, "k", "120", ("-std=c++17",)) == ("kernel", b"\x7fELF image")
-    assert calls == [(SOURCE, "k", "120", None, ["-std=c++17"])]
+    assert calls == [(SOURCE, "k", (), "120", ["-std=c++17"], {})]
     assert loaded == [(b"\x7fELF image", ["_Z1kPi"])] * 2
     assert len(list(tmp_path.iterdir())) == 1

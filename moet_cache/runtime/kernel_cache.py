@@ -1,12 +1,13 @@
 """The plane kernels' compiled images kept on disk, so that a start loads them instead of compiling them.
 
-torch 2.11 and up (vLLM 0.34 pins 2.14) have NVRTC compile to a cubin, which the driver's JIT cache does
+torch 2.13 and up (vLLM 0.34 pins 2.14) have NVRTC compile to a cubin, which the driver's JIT cache does
 not keep, so every process start compiled a layer form's kernels again: 3.5 s at load for an x4 layer's
-14 kernels on 16 cores in threads (warm_up.py), 3.9 s on 4. Loaded from their kept images: 0.02 s
-(docs/RUNTIME.md, session 22). Each image is a file named by the digest of everything that decides its
-bytes: the source, the instantiation, the architecture, the options and the toolchain (torch's and
-NVRTC's versions). The file carries the digest of the image, so an image that does not match it (a torn
-or corrupted file) is compiled again and replaced, never loaded.
+14 kernels on 16 cores in threads (warm_up.py), 3.9 s on 4 (the device machine's torch 2.11, its JIT
+cache off). Loaded from their kept images: 0.02 s (docs/RUNTIME.md, session 22). Each image is a file
+named by the digest of everything that decides its bytes: the source, the instantiation, the
+architecture, the options and the toolchain (torch's and NVRTC's versions). The file carries the digest
+of the image, so an image that does not match it (a torn or corrupted file) is compiled again and
+replaced, never loaded.
 
 The folder: $MOET_CACHE_KERNEL_IMAGES, else $XDG_CACHE_HOME/moet-cache/kernels, else
 ~/.cache/moet-cache/kernels; MOET_CACHE_KERNEL_IMAGES=off keeps nothing. It can be deleted at any time;
@@ -133,7 +134,8 @@ def load_kernel(source: str, name: str, arch: str, options: tuple[str, ...]) -> 
         return torch.cuda._compile_kernel(source, name, compute_capability=arch, nvcc_options=list(options))
 
     def compile_image() -> Image:
-        data, mangled = _nvrtc_compile(source, name, arch, None, list(options))
+        # by keyword: torch 2.9-2.10 have a header_code parameter where later ones take cuda_include_dirs
+        data, mangled = _nvrtc_compile(source, name, compute_capability=arch, nvcc_options=list(options))
         return Image(mangled, bytes(data))
 
     image = cached_image(source, name, arch, options, toolchain(), compile_image, folder())
