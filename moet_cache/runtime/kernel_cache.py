@@ -134,7 +134,7 @@ def load_kernel(source: str, name: str, arch: str, options: tuple[str, ...]) -> 
         return torch.cuda._compile_kernel(source, name, compute_capability=arch, nvcc_options=list(options))
 
     def compile_image() -> Image:
-        # by keyword: torch 2.9-2.10 have a header_code parameter where later ones take cuda_include_dirs
+        # by keyword: an earlier torch has a header_code parameter where later ones take cuda_include_dirs
         data, mangled = _nvrtc_compile(source, name, compute_capability=arch, nvcc_options=list(options))
         return Image(mangled, bytes(data))
 
