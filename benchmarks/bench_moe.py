@@ -1,8 +1,10 @@
 """One DeepSeek-V4-Flash MoE layer (E 256, top-6, H 4096, I 2048) on the planes, against a bf16
 grouped GEMM, Humming's MXFP4 and NVFP4 weight-only MoE and a device-to-device copy, all in one process.
 
-    python benchmarks/bench_moe.py --tokens 1,4,16,64,256,4096 [--sweep] [--json out.json]
-    python benchmarks/bench_moe.py --fidelity        # CPU is enough: layer error vs the FP4 layer
+    python benchmarks/bench_moe.py --tokens 1,4,16,64,256,4096 [--json benchmarks/results/moe-h200.json]
+    python benchmarks/bench_moe.py --fidelity --json benchmarks/results/moe-fidelity.json   # CPU is enough
+    python benchmarks/bench_moe.py --sweep --write-config --tokens 1,2,3,4,6,8,12,16,24,32,40,48,64,256,288,\
+        320,512,1024,1536,2048,3072,4096    # the device's launch steps, moet_cache/runtime/configs/<device>.json
 
 Every contender is captured in a CUDA graph (as vLLM runs decode) and timed three ways (`--harness`),
 each a median, the weights always read from HBM:
@@ -15,7 +17,10 @@ each a median, the weights always read from HBM:
 Bytes read: the planes/codes and scales of the distinct experts the routing touches (+ the tier's
 delta planes of the tier experts touched). Speed is reported as ratios within one run and one harness.
 The eight forms the vLLM method serves (x4 or fitted tables, e8m0 or e4m3 scales, base only or a 10%
-tier) run in every harness, and the run ends with issue 12's goals read from them, form by form.
+tier) run in every harness, and the run ends with the runtime's goals read from them, form by form.
+`--json PATH` writes every figure with the command, commit, date and device (benchmarks/record.py);
+`--sweep` also times each candidate block of the four forms the launch steps are kept for, and
+`--write-config [PATH]` turns that sweep into the device's steps (runtime/launch_config.py).
 """
 
 from __future__ import annotations
@@ -31,6 +36,8 @@ from typing import Callable
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.record import envelope, write  # noqa: E402 - the repository root is on the path from here
 
 E, TOPK, H, I = 256, 6, 4096, 2048
 MiB = 1 << 20
@@ -206,10 +213,10 @@ def layer_bytes(t: dict[str, torch.Tensor]) -> int:
 def bench_planes(name: str, t: dict[str, torch.Tensor], x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor,
                  config=None, harness: str = "write", form: str = "") -> Result:
     from moet_cache.runtime.dequant import LayerPlanes
-    from moet_cache.runtime.launch import DEFAULT, fused_moe_cuda, layer_form
+    from moet_cache.runtime.launch import config_for, fused_moe_cuda, layer_form
 
     planes = LayerPlanes.from_tensors(t)
-    cfg = config or DEFAULT
+    cfg = config or config_for(x.device)  # what the runtime runs on this device
     us, nbytes, note = measure(lambda i: lambda: fused_moe_cuda(x, planes, w, i, 10.0, cfg), ids, harness,
                                lambda i: bytes_read(t, i))
     picked = cfg.pick(ids.numel(), **layer_form(planes))
@@ -320,6 +327,7 @@ def sweep_configs(T: int, triton: bool) -> list:
     if T <= 16:
         out += [Config.only(m) for m in (
             Mma(1, 2, 2, direct=True), Mma(1, 2, 2, direct=True, pdl=True), Mma(1, 2, 2, direct=True, lean=True, pdl=True),
+            Mma(1, 2, 2, direct=True, pdl=True, sum_in_w2=True),
             Mma(1, 1, 1, direct=True, pdl=True), Mma(1, 4, 4, direct=True, pdl=True), Mma(1, 2, 1, direct=True, pdl=True),
             Mma(1, 2, 2), Mma(2, 2, 2))]
     elif T <= 256:
@@ -328,7 +336,7 @@ def sweep_configs(T: int, triton: bool) -> list:
             Mma(1, 2, 2, lean=True, pdl=True), Mma(1, 2, 2), Mma(2, 2, 2), Mma(2, 4, 4), Mma(4, 1, 1))]
         out += [Config.only(Prefill(*b)) for b in ((4, 4, 2, True, 2), (2, 8, 4, True, 2), (4, 8, 4, True, 2))]
     else:
-        out += [Config.only(Mma(*m)) for m in ((1, 2, 2), (4, 1, 1))]
+        out += [Config.only(Mma(*m)) for m in ((1, 2, 2), (4, 1, 1))] + [Config.only(Mma(1, 2, 2, lean=True, pdl=True))]
         # the three default steps first (launch.PREFILL_STEPS), then the shapes they were chosen against
         out += [Config.only(Prefill(*b)) for b in ((4, 4, 2, True, 2), (8, 4, 2, True, 2), (16, 4, 2, True, 1),
                                                    (12, 4, 3, True, 1), (12, 4, 2, True, 2), (8, 4, 3, True, 2),
@@ -344,6 +352,18 @@ def sweep_configs(T: int, triton: bool) -> list:
             ((64, 128, 16, 8, 2), (128, 64, 16, 8, 2), (128, 128, 16, 8, 2))
         out += [Config.only(Grouped(*g, False)) for g in v1] + [Config.only(Grouped(*g, True)) for g in v2]
     return out
+
+
+#: the served form each of the config's decode ladders (launch_config.DECODE_LADDERS) is swept on
+SWEEP_FORMS = {"mma": "fitted e8m0 tier10%", "mma_x4": "x4 e8m0 tier10%", "mma_x4_base": "x4 e8m0 base-only",
+               "mma_x4_e4m3": "x4 e4m3 tier10%"}
+
+
+def only_block(cfg: object) -> object:
+    """The one block a Config.only(block) runs (Mma or Prefill), None for a Triton one."""
+    if cfg.prefill:
+        return cfg.prefill[0][1]
+    return cfg.mma[0][1] if cfg.mma else None
 
 
 def speed(args: argparse.Namespace) -> list[dict]:
@@ -393,33 +413,58 @@ def speed(args: argparse.Namespace) -> list[dict]:
             rows.append({"what": "vram", hname: res_mib})
         except Exception as e:  # noqa: BLE001 - report and go on without it
             print(f"{hname} unavailable: {type(e).__name__}: {str(e)[:300]}", flush=True)
+    sweep: dict[str, list] = {name: [] for name in SWEEP_FORMS}  # (pairs, block, µs) by ladder
     for T in args.tokens:
         w, ids = routing(T, 10 + T)
         x = (torch.randn((T, H), device="cuda") * 0.5).to(torch.bfloat16)
         for harness in args.harness:
-            rows += speed_at(args, harness, T, x, w, ids, copy, layers, none8, bf16, hums)
+            rows += speed_at(args, harness, T, x, w, ids, copy, layers, none8, bf16, hums, sweep)
     print_goals(rows, copy)
+    if args.write_config is not None:
+        write_config(args, sweep)
     return rows
+
+
+def write_config(args: argparse.Namespace, sweep: dict[str, list]) -> None:
+    """The sweep's fastest blocks as this device's launch steps (launch_config.steps_from_sweep), written where
+    launch.config_for finds them unless --write-config names another file."""
+    from moet_cache.runtime import launch_config
+
+    device = torch.cuda.get_device_name()
+    path = Path(args.write_config) if args.write_config else \
+        launch_config.CONFIG_DIR / launch_config.device_file_name(device)
+    steps = launch_config.steps_from_sweep(sweep)
+    made = envelope(["benchmarks/bench_moe.py", *sys.argv[1:]], None, device)
+    source = f"{' '.join(made['command'])} at commit {made['commit']}, {made['date']}, harness {args.harness[0]}"
+    launch_config.write(path, steps, device, source)
+    print(f"wrote the launch steps for {device} to {path}", flush=True)
 
 
 def speed_at(args: argparse.Namespace, harness: str, T: int, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor,
              copy: float, layers: dict[str, dict[str, torch.Tensor]], untiled: dict[str, torch.Tensor],
-             bf16: Callable, hums: dict[str, tuple["Humming", int]]) -> list[dict]:
+             bf16: Callable, hums: dict[str, tuple["Humming", int]], sweep: dict[str, list] | None = None) -> list[dict]:
     """Every contender at T tokens in one harness: printed, and the rows for --json. `layers` (the served
     forms) run in every harness; `untiled` (a fitted layer in the loader's natural layout, through the
-    plane kernels and through Triton), the bf16 MoE and Humming's int2 in do_bench's only."""
+    plane kernels and through Triton), the bf16 MoE and Humming's int2 in do_bench's only. With --sweep, each
+    candidate block's time on each of SWEEP_FORMS' layers goes into `sweep` by ladder as well."""
     from moet_cache.runtime.launch import Config
 
     rows: list[dict] = []
     res: list[Result] = []
     if args.sweep and harness == args.harness[0]:
         for cfg in sweep_configs(T, args.sweep_triton):
-            for form, layer in (("fitted", layers["fitted e8m0 base-only"]), ("x4", layers["x4 e8m0 base-only"])):
+            block = only_block(cfg)
+            for ladder, form in SWEEP_FORMS.items():
                 try:
-                    r = bench_planes(f"sweep {form} {cfg}", layer, x, w, ids, cfg)
-                    print(f"  T={T} {form:6s} {r.us:9.1f} us {r.gbps:7.0f} GB/s  {cfg}", flush=True)
+                    r = bench_planes(f"sweep {form} {cfg}", layers[form], x, w, ids, cfg)
+                    print(f"  T={T} {form:20s} {r.us:9.1f} us {r.gbps:7.0f} GB/s  {block or cfg}", flush=True)
                 except Exception as e:  # noqa: BLE001
                     print(f"  T={T} {form} config failed {cfg}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+                    continue
+                rows.append({"what": "sweep", "form": form, "tokens": T, "pairs": ids.numel(), "us": r.us,
+                             "block": repr(block or cfg)})
+                if block is not None and sweep is not None:
+                    sweep[ladder].append((ids.numel(), block, r.us))
     for name, layer in layers.items():
         res.append(bench_planes(f"planes {name}", layer, x, w, ids, None, harness, form=name))
     if harness == "write":
@@ -462,7 +507,7 @@ def speed_at(args: argparse.Namespace, harness: str, T: int, x: torch.Tensor, w:
     return rows
 
 
-#: issue 12's goals: decode (T <= 16) at least 1.3x Humming MXFP4's speed and 50% of copy bandwidth on the
+#: the runtime's goals (docs/RUNTIME.md): decode (T <= 16) at least 1.3x Humming MXFP4's speed and 50% of copy bandwidth on the
 #: bytes read; prefill (T = 4096) within 1.25x Humming's time; resident MoE bytes within 1% of the planes
 DECODE_MAX_T, DECODE_SPEEDUP, DECODE_COPY, PREFILL_T, PREFILL_SLOWDOWN, RESIDENT_TOL = 16, 1.3, 0.5, 4096, 1.25, 0.01
 
@@ -580,13 +625,20 @@ def main() -> None:
     ap.add_argument("--sweep-triton", action="store_true", help="with --sweep: the Triton kernels' candidates too")
     ap.add_argument("--fidelity", action="store_true", help="only the fidelity figures (CPU is enough)")
     ap.add_argument("--skew", type=float, default=1.0, help="fidelity: sigma of the lognormal expert popularity")
-    ap.add_argument("--json", type=Path, help="write every figure here")
+    ap.add_argument("--json", type=Path, metavar="PATH",
+                    help="write every figure here, with the command, commit, date and device (a results file)")
+    ap.add_argument("--write-config", nargs="?", const="", metavar="PATH",
+                    help="with --sweep: write the sweep's fastest blocks as this device's launch steps "
+                         "(default: moet_cache/runtime/configs/<device>.json)")
     args = ap.parse_args()
     if unknown := set(args.harness) - set(HARNESSES):
         ap.error(f"unknown harness {', '.join(sorted(unknown))}: choose from {', '.join(HARNESSES)}")
+    if args.write_config is not None and (not args.sweep or args.fidelity):
+        ap.error("--write-config writes what --sweep measured: give --sweep (and not --fidelity)")
     rows = fidelity(args) if args.fidelity else speed(args)
     if args.json:
-        args.json.write_text(json.dumps(rows, indent=1))
+        device = torch.cuda.get_device_name() if torch.cuda.is_available() and not args.fidelity else "cpu"
+        write(args.json, envelope(["benchmarks/bench_moe.py", *sys.argv[1:]], rows, device))
 
 
 if __name__ == "__main__":

@@ -4,8 +4,11 @@ file is refused with one line, and a sweep's timings become a file that loads ba
 
 from __future__ import annotations
 
+import argparse
+import importlib.util
 import json
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -19,6 +22,7 @@ from moet_cache.runtime.mma_moe import Mma
 from moet_cache.runtime.mma_prefill import Prefill
 
 H200_FILE = CONFIG_DIR / "NVIDIA_H200.json"
+BENCH_MOE = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_moe.py"
 
 # The H200's steps as launch.py held them in code (MMA_STEPS, MMA_STEPS_X4, MMA_STEPS_X4_BASE, MMA_STEPS_X4_E4M3,
 # PREFILL_STEPS, PREFILL_LATER), written out literally.
@@ -186,3 +190,21 @@ def test_sweep_missing_a_form_is_refused() -> None:
     only_decode = {name: [(6, SPLIT_SUM, 1.0)] for name in launch_config.DECODE_LADDERS}
     with pytest.raises(InputError, match="no prefill block"):
         launch_config.steps_from_sweep(only_decode)
+
+
+def test_bench_moe_write_config_writes_the_sweep(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """bench_moe.py's --write-config step itself, on a given sweep (no GPU here): the file it writes is the
+    loader's steps for that sweep, named for the device, saying which command and commit measured it."""
+    spec = importlib.util.spec_from_file_location("bench_moe", BENCH_MOE)
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "bench_moe", bench)
+    spec.loader.exec_module(bench)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA Test GPU")
+    monkeypatch.setattr(sys, "argv", ["bench_moe.py", "--sweep", "--write-config", str(tmp_path / "t.json")])
+    args = argparse.Namespace(write_config=str(tmp_path / "t.json"), harness=["write", "stream"])
+    bench.write_config(args, _sweep_points())
+    assert launch_config.load(tmp_path / "t.json") == launch_config.steps_from_sweep(_sweep_points())
+    raw = json.loads((tmp_path / "t.json").read_text())
+    assert raw["device"] == "NVIDIA Test GPU"
+    assert raw["source"].startswith("benchmarks/bench_moe.py --sweep --write-config") and "commit" in raw["source"]
+    assert set(bench.SWEEP_FORMS) == set(launch_config.DECODE_LADDERS)
