@@ -594,7 +594,7 @@ def fidelity(args: argparse.Namespace) -> list[dict]:
         x = torch.randn((T, spec.hidden_size), generator=g)
         ids = torch.from_numpy(np.stack([rng.choice(e, size=k, replace=False, p=pop) for _ in range(T)]))
         w = torch.softmax(torch.randn((T, k), generator=g), dim=1) * 1.5
-        outs = {}
+        outs, shares = {}, {}
         for name, cache, delta in (("fp4", "uni", "all"), ("base-only", "uni", "none"),
                                    ("uniform tier 10%", "uni", "tier"), ("routing-weighted tier 10%", "wtd", "tier"),
                                    ("x4 tables, base-only", "x4", "none"),
@@ -604,7 +604,7 @@ def fidelity(args: argparse.Namespace) -> list[dict]:
             outs[name] = fused_moe(x, t, w, ids, swiglu_limit=10.0)
             if delta == "tier":
                 tier = set(t["delta_experts"].tolist())
-                share = float(np.isin(ids.numpy(), list(tier)).mean())
+                share = shares[name] = float(np.isin(ids.numpy(), list(tier)).mean())
                 print(f"{name}: {len(tier)} experts in the tier, {100 * share:.1f}% of routed pairs", flush=True)
         ref = outs["fp4"]
         for name, out in outs.items():
@@ -612,7 +612,8 @@ def fidelity(args: argparse.Namespace) -> list[dict]:
                 continue
             rel = ((out - ref).norm() / ref.norm()).item()
             print(f"fidelity {name:36s} rel. error vs FP4 layer {rel:.4f}", flush=True)
-            rows.append({"what": "fidelity", "name": name, "rel_error_vs_fp4": rel})
+            rows.append({"what": "fidelity", "name": name, "rel_error_vs_fp4": rel, "skew": args.skew,
+                         "pairs_in_tier": shares.get(name, 0.0)})
     return rows
 
 
