@@ -23,12 +23,14 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def commit() -> str:
-    """The checked-out commit, "+dirty" where tracked files differ from it; "unknown" outside git."""
+    """The checked-out commit, "+dirty" where tracked files other than documents (*.md) and results files
+    differ from it (what could change a figure); "unknown" outside git."""
     try:
         sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
                              check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                               capture_output=True, text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".", ":!*.md",
+                                ":!benchmarks/results"], cwd=ROOT, capture_output=True, text=True,
+                               check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
     return sha + ("+dirty" if dirty else "")
