@@ -37,7 +37,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.record import envelope, write  # noqa: E402 - the repository root is on the path from here
+from benchmarks.record import envelope, write  # the repository root is on the path from here
 
 E, TOPK, H, I = 256, 6, 4096, 2048
 MiB = 1 << 20
@@ -337,7 +337,7 @@ def sweep_configs(T: int, triton: bool) -> list:
         out += [Config.only(Prefill(*b)) for b in ((4, 4, 2, True, 2), (2, 8, 4, True, 2), (4, 8, 4, True, 2))]
     else:
         out += [Config.only(Mma(*m)) for m in ((1, 2, 2), (4, 1, 1))] + [Config.only(Mma(1, 2, 2, lean=True, pdl=True))]
-        # the three default steps first (launch.PREFILL_STEPS), then the shapes they were chosen against
+        # the H200's three steps first (runtime/configs/NVIDIA_H200.json), then the shapes they were chosen against
         out += [Config.only(Prefill(*b)) for b in ((4, 4, 2, True, 2), (8, 4, 2, True, 2), (16, 4, 2, True, 1),
                                                    (12, 4, 3, True, 1), (12, 4, 2, True, 2), (8, 4, 3, True, 2),
                                                    (4, 8, 4, True, 2), (8, 8, 3), (4, 8, 4))]

@@ -56,7 +56,7 @@ def main(argv: list[str]) -> int:
         print(__doc__.strip().splitlines()[2].strip(), file=sys.stderr)
         return 2
     out, command = Path(argv[0]), argv[2:]
-    proc = subprocess.run(command, cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.run(command, cwd=ROOT, stdout=subprocess.PIPE, text=True, check=False)
     if proc.returncode:
         print(f"{' '.join(command)} exited {proc.returncode}: nothing written", file=sys.stderr)
         return proc.returncode

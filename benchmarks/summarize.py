@@ -65,9 +65,9 @@ def summary(files: list[Path]) -> str:
              "docs/RUNTIME.md with the commit that measured them; history is in CHANGELOG.md.", ""]
     for path in files:
         doc = json.loads(path.read_text())
-        lines += [f"## {path.name}", "",
-                  f"`{' '.join(doc['command'])}` at {doc['commit']}, {doc['date']}, {doc['device']}, "
-                  f"host {doc['host']} ({doc['cores']} cores)", ""]
+        made = (f"`{' '.join(doc['command'])}` at {doc['commit']}, {doc['date']}, {doc['device']}, "
+                f"host {doc['host']} ({doc['cores']} cores)")
+        lines += [f"## {path.name}", "", made, ""]
         result = doc["result"]
         lines += _bench_moe(result) if isinstance(result, list) else _figures(result)
         lines.append("")

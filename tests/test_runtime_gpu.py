@@ -283,7 +283,7 @@ def test_x4_layers_equal_reference(x4_layer: dict, T: int, config: Config) -> No
     blocks (direct, lean, sorted; DEFAULT at T = 1 and 3 takes direct blocks with their two accumulator
     sets, at T = 2 direct ones with K whole, at T = 7, 16 and 30 lean ones with e8m0 scales and ones with K
     whole with e4m3, and K whole at T = 16 for both; at T = 300 the prefill blocks with e8m0 scales and
-    sorted lean ones with e4m3, launch.PREFILL_LATER), the prefill blocks, and Triton, which reads them put
+    sorted lean ones with e4m3, DEFAULT.prefill_later), the prefill blocks, and Triton, which reads them put
     back; tier experts (their exact FP4 decode, x4_tier_reg) routed beside the base ones."""
     prepared = prepare(x4_layer)
     planes = LayerPlanes.from_tensors(prepared)
@@ -295,13 +295,13 @@ def test_x4_layers_equal_reference(x4_layer: dict, T: int, config: Config) -> No
 
 @pytest.mark.parametrize("T", [7, 16])
 def test_x4_layer_without_a_tier_equals_reference(x4_layer: dict, T: int) -> None:
-    """An x4 layer with no tier takes its own decode steps (launch.MMA_STEPS_X4_BASE: K whole from 24 pairs
+    """An x4 layer with no tier takes its own decode steps (DEFAULT.mma_x4_base: K whole from 24 pairs
     with e8m0 scales)."""
     base = {k: v for k, v in x4_layer.items() if k not in ("w13_delta", "w2_delta", "delta_experts")}
     planes = LayerPlanes.from_tensors(prepare(base))
     assert planes.x4_layout and not layer_form(planes)["tier"]
     x, w, ids = _tokens_to_tier(x4_layer, T, 750 + T)  # its tier experts are base ones here
-    _check(fused_moe_cuda(x, planes, w, ids, 7.0), _reference(x, base, w, ids, 7.0))
+    _check(fused_moe_cuda(x, planes, w, ids, 7.0, DEFAULT), _reference(x, base, w, ids, 7.0))
 
 
 @pytest.mark.parametrize("T,config", [(1, DEFAULT), (2, DEFAULT), (3, DEFAULT), (16, DEFAULT), (30, DEFAULT),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 
 import torch
 
@@ -89,7 +89,7 @@ class Config:
     mid: Grouped = Grouped(16, 64, 16, 4, 2, True)
     large: Grouped = Grouped(128, 128, 4, 8, 3, False)
     prefill: tuple[tuple[int, Prefill], ...] = SHORT_PREFILL  # (from P, block), ascending; () for none
-    prefill_later: PrefillLater = PrefillLater()
+    prefill_later: PrefillLater = dataclasses.field(default_factory=PrefillLater)
 
     def pick(self, P: int, mma_runs: bool = True, prefill_runs: bool = True,
              x4: bool = False, e4m3: bool = False, tier: bool = True) -> Pairs | Grouped | Mma | Prefill:
@@ -113,7 +113,7 @@ class Config:
         return (self.mma_x4_e4m3 if e4m3 else self.mma_x4 if tier else self.mma_x4_base) if x4 else self.mma
 
     @classmethod
-    def only(cls, block: Pairs | Grouped | Mma | Prefill) -> "Config":
+    def only(cls, block: Pairs | Grouped | Mma | Prefill) -> Config:
         """Always these kernels and blocks (tests, sweeps); Prefill where it cannot run: Triton `large`."""
         if isinstance(block, Mma):
             return cls(**{n: ((0, block),) for n in DECODE_LADDERS}, large_from=1 << 62, prefill=())
@@ -130,7 +130,7 @@ class Config:
         return {block for name in DECODE_LADDERS for _, block in getattr(self, name)}
 
 
-@lru_cache(maxsize=None)
+@cache
 def config_named(device_name: str) -> Config:
     """The Config of a CUDA device named `device_name`: its measured steps (configs/<device>.json), or the
     short defaults where there is no file for it. A malformed file is an InputError."""

@@ -14,6 +14,7 @@ import json
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -135,7 +136,7 @@ def _parse_steps(path: Path, name: str, raw: Any, block_type: type) -> Steps:
     starts = [start for start, _ in steps]
     if starts[0] != 0 and block_type is Mma:
         raise _refuse(path, f"{name} must start from 0 pairs")
-    if any(b <= a for a, b in zip(starts, starts[1:])):
+    if any(b <= a for a, b in pairwise(starts)):
         raise _refuse(path, f"{name}'s 'from' pair counts must ascend")
     return tuple(steps)
 
