@@ -15,8 +15,8 @@ RUNTIME = ROOT / "docs" / "RUNTIME.md"
 PRESENT = [ROOT / "README.md", ROOT / "CHANGELOG.md", ROOT / "benchmarks" / "NOTES.md",
            *(ROOT / "docs" / name for name in ("ARCHITECTURE.md", "BUILD.md", "FORMAT.md", "LOADER.md",
                                                "PARSERS.md", "RUNTIME.md", "SERVING.md"))]
-HISTORY = re.compile(r"\bsessions? \d+|\b(this|last|next|same) session\b|\bissue \d+|field report|before the fix"
-                     r"|\bthe fix below\b", re.IGNORECASE)
+HISTORY = re.compile(r"\bsessions? \d+|\b(this|last|next|same) session\b|\bissue \d+|field\sreport|before\sthe\sfix"
+                     r"|\bthe\sfix\sbelow\b", re.IGNORECASE)
 
 
 def test_runtime_reference_is_short() -> None:
