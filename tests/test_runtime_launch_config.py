@@ -208,3 +208,16 @@ def test_bench_moe_write_config_writes_the_sweep(monkeypatch: pytest.MonkeyPatch
     assert raw["device"] == "NVIDIA Test GPU"
     assert raw["source"].startswith("benchmarks/bench_moe.py --sweep --write-config") and "commit" in raw["source"]
     assert set(bench.SWEEP_FORMS) == set(launch_config.DECODE_LADDERS)
+
+
+def test_a_cuda_device_runs_the_steps_of_its_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    """launch.config_for, as fused_moe_cuda, warm_up and the layout call it: the device's name picks the file
+    (torch.cuda.get_device_name stood in for, no GPU here), once a device."""
+    asked: list[int] = []
+    for name, want in (("NVIDIA H200", launch.DEFAULT), ("NVIDIA RTX PRO 6000 Blackwell Server Edition", Config())):
+        launch._config_of_index.cache_clear()
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda index, name=name: asked.append(index) or name)
+        assert launch.config_for(torch.device("cuda", 1)) == want
+        assert launch.config_for(torch.device("cuda", 1)) == want
+    launch._config_of_index.cache_clear()
+    assert asked == [1, 1]  # asked once a device, not on every call

@@ -140,7 +140,15 @@ def config_named(device_name: str) -> Config:
 
 def config_for(device: torch.device) -> Config:
     """The Config fused_moe runs with on `device` (the short defaults off CUDA)."""
-    return config_named(torch.cuda.get_device_name(device)) if device.type == "cuda" else Config()
+    if device.type != "cuda":
+        return Config()
+    return _config_of_index(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@cache
+def _config_of_index(index: int) -> Config:
+    # once a process and device: fused_moe_cuda asks on every call
+    return config_named(torch.cuda.get_device_name(index))
 
 
 #: the steps measured on the H200 (configs/NVIDIA_H200.json): the reference ladder of the tests and sweeps
