@@ -11,6 +11,7 @@ from .align import align_pairs
 from .dequant import LayerPlanes
 from .mma_moe import Mma
 from .mma_prefill import Prefill
+from .padding import skip_padding
 
 
 @dataclass(frozen=True)
@@ -247,6 +248,8 @@ def fused_moe_cuda(x: torch.Tensor, planes: LayerPlanes, topk_weights: torch.Ten
     if H % 16 or I % 16:
         raise ValueError(f"hidden {H} and intermediate {I} must be multiples of 16")
     dev = x.device
+    # vLLM's padding rows (expert id -1): no -1 reaches a kernel (padding.py)
+    x, topk_weights, topk_ids = skip_padding(x, topk_weights, topk_ids)
     x = x.contiguous()
     P = T * top_k
     form = layer_form(planes)
