@@ -14,6 +14,7 @@ from .dequant import LayerPlanes
 from .launch_config import DECODE_LADDERS, PrefillLater
 from .mma_moe import Mma
 from .mma_prefill import Prefill
+from .padding import skip_padding
 
 
 @dataclass(frozen=True)
@@ -190,6 +191,8 @@ def fused_moe_cuda(x: torch.Tensor, planes: LayerPlanes, topk_weights: torch.Ten
         raise ValueError(f"hidden {H} and intermediate {I} must be multiples of 16")
     dev = x.device
     config = config_for(dev) if config is None else config
+    # vLLM's padding rows (expert id -1): no -1 reaches a kernel (padding.py)
+    x, topk_weights, topk_ids = skip_padding(x, topk_weights, topk_ids)
     x = x.contiguous()
     P = T * top_k
     form = layer_form(planes)
