@@ -7,14 +7,14 @@ from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
-from .. import layout as L
-from ..cacheview import CacheView, file_matches, open_uncommitted_view, open_view
+from ..cacheview import CacheView, file_matches, open_uncommitted_view
 from ..cancel import CancelToken
 from ..commit import KillHook, changing
-from ..errors import InputError
+from ..errors import InputError, VerificationError
 from ..manifest import COMMIT_RECORD, ManifestError, utc_now
 from ..tiering import check_profile, choose_tier, load_profile
 from ..units import parse_budget
+from ..verifier import UNVERIFIED, VERIFIED, VerifyReport, boot_view
 from .options import RetierResult
 from .parts import sweep
 from .tier import TIER_PART, TIER_ROLES, file_deltas, tier_candidates, tier_key, write_tier
@@ -42,7 +42,7 @@ def retier_cache(cache: str | os.PathLike[str], delta_budget: str, profile: str 
         if cancel is not None:
             cancel.check()
         commits.uncommit()
-        deltas = file_deltas({layer: root / L.delta_file(layer) for layer, ex in chosen.items() if ex})
+        deltas = file_deltas(root, cf.layers)  # each copied plane's tensor checked against its digest
         key = tier_key({r.layer: r.xxh3 for r in m.layers}, budget, prof.digest if prof else None)
         tier = write_tier(root, cf.layers, chosen, deltas, budget, prof, key, cancel)
         keep = [f for f in m.files if f.role not in TIER_ROLES and f.path != TIER_PART]
@@ -57,10 +57,14 @@ def retier_cache(cache: str | os.PathLike[str], delta_budget: str, profile: str 
 
 
 def _retier_source(root: Path) -> CacheView:
-    """The cache to re-tier: the committed one, or the one a killed retier (or build) left uncommitted,
-    if every file it keeps still matches its digest (re-hashed); the tier itself is rewritten anyway."""
+    """The cache to re-tier: the committed one if the boot check says it is complete and verified, or the one
+    a killed retier (or build) left uncommitted if every file it keeps still matches its digest (re-hashed);
+    the tier itself is rewritten anyway. Anything else is refused (exit 1): a retier recommits the cache as
+    verified, so it must never take in a file that no check has vouched for."""
     if (root / COMMIT_RECORD).is_file():
-        cf = open_view(root)
+        report, cf = boot_view(root, check_source=False)  # the source is not needed, so its staleness is not
+        if report.state != VERIFIED or cf is None:
+            raise _refuse(root, report)
     else:
         try:
             cf = open_uncommitted_view(root)
@@ -70,9 +74,20 @@ def _retier_source(root: Path) -> CacheView:
         bad = next((f.path for f, _ in cf.files
                     if f.role not in TIER_ROLES and f.path != TIER_PART and not file_matches(root, f)), None)
         if bad is not None:
-            raise InputError(f"{root} is not committed and {bad} does not match its record, so it cannot be "
-                             "resumed without the source", "run moet-cache build SRC CACHE (with --lossless)")
+            raise VerificationError(f"{root} is not committed and {bad} does not match its record (or cannot be "
+                                    "read), so it cannot be resumed without the source",
+                                    "run moet-cache build SRC CACHE (with --lossless)")
     if not cf.manifest.build.lossless:
         raise InputError("only a --lossless cache keeps every delta plane, so only it can be re-tiered",
                          "build again with the new --delta-budget (the source is needed)")
     return cf
+
+
+def _refuse(root: Path, report: VerifyReport) -> VerificationError:
+    """Why a committed cache is not re-tiered, and what to do first."""
+    first = "; ".join(p.describe() for p in report.problems[:3])
+    more = f" (and {len(report.problems) - 3} more)" if len(report.problems) > 3 else ""
+    hint = ("run moet-cache verify --full first: a retier keeps these files and records them as verified"
+            if report.state == UNVERIFIED else "run moet-cache build SRC CACHE (with --lossless) to repair it")
+    return VerificationError(f"{root} is {report.state_text}, so it is not re-tiered: {first}{more}", hint,
+                             list(report.problems))
