@@ -14,7 +14,7 @@ from ..errors import InputError, VerificationError
 from ..manifest import COMMIT_RECORD, ManifestError, utc_now
 from ..tiering import check_profile, choose_tier, load_profile
 from ..units import parse_budget
-from ..verifier import UNVERIFIED, VERIFIED, VerifyReport, boot_view
+from ..verifier import UNVERIFIED, VERIFIED, Problem, ProblemKind, VerifyReport, boot_view
 from .options import RetierResult
 from .parts import sweep
 from .tier import TIER_PART, TIER_ROLES, file_deltas, tier_candidates, tier_key, write_tier
@@ -57,37 +57,46 @@ def retier_cache(cache: str | os.PathLike[str], delta_budget: str, profile: str 
 
 
 def _retier_source(root: Path) -> CacheView:
-    """The cache to re-tier: the committed one if the boot check says it is complete and verified, or the one
-    a killed retier (or build) left uncommitted if every file it keeps still matches its digest (re-hashed);
-    the tier itself is rewritten anyway. Anything else is refused (exit 1): a retier recommits the cache as
-    verified, so it must never take in a file that no check has vouched for."""
+    """The cache to re-tier, every file it keeps proven: the committed one, its files unchanged since the last
+    verification (the boot check) or re-hashed now where they changed (a copy, a touch, a retier killed
+    before it recorded its commit); or the one a killed retier (or build) left uncommitted, every kept file
+    re-hashed. The tier itself is rewritten anyway. A retier recommits the cache as verified, so anything
+    else is refused (exit 1): a corrupt or incomplete cache, a kept file that does not match its digest."""
     if (root / COMMIT_RECORD).is_file():
-        report, cf = boot_view(root, check_source=False)  # the source is not needed, so its staleness is not
-        if report.state != VERIFIED or cf is None:
+        report, cf = boot_view(root, check_source=False)  # retier does not need the source: staleness aside
+        if cf is None or report.state not in (VERIFIED, UNVERIFIED):
             raise _refuse(root, report)
+        _rehash_kept(root, cf, {p.path for p in report.problems if p.kind == ProblemKind.CHANGED})
     else:
         try:
             cf = open_uncommitted_view(root)
         except ManifestError as e:
             raise InputError(f"{root} is not committed and cannot be resumed without the source: {e.message}",
                              "run moet-cache build SRC CACHE (with --lossless) to finish it") from None
-        bad = next((f.path for f, _ in cf.files
-                    if f.role not in TIER_ROLES and f.path != TIER_PART and not file_matches(root, f)), None)
-        if bad is not None:
-            raise VerificationError(f"{root} is not committed and {bad} does not match its record (or cannot be "
-                                    "read), so it cannot be resumed without the source",
-                                    "run moet-cache build SRC CACHE (with --lossless)")
+        _rehash_kept(root, cf, None)
     if not cf.manifest.build.lossless:
         raise InputError("only a --lossless cache keeps every delta plane, so only it can be re-tiered",
                          "build again with the new --delta-budget (the source is needed)")
     return cf
 
 
+def _rehash_kept(root: Path, cf: CacheView, paths: set[str] | None) -> None:
+    """Every file the new commit keeps (of `paths`; all when None) still matches its digest, re-hashed now."""
+    for f, _ in cf.files:
+        if f.role in TIER_ROLES or f.path == TIER_PART or paths is not None and f.path not in paths:
+            continue
+        if not file_matches(root, f):
+            committed = "" if paths is not None else "is not committed and "
+            raise VerificationError(f"{root} {committed}{f.path} does not match its record (xxh3-128) or cannot be "
+                                    "read, so it is not re-tiered", "run moet-cache verify --full for the details, "
+                                    "then moet-cache build SRC CACHE (with --lossless) to repair it",
+                                    [Problem(ProblemKind.DIGEST, f.path, "contents differ from the manifest")])
+
+
 def _refuse(root: Path, report: VerifyReport) -> VerificationError:
-    """Why a committed cache is not re-tiered, and what to do first."""
+    """Why a committed cache is not re-tiered (corrupt, incomplete), and what to do first."""
     first = "; ".join(p.describe() for p in report.problems[:3])
     more = f" (and {len(report.problems) - 3} more)" if len(report.problems) > 3 else ""
-    hint = ("run moet-cache verify --full first: a retier keeps these files and records them as verified"
-            if report.state == UNVERIFIED else "run moet-cache build SRC CACHE (with --lossless) to repair it")
-    return VerificationError(f"{root} is {report.state_text}, so it is not re-tiered: {first}{more}", hint,
-                             list(report.problems))
+    return VerificationError(f"{root} is {report.state_text}, so it is not re-tiered: {first}{more}",
+                             "run moet-cache verify --full for the details, then moet-cache build SRC CACHE "
+                             "(with --lossless) to repair it", list(report.problems))

@@ -75,8 +75,18 @@ def test_retier_refuses_a_cache_with_a_flipped_byte_the_boot_check_sees_changed(
     _flip_keeping_stats(target, target.stat().st_size - 3)
     os.utime(target)  # a flip the boot check can see as a change (not as damage): "unverified"
     assert boot_check(cache).state == "unverified"
-    _retier_refused(cache, "verify --full")
+    _retier_refused(cache, str(target.relative_to(cache)), "does not match")  # re-hashed: what changed is proven
     assert full_verify(cache).state == "corrupt"  # the damage is still where --full finds it
+
+
+def test_retier_rehashes_what_changed_and_then_records_it(lossless: tuple[Path, Path], work: Path) -> None:
+    """A copy (every file "copied", so unverified) is re-tiered after its kept files are re-hashed."""
+    cache = link_copy(lossless[1], work / "cache")
+    for p in (cache / "layers").iterdir():
+        private(p)
+    assert boot_check(cache).state == "unverified"
+    assert retier_cache(cache, "60%").tier_experts > 0
+    assert boot_check(cache).ok and full_verify(cache).ok
 
 
 def test_retier_never_copies_a_delta_plane_that_does_not_match_its_digest(lossless: tuple[Path, Path],
