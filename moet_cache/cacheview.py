@@ -35,9 +35,10 @@ REBUILD = "run moet-cache build again"
 
 
 class DamagedCacheError(ManifestError, VerificationError):
-    """The cache's own files say it is damaged or unfinished (no commit record, a record that cannot be read,
-    a file that is not what its record names): a verification problem (exit 1) to every command, never bad
-    input; still a ManifestError to the callers that treat every unusable manifest alike."""
+    """The cache's own files say it is damaged (a commit record that cannot be read, a file that is not what
+    its record names): a verification problem (exit 1) to every command, never bad input; still a
+    ManifestError to the callers that treat every unusable manifest alike. (A folder without a commit
+    record stays a ManifestError, exit 2 outside `verify`: it may be no cache at all.)"""
 
 
 class ListedFileError(DamagedCacheError):
@@ -226,8 +227,8 @@ def open_view(root: str | os.PathLike[str]) -> CacheView:
     """The view of a committed cache; a ManifestError when it is incomplete or its manifests are damaged."""
     root = Path(root)
     if not (root / COMMIT_RECORD).is_file():
-        raise DamagedCacheError(f"{root} has no commit record: the cache is incomplete",
-                                "run moet-cache build to finish it")
+        raise ManifestError(f"{root} has no commit record: the cache is incomplete",
+                            "run moet-cache build to finish it")
     return view_of(root, *read_commit(root))
 
 
