@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Collection, Iterable
 
 from . import layout as L
 from .manifest import utc_now
@@ -132,24 +132,18 @@ def _stat_key(st: os.stat_result) -> list[int]:
 
 def record_verified_state(root: Path, manifest: CacheManifest, manifest_xxh3: str, by: VerifiedBy,
                           bytes_per_second: float | None = None, view: CacheView | None = None,
-                          damaged: dict[str, str] | None = None) -> None:
+                          damaged: dict[str, str] | None = None, unproven: Collection[str] = ()) -> None:
     """Remember each file's (size, mtime_ns, inode) after a build or a full verify, for the boot check,
     and the speed this machine hashed the cache at (kept from the previous record when none is given).
     `view`: the committed cache as the caller opened it (--full: the view it hashed); else opened here.
     `damaged`: what a failed --full found ({path: what}): those files get no stats, and the boot check
-    reports them as corrupt until a build replaces them or a --full finds them whole."""
+    reports them as corrupt until a build replaces them or a --full finds them whole; `unproven`: other
+    files the --full did not hash (missing, a link, the wrong size), which get no stats either."""
     refuse_links(root, (".state",))
     cf = view if view is not None else open_view(root)
     damaged = damaged or {}
-    stats = {}
-    for f, _ in cf.files:
-        if f.path in damaged:
-            continue
-        try:
-            stats[f.path] = _stat_key((root / f.path).stat())
-        except FileNotFoundError:
-            if not damaged:
-                raise
+    stats = {f.path: _stat_key((root / f.path).stat()) for f, _ in cf.files
+             if f.path not in damaged and f.path not in unproven}
     for name in (CACHE_MANIFEST, COMMIT_RECORD):
         stats[name] = _stat_key((root / name).stat())
     if bytes_per_second is None:
@@ -294,8 +288,9 @@ def boot_view(root: str | os.PathLike[str], check_source: bool = True) -> tuple[
             problems.append(Problem(ProblemKind.SIZE, f.path,
                                     f"size is {st.st_size}, the manifest says {f.size}", layer))
         elif f.path in damaged:
-            problems.append(Problem(ProblemKind.DIGEST, f.path, f"the last verify --full ({state.get('at') if state else '?'}) "
-                                    f"found it damaged ({damaged[f.path]}); build the cache again to repair it", layer))
+            at = state.get("at") if state else None
+            problems.append(Problem(ProblemKind.DIGEST, f.path, f"the last verify --full ({at}) found it damaged "
+                                    f"({damaged[f.path]}); build the cache again to repair it", layer))
         elif (bad := _small_file_problem(root, f, layer)) is not None:
             problems.append(bad)
         elif recorded.get(f.path) != _stat_key(st):
@@ -450,7 +445,8 @@ def full_verify(root: str | os.PathLike[str], workers: int | None = None,
     if damaged:
         # Remembered, so that the boot check (every serve, load, retier, build's "nothing to do") refuses the
         # cache until a build replaces these files or a later --full finds them whole.
-        record_verified_state(root, cf.manifest, cf.manifest_xxh3, by=VerifiedBy.FULL, view=cf, damaged=damaged)
+        record_verified_state(root, cf.manifest, cf.manifest_xxh3, by=VerifiedBy.FULL, view=cf, damaged=damaged,
+                              unproven={p.path for p in problems})
     ok = verdict == VERIFIED
     return VerifyReport(Check.FULL, verdict, tuple(problems), len(cf.files), bytes_hashed=hashed,
                         seconds=time.perf_counter() - t0, verified_by=VerifiedBy.FULL if ok else None,

@@ -8,7 +8,7 @@ from functools import partial
 from pathlib import Path
 
 from ..cacheview import CacheView, file_matches, open_uncommitted_view
-from ..cancel import CancelToken
+from ..cancel import CancelToken, check as check_cancel
 from ..commit import KillHook, changing
 from ..errors import InputError, VerificationError
 from ..manifest import COMMIT_RECORD, ManifestError, utc_now
@@ -25,13 +25,17 @@ def retier_cache(cache: str | os.PathLike[str], delta_budget: str, profile: str 
                  kill_at: KillHook | None = None) -> RetierResult:
     """Choose a new delta tier for a --lossless cache, without the source; recommits the cache.
 
+    It first proves every file it keeps (the boot check, and a re-hash of what changed since the last
+    verification) and checks every delta plane it copies against its digest: a damaged, incomplete or
+    unreadable cache is a VerificationError (exit 1), and the cache is left as it was.
+
     The same commit protocol as a build (moet_cache.commit): interrupted with Ctrl-C, SIGTERM or `cancel`
     it puts the previous commit back where it can prove nothing changed; killed inside its window it leaves
     the cache uncommitted, and the same command resumes it (from cache.json, re-hashing the files it keeps).
     """
     root = Path(cache)
     with changing(root, wait, kill_at) as commits:
-        cf = _retier_source(root)
+        cf = _retier_source(root, cancel)
         m = cf.manifest
         total = sum(lm.n_experts * lm.expert_delta_bytes for lm in cf.layers.values())
         budget = parse_budget(delta_budget, total, what="delta budget")
@@ -56,7 +60,7 @@ def retier_cache(cache: str | os.PathLike[str], delta_budget: str, profile: str 
                             prof is not None)
 
 
-def _retier_source(root: Path) -> CacheView:
+def _retier_source(root: Path, cancel: CancelToken | None = None) -> CacheView:
     """The cache to re-tier, every file it keeps proven: the committed one, its files unchanged since the last
     verification (the boot check) or re-hashed now where they changed (a copy, a touch, a retier killed
     before it recorded its commit); or the one a killed retier (or build) left uncommitted, every kept file
@@ -66,23 +70,25 @@ def _retier_source(root: Path) -> CacheView:
         report, cf = boot_view(root, check_source=False)  # retier does not need the source: staleness aside
         if cf is None or report.state not in (VERIFIED, UNVERIFIED):
             raise _refuse(root, report)
-        _rehash_kept(root, cf, {p.path for p in report.problems if p.kind == ProblemKind.CHANGED})
+        _rehash_kept(root, cf, {p.path for p in report.problems if p.kind == ProblemKind.CHANGED}, cancel)
     else:
         try:
             cf = open_uncommitted_view(root)
         except ManifestError as e:
             raise InputError(f"{root} is not committed and cannot be resumed without the source: {e.message}",
                              "run moet-cache build SRC CACHE (with --lossless) to finish it") from None
-        _rehash_kept(root, cf, None)
+        _rehash_kept(root, cf, None, cancel)
     if not cf.manifest.build.lossless:
         raise InputError("only a --lossless cache keeps every delta plane, so only it can be re-tiered",
                          "build again with the new --delta-budget (the source is needed)")
     return cf
 
 
-def _rehash_kept(root: Path, cf: CacheView, paths: set[str] | None) -> None:
-    """Every file the new commit keeps (of `paths`; all when None) still matches its digest, re-hashed now."""
+def _rehash_kept(root: Path, cf: CacheView, paths: set[str] | None, cancel: CancelToken | None) -> None:
+    """Every file the new commit keeps (of `paths`; all when None) still matches its digest, re-hashed now
+    (`cancel` is looked at between files)."""
     for f, _ in cf.files:
+        check_cancel(cancel)
         if f.role in TIER_ROLES or f.path == TIER_PART or paths is not None and f.path not in paths:
             continue
         if not file_matches(root, f):
