@@ -152,14 +152,20 @@ def _small_files(cache: Path) -> list[str]:
     return [f["path"] for f in doc["files"] if f["role"] in ("aux", "source-config", "part-manifest", "source-map")]
 
 
-def test_the_boot_check_hashes_every_small_file(built_cache: Path, tmp_path: Path) -> None:
-    """Each small file changed in place, its stats kept: the boot check says corrupt, serve, plan and
-    inspect exit 1 (a damaged cache, never bad input) and --against does not say verified."""
-    small = _small_files(built_cache)
-    assert {"model/config.json", "model/config.source.json", "model/generation_config.json", L.SOURCE_MAP,
-            "delta/tier.part.json"} <= set(small) and any(p.startswith("dense/") for p in small)
+def test_the_boot_check_hashes_every_small_file(src_copy: Path, tmp_path: Path) -> None:
+    """Each small file (the tokenizer and V4's encoding/ among them) changed in place, its stats kept: the
+    boot check says corrupt; verify, verify --full and serve exit 1; the loader refuses."""
+    (src_copy / "tokenizer.json").write_text(json.dumps({"model": {"vocab": {"a": 0, "b": 1}}}))
+    (src_copy / "encoding").mkdir()
+    (src_copy / "encoding" / "encoding_dsv4.py").write_text("def encode(messages):\n    return messages\n")
+    ref = tmp_path / "ref"
+    build_cache(src_copy, ref, BuildOptions(delta_budget="25%"))
+    small = _small_files(ref)
+    assert {"model/config.json", "model/config.source.json", "model/generation_config.json", "model/tokenizer.json",
+            "model/encoding/encoding_dsv4.py", L.SOURCE_MAP, "delta/tier.part.json"} <= set(small)
+    assert any(p.startswith("dense/") for p in small)
     for rel in small:
-        cache = link_copy(built_cache, tmp_path / rel.replace("/", "_"))
+        cache = link_copy(ref, tmp_path / rel.replace("/", "_"))
         private(cache / rel)
         assert full_verify(cache).ok
         _flip_keeping_stats(cache / rel, (cache / rel).stat().st_size // 2)
