@@ -66,21 +66,22 @@ def _retier_source(root: Path, cancel: CancelToken | None = None) -> CacheView:
     before it recorded its commit); or the one a killed retier (or build) left uncommitted, every kept file
     re-hashed. The tier itself is rewritten anyway. A retier recommits the cache as verified, so anything
     else is refused (exit 1): a corrupt or incomplete cache, a kept file that does not match its digest."""
+    changed: set[str] | None = None  # None: re-hash every kept file
     if (root / COMMIT_RECORD).is_file():
-        report, cf = boot_view(root, check_source=False)  # retier does not need the source: staleness aside
-        if cf is None or report.state not in (VERIFIED, UNVERIFIED):
+        report, view = boot_view(root, check_source=False)  # retier does not need the source: staleness aside
+        if view is None or report.state not in (VERIFIED, UNVERIFIED):
             raise _refuse(root, report)
-        _rehash_kept(root, cf, {p.path for p in report.problems if p.kind == ProblemKind.CHANGED}, cancel)
+        cf, changed = view, {p.path for p in report.problems if p.kind == ProblemKind.CHANGED}
     else:
         try:
             cf = open_uncommitted_view(root)
         except ManifestError as e:
             raise InputError(f"{root} is not committed and cannot be resumed without the source: {e.message}",
                              "run moet-cache build SRC CACHE (with --lossless) to finish it") from None
-        _rehash_kept(root, cf, None, cancel)
     if not cf.manifest.build.lossless:
         raise InputError("only a --lossless cache keeps every delta plane, so only it can be re-tiered",
                          "build again with the new --delta-budget (the source is needed)")
+    _rehash_kept(root, cf, changed, cancel)
     return cf
 
 
@@ -92,9 +93,9 @@ def _rehash_kept(root: Path, cf: CacheView, paths: set[str] | None, cancel: Canc
         if f.role in TIER_ROLES or f.path == TIER_PART or paths is not None and f.path not in paths:
             continue
         if not file_matches(root, f):
-            committed = "" if paths is not None else "is not committed and "
-            raise VerificationError(f"{root} {committed}{f.path} does not match its record (xxh3-128) or cannot be "
-                                    "read, so it is not re-tiered", "run moet-cache verify --full for the details, "
+            where = f"{root}:" if paths is not None else f"{root} is not committed and"
+            raise VerificationError(f"{where} {f.path} does not match its record (xxh3-128) or cannot be "
+                                    "read, so the cache is not re-tiered", "run moet-cache verify --full for the details, "
                                     "then moet-cache build SRC CACHE (with --lossless) to repair it",
                                     [Problem(ProblemKind.DIGEST, f.path, "contents differ from the manifest")])
 
