@@ -128,6 +128,18 @@ def test_retier_runs_the_boot_check_first(lossless: tuple[Path, Path], work: Pat
     _retier_refused(cache, BASE)
 
 
+def test_a_resumed_retier_refuses_a_damaged_kept_file_as_damage(lossless: tuple[Path, Path], work: Path) -> None:
+    """Uncommitted (a retier killed in its window): every kept file is re-hashed; a damaged one is exit 1."""
+    cache = link_copy(lossless[1], work / "cache")
+    (cache / COMMIT_RECORD).unlink()
+    private(cache / BASE)
+    _flip_keeping_stats(cache / BASE, (cache / BASE).stat().st_size - 3)
+    with pytest.raises(VerificationError, match=f"not committed and {BASE} does not match"):
+        retier_cache(cache, "60%")
+    assert run_main(["retier", cache, "--delta-budget", "60%"])[0] == 1
+    assert not (cache / COMMIT_RECORD).exists()
+
+
 # --- a failed --full is remembered -----------------------------------------------------------------
 def test_a_failed_full_verify_is_remembered_until_a_build_repairs_it(cache: Path, ckpt_modelopt: Path) -> None:
     t = _tensor(cache, 2, L.W2_BASE)
