@@ -151,6 +151,7 @@ def test_a_failed_full_verify_is_remembered_until_a_build_repairs_it(cache: Path
     assert boot.state == "corrupt" and [p.path for p in boot.problems] == [L.base_file(2)]
     assert "verify --full" in boot.problems[0].detail
     assert run_main(["verify", cache])[0] == 1
+    assert run_main(["serve", cache, "--dry-run", "--skip-flag-check"])[0] == 1
     with pytest.raises(VerificationError, match="corrupt"):
         open_cache(cache)
     r = build_cache(ckpt_modelopt, cache, BuildOptions(delta_budget="25%"))  # the hint's repair
