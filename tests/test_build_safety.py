@@ -1,0 +1,206 @@
+"""The build's input safety: a source and a cache that overlap, a folder that is not a cache, files the
+build did not write, and source model files that cannot be carried (docs/GUARANTEES.md, section 8)."""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import stat
+from pathlib import Path
+
+import pytest
+
+from moet_cache import BuildOptions, CancelToken, build_cache
+from moet_cache import fsutil
+from moet_cache import layout as L
+from moet_cache.errors import InputError, Interrupted
+from moet_cache.verifier import VERIFIED, boot_check, full_verify
+
+from tests.faults.campaign import run_main
+
+
+def snapshot(folder: Path) -> dict[str, tuple[bytes | str, int]]:
+    """Every entry under `folder`: a file's bytes (a link's target) and its mode."""
+    out: dict[str, tuple[bytes | str, int]] = {}
+    for p in sorted(folder.rglob("*")):
+        st = p.lstat()
+        what: bytes | str = os.readlink(p) if p.is_symlink() else p.read_bytes() if p.is_file() else "dir"
+        out[p.relative_to(folder).as_posix()] = (what, stat.S_IMODE(st.st_mode))
+    return out
+
+
+def user_files(folder: Path) -> dict[str, bytes]:
+    """A user's own files in every folder a cache uses, and beside them."""
+    files = {"README.md": b"my project\n", "model/notes.txt": b"mine\n", "layers/plan.txt": b"layers of my plan\n",
+             "dense/data.bin": b"\x00\x01", "delta/changes.diff": b"-a\n+b\n", "staging/draft.txt": b"draft\n",
+             "model/sub/keep.json": b"{}\n"}
+    for rel, data in files.items():
+        (folder / rel).parent.mkdir(parents=True, exist_ok=True)
+        (folder / rel).write_bytes(data)
+    return files
+
+
+# --- SRC and CACHE never overlap -----------------------------------------------------------------------
+
+def test_source_inside_the_cache_is_refused_before_anything_is_written(ckpt_modelopt: Path, tmp_path: Path) -> None:
+    # `moet-cache build x/model x`: the checkpoint inside the folder the cache is built into
+    x = tmp_path / "x"
+    shutil.copytree(ckpt_modelopt, x / "model")
+    before = snapshot(x)
+    rc, _, err = run_main(["build", x / "model", x])
+    assert rc == 2 and "overlap" in err, err
+    assert snapshot(x) == before  # not even the lock file
+
+
+def test_source_under_a_caches_staging_folder_survives(ckpt_modelopt: Path, tmp_path: Path) -> None:
+    # a real cache, the checkpoint put under its staging/ folder (the sweep once removed staging/ whole),
+    # reached directly and through a link from outside
+    cache = tmp_path / "cache"
+    build_cache(ckpt_modelopt, cache, BuildOptions(delta_budget="25%"))
+    src = cache / L.STAGING_DIR / "src"
+    shutil.copytree(ckpt_modelopt, src)
+    (tmp_path / "alias").symlink_to(src)
+    before = snapshot(cache)
+    for given in (src, tmp_path / "alias"):
+        rc, _, err = run_main(["build", given, cache, "--delta-budget", "10%"])
+        assert rc == 2 and "overlap" in err, err
+        assert snapshot(cache) == before
+    assert boot_check(cache).state == VERIFIED
+
+
+def test_a_cache_holding_the_source_or_a_link_into_the_cache_is_refused(ckpt_modelopt: Path, tmp_path: Path) -> None:
+    src = Path(shutil.copytree(ckpt_modelopt, tmp_path / "src"))
+    rc, _, err = run_main(["build", src, tmp_path])  # the cache folder holds the checkpoint
+    assert rc == 2 and "overlap" in err, err
+    assert not (tmp_path / ".lock").exists() and not (tmp_path / "model").exists()
+    # a checkpoint file that is a link into the cache folder: the build would replace or sweep what it reads
+    cache = tmp_path / "cache"
+    build_cache(src, cache, BuildOptions(delta_budget="25%"))
+    (src / "tokenizer.json").symlink_to(cache / "model" / "config.json")
+    before = snapshot(cache)
+    rc, _, err = run_main(["build", src, cache])
+    assert rc == 2 and "link into the cache folder" in err, err
+    assert snapshot(cache) == before
+
+
+# --- only a new, empty or cache folder; the sweep deletes only what a record proves the build wrote --------
+
+def test_a_folder_of_other_files_is_refused_and_left_as_it_was(ckpt_modelopt: Path, tmp_path: Path) -> None:
+    project = tmp_path / "project"
+    user_files(project)
+    before = snapshot(project)
+    rc, _, err = run_main(["build", ckpt_modelopt, project])
+    assert rc == 2 and "holds no moet-cache cache" in err and "new or empty folder" in err, err
+    assert snapshot(project) == before
+    # an empty folder, or one where a killed build got no further than its lock, is built into
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "locked").mkdir()
+    (tmp_path / "locked" / ".lock").write_bytes(b"123\n")
+    for name in ("empty", "locked"):
+        rc, _, err = run_main(["build", ckpt_modelopt, tmp_path / name, "--quiet"])
+        assert rc == 0, err
+        assert boot_check(tmp_path / name).state == VERIFIED
+
+
+def test_files_the_build_did_not_write_survive_rebuilds(ckpt_modelopt: Path, tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    build_cache(ckpt_modelopt, cache, BuildOptions(lossless=True, delta_budget="25%"))
+    mine = user_files(cache)
+    # a rebuild that changes every layer and the tier (its sweep removes the old delta files) ...
+    build_cache(ckpt_modelopt, cache, BuildOptions(delta_budget="10%", layers="1-2"))
+    assert not list(cache.glob("layers/*.delta.safetensors")) and not (cache / L.layer_manifest(3)).exists()
+    # ... and a rerun that only confirms the cache
+    assert build_cache(ckpt_modelopt, cache, BuildOptions(delta_budget="10%", layers="1-2")).already_complete
+    assert {rel: (cache / rel).read_bytes() for rel in mine} == mine
+    assert full_verify(cache).ok
+
+
+def test_a_build_stopped_before_its_first_record_resumes_and_proves_what_it_left(
+        ckpt_modelopt: Path, tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    token = CancelToken()
+    token.cancel()
+    with pytest.raises(Interrupted):  # stopped at its first unit: no layer manifest, part record or cache.json
+        build_cache(ckpt_modelopt, cache, BuildOptions(lossless=True), cancel=token)
+    assert not (cache / "cache.json").exists() and (cache / L.WRITTEN_RECORD).is_file()
+    # the folder is the build's (its record says so): the rerun resumes it
+    build_cache(ckpt_modelopt, cache, BuildOptions(delta_budget="25%"))
+    assert boot_check(cache).state == VERIFIED
+
+
+def test_a_cache_without_the_written_record_still_sweeps_what_its_records_list(
+        ckpt_modelopt: Path, tmp_path: Path) -> None:
+    # a cache made before .written.json existed: its manifests and part records are the proof
+    cache = tmp_path / "cache"
+    build_cache(ckpt_modelopt, cache, BuildOptions(lossless=True, delta_budget="25%"))
+    (cache / L.WRITTEN_RECORD).unlink()
+    build_cache(ckpt_modelopt, cache, BuildOptions(delta_budget="25%"))
+    assert not list(cache.glob("layers/*.delta.safetensors"))
+    assert full_verify(cache).ok
+
+
+# --- the model folder: every file carried, or the build refused ----------------------------------------
+
+@pytest.mark.parametrize("kind", ["dangling", "loop", "fifo", "unreadable"])
+def test_a_model_file_that_cannot_be_carried_is_refused(src_copy: Path, tmp_path: Path, kind: str,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    bad = src_copy / "tokenizer.json"
+    bad.unlink(missing_ok=True)
+    if kind == "dangling":
+        bad.symlink_to(src_copy / "nowhere.json")
+    elif kind == "loop":
+        bad.symlink_to(bad)
+    elif kind == "fifo":
+        os.mkfifo(bad)
+    else:
+        bad.write_text("{}")
+        real_open = fsutil._os_open
+
+        def deny(path, *a, **k):  # EACCES at the open (the tests run as root, where chmod 000 still reads)
+            if Path(path).name == "tokenizer.json":
+                raise PermissionError(errno.EACCES, "Permission denied", str(path))
+            return real_open(path, *a, **k)
+        monkeypatch.setattr(fsutil, "_os_open", deny)
+    cache = tmp_path / "cache"
+    rc, _, err = run_main(["build", src_copy, cache])
+    assert rc == 2 and "tokenizer.json" in err, err
+    assert not (cache / "cache.json").exists() and not (cache / "COMMIT.json").exists()
+
+
+def hub_snapshot(src: Path, repo: Path) -> Path:
+    """A Hugging Face hub cache of `src`: snapshots/<rev>/ holds links into ../../blobs."""
+    snap = repo / "snapshots" / "abc123"
+    for p in sorted(src.rglob("*")):
+        if p.is_file():
+            blob = repo / "blobs" / p.name
+            blob.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(p, blob)
+            link = snap / p.relative_to(src)
+            link.parent.mkdir(parents=True, exist_ok=True)
+            os.symlink(os.path.relpath(blob, link.parent), link)
+    return snap
+
+
+def test_a_snapshot_link_out_of_its_repo_is_refused_and_permissions_are_kept(ckpt_modelopt: Path,
+                                                                             tmp_path: Path) -> None:
+    snap = hub_snapshot(ckpt_modelopt, tmp_path / "hub" / "models--org--name")
+    private = tmp_path / "hub" / "models--org--name" / "blobs" / "secret.json"
+    private.write_text('{"mine": true}')
+    private.chmod(0o600)
+    (snap / "tokenizer_config.json").symlink_to(os.path.relpath(private, snap))  # inside the repo: carried
+    outside = tmp_path / "home-secret"
+    outside.write_text("key")
+    (snap / "tokenizer.json").symlink_to(outside)
+    cache = tmp_path / "cache"
+    rc, _, err = run_main(["build", snap, cache])
+    assert rc == 2 and "tokenizer.json" in err and "link out of" in err, err
+    assert not (cache / "model" / "tokenizer.json").exists()
+    (snap / "tokenizer.json").unlink()
+    rc, _, err = run_main(["build", snap, cache, "--quiet"])
+    assert rc == 0, err
+    carried = cache / "model" / "tokenizer_config.json"
+    assert carried.read_bytes() == private.read_bytes() and stat.S_IMODE(carried.stat().st_mode) == 0o600
+    assert stat.S_IMODE((cache / "model" / "config.source.json").stat().st_mode) == \
+        stat.S_IMODE((ckpt_modelopt / "config.json").stat().st_mode)
+    assert boot_check(cache).state == VERIFIED
