@@ -4,6 +4,7 @@ build did not write, and source model files that cannot be carried (docs/GUARANT
 from __future__ import annotations
 
 import errno
+import json
 import os
 import shutil
 import stat
@@ -204,3 +205,24 @@ def test_a_snapshot_link_out_of_its_repo_is_refused_and_permissions_are_kept(ckp
     assert stat.S_IMODE((cache / "model" / "config.source.json").stat().st_mode) == \
         stat.S_IMODE((ckpt_modelopt / "config.json").stat().st_mode)
     assert boot_check(cache).state == VERIFIED
+
+
+# --- config.json and the tensors describe the same layers ----------------------------------------------
+
+@pytest.mark.parametrize("family", ["v4", "v3"])
+def test_a_config_one_layer_short_of_the_tensors_is_refused(tmp_path: Path, family: str) -> None:
+    from moet_cache import make_checkpoint, small_spec
+    from moet_cache.checkpoint import MODELOPT
+    from moet_cache.synthetic import make_v4_checkpoint, small_v4_spec
+    src = tmp_path / "src"
+    if family == "v4":  # layers.0-2 and the drafter mtp.0: with 2 main layers, layers.2 and mtp.0 are one layer
+        make_v4_checkpoint(src, small_v4_spec("hybrid", num_hidden_layers=3))
+    else:  # model.layers.0-4, the last the MTP layer: with 3 + 1 layers, model.layers.4 is no layer
+        make_checkpoint(src, small_spec(MODELOPT))
+    config = json.loads((src / "config.json").read_text())
+    config["num_hidden_layers"] -= 1
+    (src / "config.json").write_text(json.dumps(config))
+    for extra in ([], ["--include-mtp"]):
+        rc, _, err = run_main(["build", src, tmp_path / "cache", *extra])
+        assert rc == 2 and f"num_hidden_layers={config['num_hidden_layers']}" in err and "tensors of layer" in err, err
+    assert not (tmp_path / "cache" / "COMMIT.json").exists()
