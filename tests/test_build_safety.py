@@ -226,3 +226,60 @@ def test_a_config_one_layer_short_of_the_tensors_is_refused(tmp_path: Path, fami
         rc, _, err = run_main(["build", src, tmp_path / "cache", *extra])
         assert rc == 2 and f"num_hidden_layers={config['num_hidden_layers']}" in err and "tensors of layer" in err, err
     assert not (tmp_path / "cache" / "COMMIT.json").exists()
+
+
+# --- export: OUT apart from the cache, and every interrupt resumable -----------------------------------
+
+def test_export_into_or_around_the_cache_is_refused(lossless: tuple[Path, Path], tmp_path: Path) -> None:
+    from tests.faults.campaign import link_copy
+    cache = link_copy(lossless[1], tmp_path / "work" / "cache")
+    before = snapshot(tmp_path)
+    for out in (cache / "model" / "export", cache, tmp_path / "work"):
+        rc, _, err = run_main(["export", cache, out])
+        assert rc == 2 and "overlap" in err, err
+        assert snapshot(tmp_path) == before
+
+
+_KILLING_EXPORT = """
+import os, signal, sys
+from moet_cache import exporter
+calls, real = [0], exporter.atomic_write_json
+def killing(path, obj):  # SIGKILL just before the k-th write of the progress record
+    calls[0] += 1
+    if calls[0] == int(sys.argv[3]):
+        os.kill(os.getpid(), signal.SIGKILL)
+    return real(path, obj)
+exporter.atomic_write_json = killing
+exporter.export_checkpoint(sys.argv[1], sys.argv[2])
+"""
+
+
+@pytest.mark.parametrize("kth", [1, 2])
+def test_export_killed_before_a_progress_record_resumes(lossless: tuple[Path, Path], tmp_path: Path, kth: int) -> None:
+    import subprocess
+    import sys
+
+    from tests.faults.campaign import exported_equals_source
+    src, cache = lossless
+    out = tmp_path / "out"
+    p = subprocess.run([sys.executable, "-c", _KILLING_EXPORT, str(cache), str(out), str(kth)], capture_output=True,
+                       text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert p.returncode == -9, p.stderr
+    rc, _, err = run_main(["export", cache, out, "--quiet"])
+    assert rc == 0, err
+    assert exported_equals_source(out, src) and not [p.name for p in out.iterdir() if p.name.startswith(".")]
+
+
+def test_sigterm_after_the_export_index_stops_and_the_rerun_finishes(lossless: tuple[Path, Path], tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    from moet_cache.commit import KILL_ENV
+    from tests.faults.campaign import exported_equals_source, run_console
+    src, cache = lossless
+    out = tmp_path / "out"
+    monkeypatch.setenv(KILL_ENV, "export-index-written:TERM")  # the console script signals itself there
+    rc, _, err = run_console(["export", cache, out])
+    monkeypatch.delenv(KILL_ENV)
+    assert rc == 3 and "interrupted by SIGTERM" in err, err
+    rc, _, err = run_main(["export", cache, out, "--quiet"])
+    assert rc == 0, err
+    assert exported_equals_source(out, src) and not [p.name for p in out.iterdir() if p.name.startswith(".")]
