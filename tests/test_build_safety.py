@@ -283,3 +283,14 @@ def test_sigterm_after_the_export_index_stops_and_the_rerun_finishes(lossless: t
     rc, _, err = run_main(["export", cache, out, "--quiet"])
     assert rc == 0, err
     assert exported_equals_source(out, src) and not [p.name for p in out.iterdir() if p.name.startswith(".")]
+
+
+def test_demo_never_writes_over_a_workdir_of_other_files(tmp_path: Path) -> None:
+    for sub in ("checkpoint", "cache"):
+        work = tmp_path / sub
+        (work / sub).mkdir(parents=True)
+        (work / sub / "config.json").write_text('{"mine": true}')
+        before = snapshot(work)
+        rc, _, err = run_main(["demo", "--workdir", work])
+        assert rc == 2 and "not empty" in err and "--workdir" in err, err
+        assert snapshot(work) == before
