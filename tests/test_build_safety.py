@@ -1,5 +1,5 @@
 """The build's input safety: a source and a cache that overlap, a folder that is not a cache, files the
-build did not write, and source model files that cannot be carried (docs/GUARANTEES.md, section 8)."""
+build did not write, and source model files that cannot be carried (docs/GUARANTEES.md, section 5.1)."""
 
 from __future__ import annotations
 
