@@ -104,7 +104,13 @@ def _link_into(src: Path, root: Path) -> Path | None:
     for folder, dirs, names in os.walk(src):
         for name in (*dirs, *names):
             p = Path(folder) / name
-            if p.is_symlink() and is_inside(root, p):
+            if not p.is_symlink():
+                continue
+            try:
+                target = p.resolve()
+            except (OSError, RuntimeError):  # a loop leads nowhere; aux_files or open_checkpoint name it
+                continue
+            if is_inside(root, target):
                 return p
     return None
 
