@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -278,7 +279,7 @@ def export_checkpoint(root: str | os.PathLike[str], out: str | os.PathLike[str],
             rel = "config.json" if f.role == L.Role.SOURCE_CONFIG else Path(f.path).relative_to(L.AUX_DIR)
             dest = out / rel
             dest.parent.mkdir(parents=True, exist_ok=True)
-            atomic_write_bytes(dest, data)
+            atomic_write_bytes(dest, data, stat.S_IMODE(os.lstat(root / f.path).st_mode))  # the source's, kept by the build
     check_cancel(cancel)
     progress.finish()  # (the CLI's raises a held Ctrl-C here, while the record still resumes the export)
     (out / PROGRESS_RECORD).unlink(missing_ok=True)  # last: from here OUT is a finished checkpoint

@@ -15,7 +15,7 @@ import pytest
 from moet_cache import BuildOptions, CancelToken, build_cache
 from moet_cache import fsutil
 from moet_cache import layout as L
-from moet_cache.errors import InputError, Interrupted
+from moet_cache.errors import Interrupted
 from moet_cache.verifier import VERIFIED, boot_check, full_verify
 
 from tests.faults.campaign import run_main
@@ -294,3 +294,18 @@ def test_demo_never_writes_over_a_workdir_of_other_files(tmp_path: Path) -> None
         rc, _, err = run_main(["demo", "--workdir", work])
         assert rc == 2 and "not empty" in err and "--workdir" in err, err
         assert snapshot(work) == before
+
+
+def test_export_gives_model_files_their_permissions_back(src_copy: Path, tmp_path: Path) -> None:
+    (src_copy / "tokenizer.json").write_text('{"private": true}')
+    (src_copy / "tokenizer.json").chmod(0o600)
+    (src_copy / "config.json").chmod(0o640)
+    cache, out = tmp_path / "cache", tmp_path / "out"
+    build_cache(src_copy, cache, BuildOptions(lossless=True))
+    for rel, mode in (("tokenizer.json", 0o600), ("config.source.json", 0o640), ("config.json", 0o640)):
+        assert stat.S_IMODE((cache / "model" / rel).stat().st_mode) == mode, rel
+    rc, _, err = run_main(["export", cache, out, "--quiet"])
+    assert rc == 0, err
+    for rel, mode in (("tokenizer.json", 0o600), ("config.json", 0o640)):
+        assert stat.S_IMODE((out / rel).stat().st_mode) == mode, rel
+        assert (out / rel).read_bytes() == (src_copy / rel).read_bytes()
