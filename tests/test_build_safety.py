@@ -128,6 +128,12 @@ def test_a_build_stopped_before_its_first_record_resumes_and_proves_what_it_left
     # the folder is the build's (its record says so): the rerun resumes it
     build_cache(ckpt_modelopt, cache, BuildOptions(delta_budget="25%"))
     assert boot_check(cache).state == VERIFIED
+    # a build killed before .written.json existed left layer manifests and part records: its folder too
+    for name in (L.WRITTEN_RECORD, "cache.json", "COMMIT.json"):
+        (cache / name).unlink()
+    (cache / "delta" / "tier.safetensors").unlink()
+    build_cache(ckpt_modelopt, cache, BuildOptions(delta_budget="25%"))
+    assert boot_check(cache).state == VERIFIED
 
 
 def test_a_cache_without_the_written_record_still_sweeps_what_its_records_list(

@@ -112,10 +112,12 @@ def note_planned(root: Path, planned: Iterable[str]) -> None:
 
 def is_cache_folder(root: Path) -> bool:
     """A folder a build may write into: empty (or holding only the lock of a build killed at once), or
-    holding a build's record (`COMMIT.json`, `cache.json`, `.written.json`)."""
+    holding a build's record (`COMMIT.json`, `cache.json`, `.written.json`, a layer manifest or part record
+    that parses: a build killed before `.written.json` existed)."""
     names = {p.name for p in root.iterdir()}
     return names <= {".lock"} or any((root / n).is_file() and not (root / n).is_symlink()
-                                     for n in (COMMIT_RECORD, CACHE_MANIFEST, L.WRITTEN_RECORD))
+                                     for n in (COMMIT_RECORD, CACHE_MANIFEST, L.WRITTEN_RECORD)) \
+        or bool(recorded_paths(root))
 
 
 def _proven_temp(rel: str, proven: set[str]) -> bool:
