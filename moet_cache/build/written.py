@@ -13,8 +13,8 @@ earlier, killed build or retier left) deletes a file only when a record of the b
 * a temp file of an atomic write, `.NAME.tmp-XXXXXXXX`, when NAME is proven.
 
 A record that does not parse proves nothing (it can only keep more files). The build also refuses a
-folder that is not empty and holds none of these records (`is_cache_folder`), so its first write into
-a folder is never beside files it did not make.
+folder that is not empty and holds none of these records (`is_cache_folder`): it never starts writing
+into a folder of someone else's files.
 """
 
 from __future__ import annotations
