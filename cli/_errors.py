@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from moet_cache.cacheview import ListedFileError
 from moet_cache.errors import EnvironmentProblem, InputError, Interrupted, MoetError, VerificationError
 
 EXIT_OK, EXIT_PROBLEM, EXIT_USAGE, EXIT_ENVIRONMENT = 0, 1, 2, 3
@@ -10,6 +11,7 @@ EXIT_OK, EXIT_PROBLEM, EXIT_USAGE, EXIT_ENVIRONMENT = 0, 1, 2, 3
 ERROR_TABLE: tuple[tuple[type[BaseException], int], ...] = (
     (Interrupted, EXIT_ENVIRONMENT),
     (VerificationError, EXIT_PROBLEM),
+    (ListedFileError, EXIT_PROBLEM),  # a file the cache lists is missing or not its bytes: a damaged cache
     (InputError, EXIT_USAGE),
     (EnvironmentProblem, EXIT_ENVIRONMENT),
     (MoetError, EXIT_USAGE),

@@ -7,9 +7,10 @@ from typing import Annotated
 
 import typer
 
-from moet_cache import inspect_cache
+from moet_cache.inspection import inspect_view
 from moet_cache.units import fmt_bytes
 
+from ._boot import checked_view
 from ._common import JsonOpt, QuietOpt
 from ._output import Output
 
@@ -21,7 +22,7 @@ def inspect(
 ) -> None:
     """Per layer: experts, base bytes, delta experts and bytes, base-only relative error; totals; source."""
     out = Output(json_, quiet)
-    info = inspect_cache(cache)
+    info = inspect_view(checked_view(cache, out))  # the boot check first: no summary of a damaged cache
     if out.json_mode:
         out.json({"command": "inspect", **info.__dict__})
         return

@@ -10,8 +10,10 @@ import typer
 
 from moet_cache import vram
 from moet_cache.errors import InputError
+from moet_cache.folders import FolderKind, folder_kind
 from moet_cache.units import GIB, parse_size, parse_tokens
 
+from ._boot import checked_view
 from ._common import JsonOpt, QuietOpt
 from ._errors import EXIT_OK, EXIT_PROBLEM
 from ._output import Output
@@ -179,7 +181,13 @@ def plan(
         async_scheduling=async_scheduling,
         cudagraph_reserve=parse_size(cudagraph_reserve, what="--cudagraph-reserve") if cudagraph_reserve else None,
         activation_reserve=parse_size(activation_reserve, what="--activation-reserve") if activation_reserve else None)
-    p = vram.plan_for(path, settings, delta_budget)
+    kind = folder_kind(path)
+    if kind == FolderKind.EMPTY:
+        raise InputError(f"{path} is an empty folder", "give a cache folder or an NVFP4 checkpoint folder")
+    if kind == FolderKind.CACHE:  # the boot check first: a damaged cache is exit 1, not a plan
+        p = vram.make_plan(vram.footprint_of_view(checked_view(path, out), delta_budget), settings)
+    else:  # a checkpoint: computed from config.json and the shard headers
+        p = vram.plan_for(path, settings, delta_budget)
     if out.json_mode:
         out.json(plan_document(p), EXIT_OK if p.fits else EXIT_PROBLEM)
     else:

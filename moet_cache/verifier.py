@@ -17,6 +17,7 @@ from .manifest import utc_now
 from .enums import StrEnum, TensorKind
 from .cacheview import CacheView, ListedFileError, entry_digest, open_view, read_committed_manifest
 from .errors import InputError, VerificationError
+from .folders import EMPTY_DETAIL, FolderKind, require_cache_folder
 from .fsutil import atomic_write_json, lock_is_held, open_regular, pread_into, read_json_file, refuse_links, resolve_inside
 from .hashing import xxh3_file_hex, xxh3_hex
 from .machine import usable_cores
@@ -243,10 +244,10 @@ def boot_view(root: str | os.PathLike[str], check_source: bool = True) -> tuple[
     a command that goes on to read the cache (load, serve, --against) reads it through this view."""
     t0 = time.perf_counter()
     root = Path(root)
-    if not root.is_dir():
-        raise InputError(f"{root} is not a cache folder")
+    kind = require_cache_folder(root)  # a typo, a file, a checkpoint: named as what it is (exit 2)
     if not (root / COMMIT_RECORD).is_file():
-        detail = "a build is running" if lock_is_held(root) else "no commit record: the build did not finish"
+        detail = EMPTY_DETAIL if kind == FolderKind.EMPTY else \
+            "a build is running" if lock_is_held(root) else "no commit record: the build did not finish"
         return VerifyReport(Check.BOOT, INCOMPLETE, (Problem(ProblemKind.COMMIT, COMMIT_RECORD, detail),), 0,
                             seconds=time.perf_counter() - t0), None
     try:

@@ -1,0 +1,116 @@
+"""What the command line says and which exit code it gives: damaged caches and wrong folders named as what they
+are, environment variables checked, output that fits, errors that tell the truth. Real folders, files and
+processes of the console script."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from moet_cache.cli.app import main
+
+EXE = [sys.executable, "-m", "moet_cache.cli.app"]
+
+
+def run(*args: str, env: dict[str, str] | None = None, timeout: float = 120, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([*EXE, *args], capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})}, **kw)
+
+
+def one_error_line(stderr: str) -> str:
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("Error: ") and "Traceback" not in stderr, stderr
+    return lines[0]
+
+
+def damage(cache: Path, how: str) -> str:
+    """Damage one base-plane file the way a failing disk or a careless copy does; its path in the cache."""
+    rel = "layers/layer-002.base.safetensors"
+    p = cache / rel
+    if how == "missing":
+        p.unlink()
+    elif how == "cut":
+        os.truncate(p, p.stat().st_size // 2)
+    elif how == "fifo":
+        p.unlink()
+        os.mkfifo(p)
+    return rel
+
+
+@pytest.mark.parametrize("how,state", [("missing", "incomplete"), ("cut", "corrupt"), ("fifo", "corrupt")])
+@pytest.mark.parametrize("command", ["inspect", "plan"])
+def test_a_damaged_cache_is_exit_1_with_the_boot_checks_line(tmp_path: Path, built_cache: Path, how: str,
+                                                             state: str, command: str,
+                                                             capsys: pytest.CaptureFixture) -> None:
+    cache = Path(shutil.copytree(built_cache, tmp_path / "cache"))
+    rel = damage(cache, how)
+    assert main([command, str(cache), "--json"]) == 1
+    captured = capsys.readouterr()
+    line = one_error_line(captured.err)
+    assert f"the cache is {state}" in line and rel in line
+    doc = json.loads(captured.out)  # the JSON document says the same
+    assert doc["exit_code"] == 1 and doc["error_type"] == "VerificationError" and rel in doc["error"]
+
+
+def test_inspect_and_plan_of_a_sound_cache_still_work(built_cache: Path, capsys: pytest.CaptureFixture) -> None:
+    assert main(["inspect", str(built_cache), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["total_experts"] == 48
+    assert main(["plan", str(built_cache), "--gpu", "96GB", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["exact"] is True
+
+
+def test_a_damaged_listed_file_read_after_the_boot_check_is_exit_1(tmp_path: Path, built_cache: Path,
+                                                                    capsys: pytest.CaptureFixture) -> None:
+    # delta/tier.json keeps its size and time (the boot check's stats pass) but not its bytes
+    cache = Path(shutil.copytree(built_cache, tmp_path / "cache"))
+    p = cache / "delta/tier.json"
+    st = p.stat()
+    data = bytearray(p.read_bytes())
+    data[len(data) // 2] ^= 0x20
+    p.write_bytes(bytes(data))
+    os.utime(p, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert main(["inspect", str(cache)]) == 1
+    assert "delta/tier.json" in one_error_line(capsys.readouterr().err)
+
+
+@pytest.mark.parametrize("command", ["inspect", "verify", "plan"])
+def test_wrong_folders_are_named_as_what_they_are(tmp_path: Path, ckpt_modelopt: Path, command: str,
+                                                  capsys: pytest.CaptureFixture) -> None:
+    (tmp_path / "a-file").write_text("x")
+    (tmp_path / "project").mkdir()
+    (tmp_path / "project" / "notes.txt").write_text("mine")
+    (tmp_path / "empty").mkdir()
+    cases = [(tmp_path / "typo", 2, "no such folder" if command != "plan" else "is not a folder"),
+             (tmp_path / "a-file", 2, "a file, not a cache folder" if command != "plan" else "is not a folder"),
+             (tmp_path / "project", 2, "holds no cache" if command != "plan" else "has no config.json")]
+    if command != "plan":  # plan takes a checkpoint too
+        cases.append((ckpt_modelopt, 2, "is a checkpoint, not a cache"))
+    cases.append((tmp_path / "empty", 1 if command != "plan" else 2,
+                  "the folder is empty" if command != "plan" else "is an empty folder"))
+    for path, code, needle in cases:
+        got = main([command, str(path)])
+        captured = capsys.readouterr()
+        if command == "verify" and code == 1:  # verify's report, on stdout
+            assert got == 1 and needle in captured.out, (path, captured)
+            continue
+        assert got == code, (path, captured)
+        line = one_error_line(captured.err)
+        assert needle in line, (path, line)
+        assert "build did not finish" not in line and "incomplete" not in line or code == 1
+
+
+def test_a_cache_whose_build_did_not_finish_is_still_called_so(tmp_path: Path, built_cache: Path,
+                                                               capsys: pytest.CaptureFixture) -> None:
+    cache = Path(shutil.copytree(built_cache, tmp_path / "cache"))
+    (cache / "COMMIT.json").unlink()
+    for command in ("inspect", "plan"):
+        assert main([command, str(cache)]) == 1
+        assert "the build did not finish" in one_error_line(capsys.readouterr().err)
+    assert main(["verify", str(cache)]) == 1
+    assert "the build did not finish" in capsys.readouterr().out
