@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import sys
 import traceback
 
@@ -11,6 +10,7 @@ import typer
 from . import build, demo, export, inspect_cmd, verify
 from . import plan, serve
 from ._common import MoetCommand, version_text
+from ._env import debug_from_env
 from ._errors import EXIT_USAGE, exit_code_for, hint_for, message_for
 from ._output import envelope, write_json
 from ._signals import InterruptGate
@@ -32,11 +32,12 @@ command, ok, exit_code, error and hint) and --quiet (no summaries or notes).
 Environment variables:
   MOET_CACHE_DEBUG=1           same as --debug
   MOET_CACHE_SPLIT_DEVICE=...  build: auto (default), cpu, torch-cpu, cuda
-  MOET_CACHE_KERNELS=numpy     force the numpy kernels (A/B runs)
+  MOET_CACHE_KERNELS=numpy|c   build: the numpy or the C kernels (A/B runs)
   MOET_CACHE_KERNEL_IMAGES=DIR serve: where the GPU kernels' compiled images
                                are kept between starts (off: none kept)
   MOET_CACHE_TEST_KILL_AT=W    tests only: SIGKILL this process at commit
-                               window W (docs/GUARANTEES.md)"""
+                               window W (docs/GUARANTEES.md)
+A value these do not name is refused (exit 2); empty is the same as unset."""
 
 app = typer.Typer(help=HELP, no_args_is_help=True, pretty_exceptions_enable=False, rich_markup_mode=None,
                   add_completion=False, context_settings={"help_option_names": ["-h", "--help"]})
@@ -79,9 +80,9 @@ def main(argv: list[str] | None = None) -> int:
     gate = InterruptGate() if argv is None else None  # the console script, not an in-process call
     if gate is not None:
         gate.install()  # progress_for() finds it as the SIGINT handler
-    debug = debug or os.environ.get("MOET_CACHE_DEBUG", "") not in ("", "0")
     command, json_mode = _command_and_json(args)
     try:
+        debug = debug_from_env() or debug  # a bogus MOET_CACHE_DEBUG is refused like any bad input
         rv = app(args=args, prog_name="moet-cache", standalone_mode=False)
         return rv if isinstance(rv, int) else 0
     except SystemExit as e:

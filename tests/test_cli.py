@@ -210,9 +210,13 @@ def test_a_held_signal_sets_the_librarys_cancel_token() -> None:
 
 def test_the_split_device_comes_from_the_environment_in_the_cli_only(monkeypatch: pytest.MonkeyPatch) -> None:
     from moet_cache.cli.build import split_device_from_env
-    for value, want in (("cpu", "cpu"), ("torch-cpu", "torch-cpu"), ("cuda", "cuda"), ("gpu", "auto"), ("", "auto")):
+    from moet_cache.errors import InputError
+    for value, want in (("cpu", "cpu"), ("torch-cpu", "torch-cpu"), ("cuda", "cuda"), ("", "auto")):
         monkeypatch.setenv("MOET_CACHE_SPLIT_DEVICE", value)
         assert split_device_from_env() == want
+    monkeypatch.setenv("MOET_CACHE_SPLIT_DEVICE", "gpu")  # a typo is refused, not run as auto
+    with pytest.raises(InputError, match="MOET_CACHE_SPLIT_DEVICE='gpu' is not one of: auto, cpu, torch-cpu, cuda"):
+        split_device_from_env()
     monkeypatch.delenv("MOET_CACHE_SPLIT_DEVICE")
     assert split_device_from_env() == "auto"
     import moet_cache.build as build_pkg

@@ -114,3 +114,38 @@ def test_a_cache_whose_build_did_not_finish_is_still_called_so(tmp_path: Path, b
         assert "the build did not finish" in one_error_line(capsys.readouterr().err)
     assert main(["verify", str(cache)]) == 1
     assert "the build did not finish" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name,value,allowed", [
+    ("MOET_CACHE_SPLIT_DEVICE", "gpu", "auto, cpu, torch-cpu, cuda"),
+    ("MOET_CACHE_KERNELS", "fast", "c, numpy"),
+    ("MOET_CACHE_DEBUG", "yes", "0, 1"),
+    ("MOET_CACHE_TEST_KILL_AT", "sweep", "swept"),
+    ("MOET_CACHE_TEST_KILL_AT", "swept:HUP", "swept:KILL, swept:TERM, swept:INT"),
+])
+def test_a_bogus_environment_variable_is_refused_naming_it(tmp_path: Path, ckpt_modelopt: Path, name: str,
+                                                           value: str, allowed: str,
+                                                           monkeypatch: pytest.MonkeyPatch,
+                                                           capsys: pytest.CaptureFixture) -> None:
+    monkeypatch.setenv(name, value)
+    cache = tmp_path / "cache"
+    assert main(["build", str(ckpt_modelopt), str(cache), "--json"]) == 2
+    captured = capsys.readouterr()
+    line = one_error_line(captured.err)
+    assert f"{name}={value!r}" in line and allowed in line
+    assert json.loads(captured.out)["error_type"] == "InputError"
+    assert not cache.exists()  # refused before anything was written
+
+
+def test_the_allowed_values_of_the_environment_variables_still_work(monkeypatch: pytest.MonkeyPatch,
+                                                                    capsys: pytest.CaptureFixture,
+                                                                    tmp_path: Path) -> None:
+    from moet_cache.cli.build import host_kernel_from_env
+    monkeypatch.setenv("MOET_CACHE_KERNELS", "numpy")
+    assert host_kernel_from_env() == "numpy"
+    monkeypatch.setenv("MOET_CACHE_DEBUG", "1")
+    assert main(["verify", str(tmp_path / "none")]) == 2
+    assert "Traceback" in capsys.readouterr().err
+    monkeypatch.setenv("MOET_CACHE_DEBUG", "0")
+    assert main(["verify", str(tmp_path / "none")]) == 2
+    assert "Traceback" not in capsys.readouterr().err
