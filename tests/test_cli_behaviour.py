@@ -149,3 +149,11 @@ def test_the_allowed_values_of_the_environment_variables_still_work(monkeypatch:
     monkeypatch.setenv("MOET_CACHE_DEBUG", "0")
     assert main(["verify", str(tmp_path / "none")]) == 2
     assert "Traceback" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("layers", ["²", "3-²", "٣", "9" * 5000, "1-" + "9" * 5000])
+def test_a_layer_selection_in_other_digits_is_bad_input(tmp_path: Path, ckpt_modelopt: Path, layers: str,
+                                                        capsys: pytest.CaptureFixture) -> None:
+    assert main(["build", str(ckpt_modelopt), str(tmp_path / "c"), "--layers", layers]) == 2
+    assert "cannot read the layer selection" in one_error_line(capsys.readouterr().err)
+
