@@ -263,8 +263,11 @@ def boot_view(root: str | os.PathLike[str], check_source: bool = True) -> tuple[
         p = root / f.path
         try:
             st = os.lstat(p)
-        except OSError:
+        except FileNotFoundError:
             problems.append(Problem(ProblemKind.MISSING, f.path, "file is missing", layer))
+            continue
+        except OSError as e:  # an I/O error is not a missing file: say what the system said
+            problems.append(Problem(ProblemKind.UNREADABLE, f.path, f"cannot stat: {e.strerror or e}", layer))
             continue
         if not os.path.isfile(p) or os.path.islink(p):
             problems.append(Problem(ProblemKind.LINK, f.path, "not a plain file", layer))

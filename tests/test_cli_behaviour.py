@@ -5,6 +5,7 @@ processes of the console script."""
 from __future__ import annotations
 
 import json
+import re
 import os
 import shutil
 import subprocess
@@ -157,3 +158,73 @@ def test_a_layer_selection_in_other_digits_is_bad_input(tmp_path: Path, ckpt_mod
     assert main(["build", str(ckpt_modelopt), str(tmp_path / "c"), "--layers", layers]) == 2
     assert "cannot read the layer selection" in one_error_line(capsys.readouterr().err)
 
+
+
+def test_an_os_error_is_reported_by_its_errno_with_its_path(tmp_path: Path) -> None:
+    import errno
+
+    from moet_cache.cli._errors import exit_code_for, hint_for, message_for
+    eio = OSError(errno.EIO, os.strerror(errno.EIO), str(tmp_path / "layers/layer-001.base.safetensors"))
+    assert exit_code_for(eio) == 3
+    assert message_for(eio, with_hint=False) == f"Input/output error: {eio.filename}"
+    assert "No such file" not in message_for(eio) and "check the disk" in hint_for(eio)
+    full = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp_path / "cache/layers/x.tmp"))
+    assert exit_code_for(full) == 3
+    assert message_for(full, with_hint=False).endswith(f"bytes free there)")  # the file system of the path
+    free = int(message_for(full, with_hint=False).rsplit("(", 1)[1].split()[0])
+    assert abs(free - shutil.disk_usage(tmp_path).free) < 1 << 30
+    assert exit_code_for(NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), "a/b")) == 2
+    assert exit_code_for(PermissionError(errno.EACCES, os.strerror(errno.EACCES), "a")) == 3
+
+
+def test_demo_workdir_that_is_a_file_is_bad_input(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    (tmp_path / "a-file").write_text("mine")
+    assert main(["demo", "--workdir", str(tmp_path / "a-file")]) == 2
+    line = one_error_line(capsys.readouterr().err)
+    assert "Not a directory" in line and "a-file" in line and "not a folder" in line
+    assert (tmp_path / "a-file").read_text() == "mine"
+
+
+def test_an_io_error_on_a_cache_file_is_not_called_missing(tmp_path: Path, built_cache: Path,
+                                                           monkeypatch: pytest.MonkeyPatch,
+                                                           capsys: pytest.CaptureFixture) -> None:
+    import errno
+    cache = Path(shutil.copytree(built_cache, tmp_path / "cache"))
+    real_lstat = os.lstat
+
+    def failing_lstat(path, *args, **kwargs):  # the disk fails on one plane file's inode
+        if str(path).endswith("layer-002.base.safetensors"):
+            raise OSError(errno.EIO, os.strerror(errno.EIO), str(path))
+        return real_lstat(path, *args, **kwargs)
+    monkeypatch.setattr(os, "lstat", failing_lstat)
+    assert main(["verify", str(cache), "--json"]) == 1
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["state"] == "corrupt"
+    p = next(p for p in doc["problems"] if p["path"] == "layers/layer-002.base.safetensors")
+    assert p["kind"] == "unreadable" and "Input/output error" in p["detail"] and "missing" not in p["detail"]
+    assert main(["inspect", str(cache)]) == 1
+    line = one_error_line(capsys.readouterr().err)
+    assert "Input/output error" in line and "missing" not in line
+
+
+def test_disk_full_in_a_build_says_the_bytes_needed_and_free(tmp_path: Path, ckpt_modelopt: Path,
+                                                              monkeypatch: pytest.MonkeyPatch,
+                                                              capsys: pytest.CaptureFixture) -> None:
+    import errno
+    import tempfile
+    real_pwrite, real_mkstemp = os.pwrite, tempfile.mkstemp
+
+    def full_pwrite(fd: int, data, pos: int) -> int:  # the disk fills under the plane writer
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    monkeypatch.setattr(os, "pwrite", full_pwrite)
+    assert main(["build", str(ckpt_modelopt), str(tmp_path / "a"), "-q"]) == 3
+    line = one_error_line(capsys.readouterr().err)
+    assert re.search(r"the disk is full while writing \S+ \(\d+ bytes needed for it, \d+ free\)", line), line
+    monkeypatch.setattr(os, "pwrite", real_pwrite)
+
+    def full_mkstemp(*args, **kwargs):  # no room for a new file's inode: no byte count of its own
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(kwargs.get("dir", "?")))
+    monkeypatch.setattr(tempfile, "mkstemp", full_mkstemp)
+    assert main(["build", str(ckpt_modelopt), str(tmp_path / "b"), "-q"]) == 3
+    line = one_error_line(capsys.readouterr().err)
+    assert re.search(r"No space left on device: \S+ \(\d+ bytes free there\) \(free space", line), line
