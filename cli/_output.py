@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
+import os
 import sys
 from typing import Any
 
 from rich.console import Console
 from rich.measure import Measurement
 from rich.table import Table
+
+from moet_cache.errors import OutputError
 
 
 def to_jsonable(obj: Any) -> Any:
@@ -38,9 +42,33 @@ def envelope(command: str | None, exit_code: int, error: str | None = None, hint
     return doc
 
 
+def stdout_lost(e: OSError) -> OutputError:
+    """Standard output failed (a full disk, a closed pipe): point it at /dev/null, so that nothing written
+    later (the interpreter's last flush included) fails again, and say so in one line."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):  # no file descriptor (an in-process runner's buffer)
+        pass
+    return OutputError(f"cannot write to standard output: {e.strerror or e}",
+                       "check where the output goes: a full disk, or a pipe closed early")
+
+
 def write_json(doc: Any) -> None:
-    sys.stdout.write(json.dumps(to_jsonable(doc), indent=2) + "\n")
-    sys.stdout.flush()
+    try:
+        sys.stdout.write(json.dumps(to_jsonable(doc), indent=2) + "\n")
+        sys.stdout.flush()
+    except OSError as e:
+        raise stdout_lost(e) from None
+
+
+class _Console(Console):
+    """rich's console, but a closed pipe is an OSError like a full disk (rich itself exits 1 on it, which
+    is this tool's 'verification found a problem')."""
+
+    def on_broken_pipe(self) -> None:
+        raise BrokenPipeError(errno.EPIPE, os.strerror(errno.EPIPE))
 
 
 class Output:
@@ -50,7 +78,7 @@ class Output:
     def __init__(self, json_mode: bool = False, quiet: bool = False) -> None:
         self.json_mode = json_mode
         self.quiet = quiet
-        self.out = Console(file=sys.stdout, soft_wrap=True, highlight=False)
+        self.out = _Console(file=sys.stdout, soft_wrap=True, highlight=False)
         self.err = Console(file=sys.stderr, soft_wrap=True, highlight=False)
 
     @property
@@ -61,15 +89,22 @@ class Output:
         """The command's one JSON document: its own keys and the envelope's (`ok` is `exit_code == 0`)."""
         write_json({**doc, **envelope(doc.get("command"), exit_code)})
 
+    def _stdout(self, *items: Any, console: Console | None = None) -> None:
+        try:
+            (console or self.out).print(*items)
+            self.out.file.flush()
+        except OSError as e:
+            raise stdout_lost(e) from None
+
     def print(self, *items: Any) -> None:
         """A summary on stdout (skipped in JSON mode, where the document is the output, and with --quiet)."""
         if not (self.json_mode or self.quiet):
-            self.out.print(*items)
+            self._stdout(*items)
 
     def result(self, *items: Any) -> None:
         """What the command was asked for (e.g. serve --dry-run's command line): printed even with --quiet."""
         if not self.json_mode:
-            self.out.print(*items)
+            self._stdout(*items)
 
     def table(self, title: str | None, columns: list[str], rows: list[list[Any]]) -> None:
         if self.json_mode:
@@ -84,8 +119,8 @@ class Output:
             # A pipe or a log has no width to fit: print the table at its natural width rather than fold
             # every cell into rich's default 80 columns (print(width=) cannot widen a console).
             natural = Measurement.get(out, out.options.update(width=4096), t).maximum
-            out = Console(file=out.file, width=max(natural, out.width), soft_wrap=True, highlight=False)
-        out.print(t)
+            out = _Console(file=out.file, width=max(natural, out.width), soft_wrap=True, highlight=False)
+        self._stdout(t, console=out)
 
     def info(self, msg: str) -> None:
         if not self.quiet and not self.json_mode:

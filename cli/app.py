@@ -7,6 +7,8 @@ import traceback
 
 import typer
 
+from moet_cache.errors import OutputError
+
 from . import build, demo, export, inspect_cmd, verify
 from . import plan, serve
 from ._common import MoetCommand, version_text
@@ -75,6 +77,14 @@ def _split_debug(args: list[str]) -> tuple[list[str], bool]:
     return head + args[cut:], len(head) != cut
 
 
+def _last_json(doc: dict) -> None:
+    """The error's JSON document; when stdout cannot take it, the line on stderr has said it all."""
+    try:
+        write_json(doc)
+    except OutputError:
+        pass
+
+
 def main(argv: list[str] | None = None) -> int:
     args, debug = _split_debug(list(sys.argv[1:] if argv is None else argv))
     gate = InterruptGate() if argv is None else None  # the console script, not an in-process call
@@ -95,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
             e.show()  # a usage error from typer: it prints its own one-line message
             code = EXIT_USAGE if e.exit_code == 2 else e.exit_code
             if json_mode:
-                write_json(envelope(command, code, getattr(e, "format_message", lambda: str(e))(),
+                _last_json(envelope(command, code, getattr(e, "format_message", lambda: str(e))(),
                                     "see `moet-cache --help`", "UsageError"))
             return code
         if debug:
@@ -104,13 +114,13 @@ def main(argv: list[str] | None = None) -> int:
             sys.stderr.write(f"Error: internal error: {type(e).__name__}: {e}\n"
                              "This is a bug in moet-cache; rerun with --debug and report the traceback.\n")
             if json_mode:
-                write_json(envelope(command, 70, f"internal error: {type(e).__name__}: {e}",
+                _last_json(envelope(command, 70, f"internal error: {type(e).__name__}: {e}",
                                     "this is a bug in moet-cache; rerun with --debug and report the traceback",
                                     type(e).__name__))
             return 70
         sys.stderr.write(f"Error: {message_for(e)}\n")
-        if json_mode:
-            write_json(envelope(command, code, message_for(e, with_hint=False), hint_for(e), type(e).__name__))
+        if json_mode and not isinstance(e, OutputError):
+            _last_json(envelope(command, code, message_for(e, with_hint=False), hint_for(e), type(e).__name__))
         return code
     finally:
         if gate is not None:  # the outcome is decided: a signal now (shutdown, finalizers) is held, not raised

@@ -228,3 +228,22 @@ def test_disk_full_in_a_build_says_the_bytes_needed_and_free(tmp_path: Path, ckp
     assert main(["build", str(ckpt_modelopt), str(tmp_path / "b"), "-q"]) == 3
     line = one_error_line(capsys.readouterr().err)
     assert re.search(r"No space left on device: \S+ \(\d+ bytes free there\) \(free space", line), line
+
+
+@pytest.mark.parametrize("args", [["inspect", "{cache}", "--json"], ["inspect", "{cache}"], ["plan", "{cache}"],
+                                  ["verify", "{cache}", "--json"]])
+def test_a_full_stdout_is_one_line_and_exit_3(built_cache: Path, args: list[str]) -> None:
+    with open("/dev/full", "w") as full:
+        r = subprocess.run([*EXE, *[a.format(cache=built_cache) for a in args]], stdout=full, stderr=subprocess.PIPE,
+                           text=True, timeout=120)
+    assert r.returncode == 3
+    assert one_error_line(r.stderr) == ("Error: cannot write to standard output: No space left on device (check "
+                                        "where the output goes: a full disk, or a pipe closed early)")
+
+
+def test_a_pipe_closed_early_is_exit_3_not_1(built_cache: Path) -> None:
+    p = subprocess.Popen([*EXE, "plan", str(built_cache)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    p.stdout.close()  # the reader went away (`| head -0`) before the plan was printed
+    err = p.stderr.read()
+    assert p.wait(timeout=120) == 3
+    assert "cannot write to standard output: Broken pipe" in one_error_line(err)
