@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import atexit
+import signal
 import sys
 import traceback
 
@@ -13,7 +15,7 @@ from . import build, demo, export, inspect_cmd, verify
 from . import plan, serve
 from ._common import MoetCommand, version_text
 from ._env import debug_from_env
-from ._errors import EXIT_USAGE, exit_code_for, hint_for, message_for
+from ._errors import EXIT_ENVIRONMENT, EXIT_USAGE, exit_code_for, hint_for, message_for
 from ._output import envelope, write_json
 from ._signals import InterruptGate
 
@@ -88,9 +90,21 @@ def _last_json(doc: dict) -> None:
 def main(argv: list[str] | None = None) -> int:
     args, debug = _split_debug(list(sys.argv[1:] if argv is None else argv))
     gate = InterruptGate() if argv is None else None  # the console script, not an in-process call
-    if gate is not None:
-        gate.install()  # progress_for() finds it as the SIGINT handler
     command, json_mode = _command_and_json(args)
+    if gate is not None:
+        gate.command, gate.json_mode = command, json_mode  # a second Ctrl-C still writes the JSON document
+        gate.install()  # progress_for() finds it as the SIGINT handler
+    code = EXIT_ENVIRONMENT
+    try:
+        code = _dispatch(args, debug, command, json_mode)
+        return code
+    finally:
+        if gate is not None:  # the outcome is decided and printed: a signal now cannot change the exit code
+            gate.settle(code)
+
+
+def _dispatch(args: list[str], debug: bool, command: str | None, json_mode: bool) -> int:
+    """Run the command; every way it ends becomes an exit code (and, with --json, its one document)."""
     try:
         debug = debug_from_env() or debug  # a bogus MOET_CACHE_DEBUG is refused like any bad input
         rv = app(args=args, prog_name="moet-cache", standalone_mode=False)
@@ -122,13 +136,20 @@ def main(argv: list[str] | None = None) -> int:
         if json_mode and not isinstance(e, OutputError):
             _last_json(envelope(command, code, message_for(e, with_hint=False), hint_for(e), type(e).__name__))
         return code
-    finally:
-        if gate is not None:  # the outcome is decided: a signal now (shutdown, finalizers) is held, not raised
-            gate.deferring = True
 
 
 def run() -> None:
+    # The interpreter's teardown puts the default SIGINT handler back before the process ends: a Ctrl-C
+    # there would end it as killed by the signal (130), whatever the printed outcome said. Registered
+    # first, this runs as the last atexit handler and ignores both signals from then on (until then,
+    # thread joins and the other handlers included, the gate holds them).
+    atexit.register(_ignore_signals_from_now_on)
     sys.exit(main())
+
+
+def _ignore_signals_from_now_on() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 if __name__ == "__main__":

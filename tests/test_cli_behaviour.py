@@ -8,6 +8,7 @@ import json
 import re
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -247,3 +248,55 @@ def test_a_pipe_closed_early_is_exit_3_not_1(built_cache: Path) -> None:
     err = p.stderr.read()
     assert p.wait(timeout=120) == 3
     assert "cannot write to standard output: Broken pipe" in one_error_line(err)
+
+
+def _gate_script(body: str) -> subprocess.CompletedProcess:
+    """A process whose signal gate gets `body`'s signals (real os._exit, real fds 1 and 2)."""
+    code = ("import signal\nfrom moet_cache.cli._signals import InterruptGate\n"
+            "gate = InterruptGate()\ngate.command, gate.json_mode = 'build', True\n" + body)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+
+
+def test_a_second_ctrl_c_during_work_exits_3_with_the_json_document_saying_3() -> None:
+    r = _gate_script("gate.deferring = True  # long work under way\n"
+                     "gate._on_signal(signal.SIGINT, None)  # held until the next progress report\n"
+                     "gate._on_signal(signal.SIGINT, None)  # stops at once\n"
+                     "raise SystemExit(99)\n")
+    assert r.returncode == 3, r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["exit_code"] == 3 and doc["ok"] is False and doc["command"] == "build"
+    assert doc["error_type"] == "Interrupted" and "again; stopped at once" in doc["error"]
+    assert one_error_line(r.stderr).startswith("Error: interrupted by SIGINT again; stopped at once")
+
+
+def test_signals_after_the_outcome_is_printed_keep_its_exit_code() -> None:
+    r = _gate_script("gate.settle(0)\n"
+                     "gate._on_signal(signal.SIGINT, None)\n"
+                     "gate._on_signal(signal.SIGTERM, None)  # ends the process with the printed code\n"
+                     "raise SystemExit(99)\n")
+    assert (r.returncode, r.stdout, r.stderr) == (0, "", "")
+
+
+def test_a_ctrl_c_in_the_interpreters_teardown_keeps_the_printed_exit_code(tmp_path: Path) -> None:
+    # Python puts the default SIGINT handler back while it tears down: a Ctrl-C then ended the process as
+    # killed by SIGINT (130 in a shell) after the JSON document had said 2
+    script = tmp_path / "slow_exit.py"
+    script.write_text("import os, sys, time\n"
+                      "class SlowTeardown:\n"
+                      "    def __del__(self, sleep=time.sleep, write=os.write):\n"
+                      "        write(2, b'tearing down\\n')\n"
+                      "        sleep(3)\n"
+                      "slow = SlowTeardown()  # deleted when the modules are, after signal handling stops\n"
+                      "sys.argv = ['moet-cache', *sys.argv[1:]]\n"
+                      "from moet_cache.cli.app import run\n"
+                      "run()\n")
+    p = subprocess.Popen([sys.executable, str(script), "verify", str(tmp_path / "typo"), "--json"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    err = ""
+    while "tearing down" not in err:
+        line = p.stderr.readline()
+        assert line, err
+        err += line
+    p.send_signal(signal.SIGINT)
+    out, _ = p.communicate(timeout=60)
+    assert p.returncode == 2 and json.loads(out)["exit_code"] == 2
