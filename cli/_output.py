@@ -9,8 +9,8 @@ import os
 import sys
 from typing import Any
 
+from rich import box
 from rich.console import Console
-from rich.measure import Measurement
 from rich.table import Table
 
 from moet_cache.errors import OutputError
@@ -63,6 +63,19 @@ def write_json(doc: Any) -> None:
         raise stdout_lost(e) from None
 
 
+def _least_width(columns: list[str], cells: list[list[str]], wrap: tuple[str, ...]) -> int:
+    """The narrowest width at which a table (Output.table's: two spaces between columns, none at the
+    edges) shows every unwrapped cell whole: their longest lines; a wrapped column needs its longest word."""
+    widths = []
+    for i, c in enumerate(columns):
+        texts = [c, *(r[i] for r in cells)]
+        if c in wrap:
+            widths.append(max(len(w) for t in texts for w in (t.split() or [""])))
+        else:
+            widths.append(max(len(line) for t in texts for line in (t.splitlines() or [""])))
+    return sum(widths) + 2 * (len(columns) - 1)
+
+
 class _Console(Console):
     """rich's console, but a closed pipe is an OSError like a full disk (rich itself exits 1 on it, which
     is this tool's 'verification found a problem')."""
@@ -106,20 +119,28 @@ class Output:
         if not self.json_mode:
             self._stdout(*items)
 
-    def table(self, title: str | None, columns: list[str], rows: list[list[Any]]) -> None:
+    def table(self, title: str | None, columns: list[str], rows: list[list[Any]], wrap: tuple[str, ...] = ()) -> None:
+        """A table at the width of the terminal, or of COLUMNS (80 when unset) on a pipe or in a log.
+
+        Only the columns named in `wrap` (descriptions) wrap, at spaces; every other cell (numbers, sizes,
+        names) is printed whole on one line. When the whole cells do not fit that width, the table is
+        printed as wide as they need rather than cut or split inside a number."""
         if self.json_mode:
             return
-        t = Table(title=title, show_lines=False, pad_edge=False)
+        # rules under the header only, two spaces between columns: 80 columns hold inspect's nine
+        t = Table(title=title, show_lines=False, pad_edge=False, show_edge=False, collapse_padding=True,
+                  box=box.SIMPLE_HEAD)
+        cells = [[str(x) for x in r] for r in rows]
         for i, c in enumerate(columns):
-            t.add_column(c, justify="left" if i == 0 else "right", overflow="fold")
-        for r in rows:
-            t.add_row(*[str(x) for x in r])
+            wraps = c in wrap
+            t.add_column(c, justify="left" if i == 0 or wraps else "right", no_wrap=not wraps,
+                         overflow="fold" if wraps else "ellipsis")
+        for r in cells:
+            t.add_row(*r)
         out = self.out
-        if not out.is_terminal:
-            # A pipe or a log has no width to fit: print the table at its natural width rather than fold
-            # every cell into rich's default 80 columns (print(width=) cannot widen a console).
-            natural = Measurement.get(out, out.options.update(width=4096), t).maximum
-            out = _Console(file=out.file, width=max(natural, out.width), soft_wrap=True, highlight=False)
+        need = _least_width(columns, cells, wrap)
+        if need > out.width:
+            out = _Console(file=out.file, width=need, soft_wrap=True, highlight=False)
         self._stdout(t, console=out)
 
     def info(self, msg: str) -> None:

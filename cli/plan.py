@@ -82,6 +82,7 @@ def show_plan(out: Output, p: vram.Plan) -> None:
     out.print(f"{fp.path}: {fp.served_layers} served MoE layers ({how})")
     out.print(f"GPU {s.gpu.name} ({s.gpu.note}): {_g(s.gpu.total_bytes)} GiB x {s.utilization} = {_g(p.budget)} GiB "
               "usable. All figures in GiB (2^30 bytes); 1 GB = 0.931 GiB.")
+    # the verdict lines below are what plan is asked for: printed with --quiet too (out.result)
     rows = [
         ["base planes", _g(p.base), f"{fp.served_layers} layers, 2-bit codes + block scales"],
         ["delta tier", _g(p.delta), f"{fp.tier_experts} of {fp.total_experts} experts at FP4"],
@@ -97,19 +98,19 @@ def show_plan(out: Output, p: vram.Plan) -> None:
         _kv_row(p),
         ["total", _g(p.need), f"of {_g(p.budget)} usable"],
     ]
-    out.table(None, ["Term", "size in GiB", "What"], rows)
+    out.table(None, ["Term", "GiB", "What"], rows, wrap=("What",))
     if p.fits:
         if p.thin:
-            out.print(f"[yellow]fits, barely[/yellow]: {_g(p.margin)} GiB to spare ({p.deciding})")
+            out.result(f"[yellow]fits, barely[/yellow]: {_g(p.margin)} GiB to spare ({p.deciding})")
         else:
-            out.print(f"[green]fits[/green], with {_g(p.margin)} GiB to spare ({p.deciding})")
+            out.result(f"[green]fits[/green], with {_g(p.margin)} GiB to spare ({p.deciding})")
         out.print("the free bytes would buy one of:")
         out.print(f"  {p.extra_full_seqs} more concurrent {s.max_model_len}-token sequences")
         out.print(f"  a context of {p.context_limit} tokens for {s.max_num_seqs} sequence(s)")
         out.print(f"  {p.extra_delta_experts} more delta-tier experts "
                   f"({fp.tier_experts + p.extra_delta_experts} of {fp.total_experts}): moet-cache retier")
     else:
-        out.print(f"[red]does not fit[/red]: short by {_g(-p.margin)} GiB. Deciding term: {p.deciding}")
+        out.result(f"[red]does not fit[/red]: short by {_g(-p.margin)} GiB. Deciding term: {p.deciding}")
         out.print("nearest settings that fit:")
         for x in p.suggestions:
             thin = ": the edge, within the estimates' error" if x.thin(p.budget) else ""

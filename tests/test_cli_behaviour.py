@@ -300,3 +300,46 @@ def test_a_ctrl_c_in_the_interpreters_teardown_keeps_the_printed_exit_code(tmp_p
     p.send_signal(signal.SIGINT)
     out, _ = p.communicate(timeout=60)
     assert p.returncode == 2 and json.loads(out)["exit_code"] == 2
+
+
+def _table_lines(text: str, first: str) -> list[str]:
+    """The table whose header line starts with `first`: its lines up to the first line printed after it."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(first))
+    after = ("every layer", "source:", "fits", "does not fit")
+    end = next((i for i in range(start, len(lines)) if lines[i].startswith(after)), len(lines))
+    return lines[start:end]
+
+
+@pytest.mark.parametrize("columns", [None, "80", "40"])
+def test_tables_on_a_pipe_fit_the_width_and_never_split_a_number(built_cache: Path, columns: str | None) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
+    if columns:
+        env["COLUMNS"] = columns
+    info = json.loads(run("inspect", str(built_cache), "--json").stdout)
+    r = subprocess.run([*EXE, "inspect", str(built_cache)], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0, r.stderr
+    table = _table_lines(r.stdout, "layer")
+    assert max(len(line) for line in table) <= 80  # 80 unless COLUMNS says otherwise; never hundreds
+    from moet_cache.units import fmt_bytes
+    for layer in info["layers"]:  # each layer's row holds its figures whole, on one line
+        row = next(line for line in table if line.split()[0] == str(layer["layer"]))
+        for figure in (fmt_bytes(layer["base_bytes"]), f"{layer['rel_error_worst']:.4f} #{layer['worst_expert']}",
+                       f"{layer['rel_error_served']:.4f}"):
+            assert figure in row, (figure, row)
+    r = subprocess.run([*EXE, "plan", str(built_cache), "--gpu", "96GB"], capture_output=True, text=True, env=env,
+                       timeout=120)
+    plan = json.loads(run("plan", str(built_cache), "--gpu", "96GB", "--json").stdout)
+    table = _table_lines(r.stdout, "Term")
+    assert max(len(line.rstrip()) for line in table) <= int(columns or 80)  # the descriptions wrap
+    total = next(line for line in table if line.startswith("total"))
+    assert f"{plan['need_gib']:.2f}" in total.split()  # the figure whole, in its own column
+
+
+def test_plan_quiet_still_says_whether_it_fits(built_cache: Path, capsys: pytest.CaptureFixture) -> None:
+    assert main(["plan", str(built_cache), "--gpu", "96GB", "-q"]) == 0
+    out = capsys.readouterr().out
+    assert "fits, with" in out and "GiB to spare" in out
+    assert "the free bytes would buy" not in out  # the notes stay quiet
+    assert main(["plan", str(built_cache), "--gpu", "1GiB", "--max-num-seqs", "8", "-q"]) == 1
+    assert "does not fit: short by" in capsys.readouterr().out
