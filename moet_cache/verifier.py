@@ -220,8 +220,11 @@ def _source_changes(cf: CacheView) -> tuple[bool, list[Problem]]:
         p = src / shard.name
         try:
             st = p.stat()
-        except OSError:
+        except FileNotFoundError:
             problems.append(Problem(ProblemKind.STALE, shard.name, "the source shard is gone"))
+            continue
+        except OSError as e:  # there, but the disk fails it: say so, not "gone"
+            problems.append(Problem(ProblemKind.STALE, shard.name, f"the source shard cannot be read: {e.strerror or e}"))
             continue
         if st.st_size != shard.size:
             problems.append(Problem(ProblemKind.STALE, p.name,

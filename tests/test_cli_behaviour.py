@@ -4,18 +4,25 @@ processes of the console script."""
 
 from __future__ import annotations
 
+import errno
 import json
-import re
 import os
+import pathlib
+import re
 import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 
+from moet_cache.cli._errors import exit_code_for, hint_for, message_for
 from moet_cache.cli.app import main
+from moet_cache.cli.build import host_kernel_from_env
+from moet_cache.units import fmt_bytes
+from moet_cache.verifier import boot_check
 
 EXE = [sys.executable, "-m", "moet_cache.cli.app"]
 
@@ -142,7 +149,6 @@ def test_a_bogus_environment_variable_is_refused_naming_it(tmp_path: Path, ckpt_
 def test_the_allowed_values_of_the_environment_variables_still_work(monkeypatch: pytest.MonkeyPatch,
                                                                     capsys: pytest.CaptureFixture,
                                                                     tmp_path: Path) -> None:
-    from moet_cache.cli.build import host_kernel_from_env
     monkeypatch.setenv("MOET_CACHE_KERNELS", "numpy")
     assert host_kernel_from_env() == "numpy"
     monkeypatch.setenv("MOET_CACHE_DEBUG", "1")
@@ -162,9 +168,7 @@ def test_a_layer_selection_in_other_digits_is_bad_input(tmp_path: Path, ckpt_mod
 
 
 def test_an_os_error_is_reported_by_its_errno_with_its_path(tmp_path: Path) -> None:
-    import errno
 
-    from moet_cache.cli._errors import exit_code_for, hint_for, message_for
     eio = OSError(errno.EIO, os.strerror(errno.EIO), str(tmp_path / "layers/layer-001.base.safetensors"))
     assert exit_code_for(eio) == 3
     assert message_for(eio, with_hint=False) == f"Input/output error: {eio.filename}"
@@ -189,7 +193,6 @@ def test_demo_workdir_that_is_a_file_is_bad_input(tmp_path: Path, capsys: pytest
 def test_an_io_error_on_a_cache_file_is_not_called_missing(tmp_path: Path, built_cache: Path,
                                                            monkeypatch: pytest.MonkeyPatch,
                                                            capsys: pytest.CaptureFixture) -> None:
-    import errno
     cache = Path(shutil.copytree(built_cache, tmp_path / "cache"))
     real_lstat = os.lstat
 
@@ -211,8 +214,6 @@ def test_an_io_error_on_a_cache_file_is_not_called_missing(tmp_path: Path, built
 def test_disk_full_in_a_build_says_the_bytes_needed_and_free(tmp_path: Path, ckpt_modelopt: Path,
                                                               monkeypatch: pytest.MonkeyPatch,
                                                               capsys: pytest.CaptureFixture) -> None:
-    import errno
-    import tempfile
     real_pwrite, real_mkstemp = os.pwrite, tempfile.mkstemp
 
     def full_pwrite(fd: int, data, pos: int) -> int:  # the disk fills under the plane writer
@@ -321,7 +322,6 @@ def test_tables_on_a_pipe_fit_the_width_and_never_split_a_number(built_cache: Pa
     assert r.returncode == 0, r.stderr
     table = _table_lines(r.stdout, "layer")
     assert max(len(line) for line in table) <= 80  # 80 unless COLUMNS says otherwise; never hundreds
-    from moet_cache.units import fmt_bytes
     for layer in info["layers"]:  # each layer's row holds its figures whole, on one line
         row = next(line for line in table if line.split()[0] == str(layer["layer"]))
         for figure in (fmt_bytes(layer["base_bytes"]), f"{layer['rel_error_worst']:.4f} #{layer['worst_expert']}",
@@ -343,3 +343,16 @@ def test_plan_quiet_still_says_whether_it_fits(built_cache: Path, capsys: pytest
     assert "the free bytes would buy" not in out  # the notes stay quiet
     assert main(["plan", str(built_cache), "--gpu", "1GiB", "--max-num-seqs", "8", "-q"]) == 1
     assert "does not fit: short by" in capsys.readouterr().out
+
+
+def test_an_io_error_on_a_source_shard_is_not_called_gone(built_cache: Path, ckpt_modelopt: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    real_stat = pathlib.Path.stat
+
+    def failing_stat(self, *args, **kwargs):  # the source's disk fails on its shards
+        if self.name.endswith(".safetensors") and str(self).startswith(str(ckpt_modelopt)):
+            raise OSError(errno.EIO, os.strerror(errno.EIO), str(self))
+        return real_stat(self, *args, **kwargs)
+    monkeypatch.setattr(pathlib.Path, "stat", failing_stat)
+    stale = [p for p in boot_check(built_cache).problems if p.kind == "stale"]
+    assert stale and all("Input/output error" in p.detail and "gone" not in p.detail for p in stale)
