@@ -8,6 +8,7 @@ from typing import Annotated, Optional
 import typer
 
 from moet_cache.enums import BaseTable
+from moet_cache.errors import InputError
 from moet_cache.tiering import DEFAULT_DELTA_BUDGET
 from moet_cache.units import fmt_bytes
 
@@ -33,7 +34,11 @@ def split_device_from_env() -> str:
 def host_kernel_from_env() -> str:
     """MOET_CACHE_KERNELS: numpy (A/B runs) or c; unset: the fastest built; any other value is refused."""
     from moet_cache.planes import KERNEL, HostKernel
-    return env_choice(KERNELS_ENV, HostKernel.names(), KERNEL)
+    want = env_choice(KERNELS_ENV, HostKernel.names(), KERNEL)
+    if want == HostKernel.C and KERNEL != HostKernel.C:  # the library would fall back to numpy without a word
+        raise InputError(f"environment variable {KERNELS_ENV}=c, but the C kernels are not built here",
+                         f"install moet-cache with a C compiler present, or set {KERNELS_ENV}=numpy or unset it")
+    return want
 
 
 def build(

@@ -18,9 +18,11 @@ from pathlib import Path
 
 import pytest
 
+from moet_cache import planes
 from moet_cache.cli._errors import exit_code_for, hint_for, message_for
 from moet_cache.cli.app import main
 from moet_cache.cli.build import host_kernel_from_env
+from moet_cache.errors import InputError
 from moet_cache.units import fmt_bytes
 from moet_cache.verifier import boot_check
 
@@ -356,3 +358,10 @@ def test_an_io_error_on_a_source_shard_is_not_called_gone(built_cache: Path, ckp
     monkeypatch.setattr(pathlib.Path, "stat", failing_stat)
     stale = [p for p in boot_check(built_cache).problems if p.kind == "stale"]
     assert stale and all("Input/output error" in p.detail and "gone" not in p.detail for p in stale)
+
+
+def test_asking_for_c_kernels_that_are_not_built_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MOET_CACHE_KERNELS", "c")
+    monkeypatch.setattr(planes, "KERNEL", planes.HostKernel.NUMPY)  # as where moet_cache._kernels did not build
+    with pytest.raises(InputError, match="MOET_CACHE_KERNELS=c, but the C kernels are not built"):
+        host_kernel_from_env()
