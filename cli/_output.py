@@ -12,6 +12,7 @@ from typing import Any
 from rich import box
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from moet_cache.errors import OutputError
 
@@ -76,6 +77,11 @@ def _least_width(columns: list[str], cells: list[list[str]], wrap: tuple[str, ..
     return sum(widths) + 2 * (len(columns) - 1)
 
 
+def styled(words: str, style: str, rest: str = "") -> Text:
+    """`words` in `style`, then `rest` plain: nothing in either is read as markup."""
+    return Text.assemble((words, style), rest)
+
+
 class _Console(Console):
     """rich's console, but a closed pipe is an OSError like a full disk (rich itself exits 1 on it, which
     is this tool's 'verification found a problem')."""
@@ -91,8 +97,10 @@ class Output:
     def __init__(self, json_mode: bool = False, quiet: bool = False) -> None:
         self.json_mode = json_mode
         self.quiet = quiet
-        self.out = _Console(file=sys.stdout, soft_wrap=True, highlight=False)
-        self.err = Console(file=sys.stderr, soft_wrap=True, highlight=False)
+        # markup off: a path or a message is printed as it is ('[/x]' in a folder name is not a style);
+        # styled words are rich Text objects (styled())
+        self.out = _Console(file=sys.stdout, soft_wrap=True, highlight=False, markup=False)
+        self.err = Console(file=sys.stderr, soft_wrap=True, highlight=False, markup=False)
 
     @property
     def show_progress(self) -> bool:
@@ -140,7 +148,7 @@ class Output:
         out = self.out
         need = _least_width(columns, cells, wrap)
         if need > out.width:
-            out = _Console(file=out.file, width=need, soft_wrap=True, highlight=False)
+            out = _Console(file=out.file, width=need, soft_wrap=True, highlight=False, markup=False)
         self._stdout(t, console=out)
 
     def info(self, msg: str) -> None:
@@ -149,4 +157,4 @@ class Output:
 
     def warn(self, msg: str) -> None:
         if not self.quiet:
-            self.err.print(f"[yellow]warning:[/yellow] {msg}")
+            self.err.print(styled("warning:", "yellow", f" {msg}"))

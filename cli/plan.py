@@ -16,7 +16,7 @@ from moet_cache.units import GIB, parse_size, parse_tokens
 from ._boot import checked_view
 from ._common import JsonOpt, QuietOpt
 from ._errors import EXIT_OK, EXIT_PROBLEM
-from ._output import Output
+from ._output import Output, styled
 
 
 def _g(n: float) -> str:
@@ -101,16 +101,16 @@ def show_plan(out: Output, p: vram.Plan) -> None:
     out.table(None, ["Term", "GiB", "What"], rows, wrap=("What",))
     if p.fits:
         if p.thin:
-            out.result(f"[yellow]fits, barely[/yellow]: {_g(p.margin)} GiB to spare ({p.deciding})")
+            out.result(styled("fits, barely", "yellow", f": {_g(p.margin)} GiB to spare ({p.deciding})"))
         else:
-            out.result(f"[green]fits[/green], with {_g(p.margin)} GiB to spare ({p.deciding})")
+            out.result(styled("fits", "green", f", with {_g(p.margin)} GiB to spare ({p.deciding})"))
         out.print("the free bytes would buy one of:")
         out.print(f"  {p.extra_full_seqs} more concurrent {s.max_model_len}-token sequences")
         out.print(f"  a context of {p.context_limit} tokens for {s.max_num_seqs} sequence(s)")
         out.print(f"  {p.extra_delta_experts} more delta-tier experts "
                   f"({fp.tier_experts + p.extra_delta_experts} of {fp.total_experts}): moet-cache retier")
     else:
-        out.result(f"[red]does not fit[/red]: short by {_g(-p.margin)} GiB. Deciding term: {p.deciding}")
+        out.result(styled("does not fit", "red", f": short by {_g(-p.margin)} GiB. Deciding term: {p.deciding}"))
         out.print("nearest settings that fit:")
         for x in p.suggestions:
             thin = ": the edge, within the estimates' error" if x.thin(p.budget) else ""

@@ -365,3 +365,13 @@ def test_asking_for_c_kernels_that_are_not_built_is_refused(monkeypatch: pytest.
     monkeypatch.setattr(planes, "KERNEL", planes.HostKernel.NUMPY)  # as where moet_cache._kernels did not build
     with pytest.raises(InputError, match="MOET_CACHE_KERNELS=c, but the C kernels are not built"):
         host_kernel_from_env()
+
+
+@pytest.mark.parametrize("name", ["q[/i]", "b[red]x"])
+def test_a_path_with_brackets_is_printed_as_it_is(tmp_path: Path, built_cache: Path, name: str,
+                                                  capsys: pytest.CaptureFixture) -> None:
+    cache = Path(shutil.copytree(built_cache, tmp_path / name / "cache"))
+    for command in (["verify", str(cache)], ["inspect", str(cache)], ["plan", str(cache), "--gpu", "96GB"]):
+        assert main(command) in (0, 1), command  # verify: unverified after the copy (1), never 70
+        captured = capsys.readouterr()
+        assert str(cache) in captured.out and "internal error" not in captured.err, command
