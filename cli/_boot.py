@@ -10,12 +10,12 @@ from pathlib import Path
 
 from moet_cache.cacheview import CacheView
 from moet_cache.errors import VerificationError
-from moet_cache.verifier import CORRUPT, INCOMPLETE, STALE, ProblemKind, boot_view
+from moet_cache.verifier import CORRUPT, INCOMPLETE, STALE, Problem, ProblemKind, boot_view
 
 from ._output import Output
 
 
-def boot_failure(cache: Path, problems: tuple, state_text: str) -> str:
+def boot_failure(cache: Path, problems: tuple[Problem, ...], state_text: str) -> str:
     """One line: what the boot check found (its first problem; how many more)."""
     first = problems[0].describe() if problems else "no details"
     more = f"; and {len(problems) - 1} more" if len(problems) > 1 else ""

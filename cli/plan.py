@@ -82,7 +82,6 @@ def show_plan(out: Output, p: vram.Plan) -> None:
     out.print(f"{fp.path}: {fp.served_layers} served MoE layers ({how})")
     out.print(f"GPU {s.gpu.name} ({s.gpu.note}): {_g(s.gpu.total_bytes)} GiB x {s.utilization} = {_g(p.budget)} GiB "
               "usable. All figures in GiB (2^30 bytes); 1 GB = 0.931 GiB.")
-    # the verdict lines below are what plan is asked for: printed with --quiet too (out.result)
     rows = [
         ["base planes", _g(p.base), f"{fp.served_layers} layers, 2-bit codes + block scales"],
         ["delta tier", _g(p.delta), f"{fp.tier_experts} of {fp.total_experts} experts at FP4"],
@@ -99,6 +98,7 @@ def show_plan(out: Output, p: vram.Plan) -> None:
         ["total", _g(p.need), f"of {_g(p.budget)} usable"],
     ]
     out.table(None, ["Term", "GiB", "What"], rows, wrap=("What",))
+    # the verdict is what plan is asked for: printed with --quiet too (out.result); the rest are notes
     if p.fits:
         if p.thin:
             out.result(styled("fits, barely", "yellow", f": {_g(p.margin)} GiB to spare ({p.deciding})"))
