@@ -118,10 +118,12 @@ def _dispatch(args: list[str], debug: bool, command: str | None, json_mode: bool
         if code is None and hasattr(e, "show") and isinstance(getattr(e, "exit_code", None), int):
             e.show()  # a usage error from typer: it prints its own one-line message
             code = EXIT_USAGE if e.exit_code == 2 else e.exit_code
+            _settle(code)
             if json_mode:
                 _last_json(envelope(command, code, getattr(e, "format_message", lambda: str(e))(),
                                     "see `moet-cache --help`", "UsageError"))
             return code
+        _settle(70 if code is None else code)  # from here a signal cannot interrupt the report or change its code
         if debug:
             traceback.print_exc()
         if code is None:
@@ -136,6 +138,13 @@ def _dispatch(args: list[str], debug: bool, command: str | None, json_mode: bool
         if json_mode and not isinstance(e, OutputError):
             _last_json(envelope(command, code, message_for(e, with_hint=False), hint_for(e), type(e).__name__))
         return code
+
+
+def _settle(code: int) -> None:
+    """The exit code is decided: the console script's gate holds signals from here on (InterruptGate.settle)."""
+    gate = InterruptGate.installed()
+    if gate is not None:
+        gate.settle(code)
 
 
 def run() -> None:
