@@ -375,3 +375,11 @@ def test_a_path_with_brackets_is_printed_as_it_is(tmp_path: Path, built_cache: P
         assert main(command) in (0, 1), command  # verify: unverified after the copy (1), never 70
         captured = capsys.readouterr()
         assert str(cache) in captured.out and "internal error" not in captured.err, command
+
+
+def test_export_of_a_checkpoint_or_a_typo_names_it(tmp_path: Path, ckpt_modelopt: Path,
+                                                   capsys: pytest.CaptureFixture) -> None:
+    assert main(["export", str(ckpt_modelopt), str(tmp_path / "out")]) == 2
+    assert "is a checkpoint, not a cache" in one_error_line(capsys.readouterr().err)
+    assert main(["export", str(tmp_path / "typo"), str(tmp_path / "out")]) == 2
+    assert "no such folder" in one_error_line(capsys.readouterr().err)
