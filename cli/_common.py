@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 from typer.core import TyperArgument, TyperCommand
 
+from ._env import env_choice
+
 if TYPE_CHECKING:
     from moet_cache.commit import KillHook
 
@@ -48,7 +50,12 @@ class MoetCommand(TyperCommand):
 def kill_hook() -> KillHook | None:
     """The fault tests' hook (MOET_CACHE_TEST_KILL_AT, moet_cache.commit.KillHook) for the commands that change
     files; None outside tests. Read here, never by the library."""
-    from moet_cache.commit import KillHook
+    from moet_cache.commit import KILL_ENV, KillHook, Window
+    window, _, sig = os.environ.get(KILL_ENV, "").partition(":")
+    if window or sig:  # a misspelt window would never fire: the test would pass without its kill
+        env_choice(KILL_ENV, Window.names(), "", {KILL_ENV: window})
+        env_choice(KILL_ENV, (f"{window}:KILL", f"{window}:TERM", f"{window}:INT"), "",
+                   {KILL_ENV: f"{window}:{sig}" if sig else ""})
     return KillHook.from_env(os.environ)
 
 

@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
+import os
 import sys
 from typing import Any
 
+from rich import box
 from rich.console import Console
-from rich.measure import Measurement
 from rich.table import Table
+from rich.text import Text
+
+from moet_cache.errors import OutputError
 
 
 def to_jsonable(obj: Any) -> Any:
@@ -38,9 +43,51 @@ def envelope(command: str | None, exit_code: int, error: str | None = None, hint
     return doc
 
 
+def stdout_lost(e: OSError) -> OutputError:
+    """Standard output failed (a full disk, a closed pipe): point it at /dev/null, so that nothing written
+    later (the interpreter's last flush included) fails again, and say so in one line."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):  # no file descriptor (an in-process runner's buffer)
+        pass
+    return OutputError(f"cannot write to standard output: {e.strerror or e}",
+                       "check where the output goes: a full disk, or a pipe closed early")
+
+
 def write_json(doc: Any) -> None:
-    sys.stdout.write(json.dumps(to_jsonable(doc), indent=2) + "\n")
-    sys.stdout.flush()
+    try:
+        sys.stdout.write(json.dumps(to_jsonable(doc), indent=2) + "\n")
+        sys.stdout.flush()
+    except OSError as e:
+        raise stdout_lost(e) from None
+
+
+def _least_width(columns: list[str], cells: list[list[str]], wrap: tuple[str, ...]) -> int:
+    """The narrowest width at which a table (Output.table's: two spaces between columns, none at the
+    edges) shows every unwrapped cell whole: their longest lines; a wrapped column needs its longest word."""
+    widths = []
+    for i, c in enumerate(columns):
+        texts = [c, *(r[i] for r in cells)]
+        if c in wrap:
+            widths.append(max(len(w) for t in texts for w in (t.split() or [""])))
+        else:
+            widths.append(max(len(line) for t in texts for line in (t.splitlines() or [""])))
+    return sum(widths) + 2 * (len(columns) - 1)
+
+
+def styled(words: str, style: str, rest: str = "") -> Text:
+    """`words` in `style`, then `rest` plain: nothing in either is read as markup."""
+    return Text.assemble((words, style), rest)
+
+
+class _Console(Console):
+    """rich's console, but a closed pipe is an OSError like a full disk (rich itself exits 1 on it, which
+    is this tool's 'verification found a problem')."""
+
+    def on_broken_pipe(self) -> None:
+        raise BrokenPipeError(errno.EPIPE, os.strerror(errno.EPIPE))
 
 
 class Output:
@@ -50,8 +97,10 @@ class Output:
     def __init__(self, json_mode: bool = False, quiet: bool = False) -> None:
         self.json_mode = json_mode
         self.quiet = quiet
-        self.out = Console(file=sys.stdout, soft_wrap=True, highlight=False)
-        self.err = Console(file=sys.stderr, soft_wrap=True, highlight=False)
+        # markup off: a path or a message is printed as it is ('[/x]' in a folder name is not a style);
+        # styled words are rich Text objects (styled())
+        self.out = _Console(file=sys.stdout, soft_wrap=True, highlight=False, markup=False)
+        self.err = Console(file=sys.stderr, soft_wrap=True, highlight=False, markup=False)
 
     @property
     def show_progress(self) -> bool:
@@ -61,31 +110,46 @@ class Output:
         """The command's one JSON document: its own keys and the envelope's (`ok` is `exit_code == 0`)."""
         write_json({**doc, **envelope(doc.get("command"), exit_code)})
 
+    def _stdout(self, *items: Any, console: Console | None = None) -> None:
+        try:
+            (console or self.out).print(*items)
+            self.out.file.flush()
+        except OSError as e:
+            raise stdout_lost(e) from None
+
     def print(self, *items: Any) -> None:
         """A summary on stdout (skipped in JSON mode, where the document is the output, and with --quiet)."""
         if not (self.json_mode or self.quiet):
-            self.out.print(*items)
+            self._stdout(*items)
 
     def result(self, *items: Any) -> None:
         """What the command was asked for (e.g. serve --dry-run's command line): printed even with --quiet."""
         if not self.json_mode:
-            self.out.print(*items)
+            self._stdout(*items)
 
-    def table(self, title: str | None, columns: list[str], rows: list[list[Any]]) -> None:
+    def table(self, title: str | None, columns: list[str], rows: list[list[Any]], wrap: tuple[str, ...] = ()) -> None:
+        """A table at the width of the terminal, or of COLUMNS (80 when unset) on a pipe or in a log.
+
+        Only the columns named in `wrap` (descriptions) wrap, at spaces; every other cell (numbers, sizes,
+        names) is printed whole on one line. When the whole cells do not fit that width, the table is
+        printed as wide as they need rather than cut or split inside a number."""
         if self.json_mode:
             return
-        t = Table(title=title, show_lines=False, pad_edge=False)
+        # rules under the header only, two spaces between columns: 80 columns hold inspect's nine
+        t = Table(title=title, show_lines=False, pad_edge=False, show_edge=False, collapse_padding=True,
+                  box=box.SIMPLE_HEAD)
+        cells = [[str(x) for x in r] for r in rows]
         for i, c in enumerate(columns):
-            t.add_column(c, justify="left" if i == 0 else "right", overflow="fold")
-        for r in rows:
-            t.add_row(*[str(x) for x in r])
+            wraps = c in wrap
+            t.add_column(c, justify="left" if i == 0 or wraps else "right", no_wrap=not wraps,
+                         overflow="fold" if wraps else "ellipsis")
+        for r in cells:
+            t.add_row(*r)
         out = self.out
-        if not out.is_terminal:
-            # A pipe or a log has no width to fit: print the table at its natural width rather than fold
-            # every cell into rich's default 80 columns (print(width=) cannot widen a console).
-            natural = Measurement.get(out, out.options.update(width=4096), t).maximum
-            out = Console(file=out.file, width=max(natural, out.width), soft_wrap=True, highlight=False)
-        out.print(t)
+        need = _least_width(columns, cells, wrap)
+        if need > out.width:
+            out = _Console(file=out.file, width=need, soft_wrap=True, highlight=False, markup=False)
+        self._stdout(t, console=out)
 
     def info(self, msg: str) -> None:
         if not self.quiet and not self.json_mode:
@@ -93,4 +157,4 @@ class Output:
 
     def warn(self, msg: str) -> None:
         if not self.quiet:
-            self.err.print(f"[yellow]warning:[/yellow] {msg}")
+            self.err.print(styled("warning:", "yellow", f" {msg}"))

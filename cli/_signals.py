@@ -6,12 +6,15 @@ often torch or safetensors code calling back into Python, which turns the error 
 which prints and swallows it (the build went on and exited 0). So while long work reports progress,
 the first signal is only noted: it sets the gate's cancel token, which the library checks between
 units of work, and the next progress report raises it too: every long operation reports at least once
-per tensor or file. A second signal stops the process at once; that is safe
-because every write is atomic and the lock is an flock that dies with the process.
+per tensor or file. A second signal stops the process at once with exit 3, as the first does (with
+--json it still writes the one document, saying 3); that is safe because every write is atomic and the
+lock is an flock that dies with the process. Once the outcome is printed (`settle`), a signal can no
+longer change the exit code: the process ends with the code it printed.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 from types import FrameType
@@ -21,6 +24,7 @@ from moet_cache.errors import Interrupted
 from moet_cache.progress import Progress
 
 from ._errors import EXIT_ENVIRONMENT
+from ._output import envelope
 
 
 class InterruptGate:
@@ -30,6 +34,15 @@ class InterruptGate:
         self.pending: str | None = None
         self.deferring = False
         self.token = CancelToken()  # what the library checks; set with the held signal
+        self.command: str | None = None  # the command, and whether it prints a JSON document (main sets them)
+        self.json_mode = False
+        self.settled: int | None = None  # the exit code once the outcome is printed
+
+    def settle(self, exit_code: int) -> None:
+        """The outcome is decided and printed: from now on a signal is held, and a second one ends the
+        process with this code (no new message, no second JSON document)."""
+        self.settled = exit_code
+        self.deferring = True
 
     def install(self) -> None:
         signal.signal(signal.SIGINT, self._on_signal)
@@ -44,7 +57,13 @@ class InterruptGate:
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         name = signal.Signals(signum).name
         if self.pending is not None:
-            os.write(2, f"Error: interrupted by {name} again; stopped at once ({RESUME_HINT})\n".encode())
+            if self.settled is not None:
+                os._exit(self.settled)
+            message = f"interrupted by {name} again; stopped at once"
+            os.write(2, f"Error: {message} ({RESUME_HINT})\n".encode())
+            if self.json_mode:  # the one document, as on every exit; the work's own was never printed
+                doc = envelope(self.command, EXIT_ENVIRONMENT, message, RESUME_HINT, Interrupted.__name__)
+                os.write(1, (json.dumps(doc, indent=2) + "\n").encode())
             os._exit(EXIT_ENVIRONMENT)
         if self.deferring:
             self.pending = name

@@ -2,17 +2,18 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
 from moet_cache.enums import BaseTable
+from moet_cache.errors import InputError
 from moet_cache.tiering import DEFAULT_DELTA_BUDGET
 from moet_cache.units import fmt_bytes
 
 from ._common import JsonOpt, QuietOpt, kill_hook
+from ._env import env_choice
 from ._output import Output
 from ._progress import cancel_token, progress_for
 
@@ -25,16 +26,19 @@ KERNELS_ENV = "MOET_CACHE_KERNELS"
 
 
 def split_device_from_env() -> str:
-    """MOET_CACHE_SPLIT_DEVICE: auto, cpu, torch-cpu or cuda; unset or any other value is auto."""
+    """MOET_CACHE_SPLIT_DEVICE: auto (also when unset), cpu, torch-cpu or cuda; any other value is refused."""
     from moet_cache.build.options import SPLIT_DEVICES
-    want = os.environ.get(SPLIT_DEVICE_ENV, "auto")
-    return want if want in SPLIT_DEVICES else "auto"
+    return env_choice(SPLIT_DEVICE_ENV, SPLIT_DEVICES, "auto")
 
 
 def host_kernel_from_env() -> str:
-    """MOET_CACHE_KERNELS=numpy: the numpy kernels (A/B runs); unset or any other value: the fastest built."""
+    """MOET_CACHE_KERNELS: numpy (A/B runs) or c; unset: the fastest built; any other value is refused."""
     from moet_cache.planes import KERNEL, HostKernel
-    return HostKernel.NUMPY if os.environ.get(KERNELS_ENV) == HostKernel.NUMPY else KERNEL
+    want = env_choice(KERNELS_ENV, HostKernel.names(), KERNEL)
+    if want == HostKernel.C and KERNEL != HostKernel.C:  # the library would fall back to numpy without a word
+        raise InputError(f"environment variable {KERNELS_ENV}=c, but the C kernels are not built here",
+                         f"install moet-cache with a C compiler present, or set {KERNELS_ENV}=numpy or unset it")
+    return want
 
 
 def build(

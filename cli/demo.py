@@ -20,7 +20,7 @@ from moet_cache.errors import InputError
 
 from ._common import JsonOpt, QuietOpt
 from ._errors import EXIT_OK, EXIT_PROBLEM
-from ._output import Output
+from ._output import Output, styled
 from ._progress import progress_for
 
 
@@ -78,6 +78,7 @@ def demo(
             from .inspect_cmd import inspect as show
             show(cache, json_=False, quiet=quiet)
             show_plan(out, plan)
-            out.print(f"[{'green' if ok else 'red'}]demo {'passed' if ok else 'FAILED'}[/] in {doc['seconds']:.1f} s"
-                      + ("" if workdir else " (temporary files removed; pass --workdir to keep them)"))
+            out.print(styled(f"demo {'passed' if ok else 'FAILED'}", "green" if ok else "red",
+                             f" in {doc['seconds']:.1f} s"
+                             + ("" if workdir else " (temporary files removed; pass --workdir to keep them)")))
     raise typer.Exit(EXIT_OK if ok else EXIT_PROBLEM)

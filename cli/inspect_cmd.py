@@ -7,9 +7,10 @@ from typing import Annotated
 
 import typer
 
-from moet_cache import inspect_cache
+from moet_cache.inspection import inspect_view
 from moet_cache.units import fmt_bytes
 
+from ._boot import checked_view
 from ._common import JsonOpt, QuietOpt
 from ._output import Output
 
@@ -21,17 +22,23 @@ def inspect(
 ) -> None:
     """Per layer: experts, base bytes, delta experts and bytes, base-only relative error; totals; source."""
     out = Output(json_, quiet)
-    info = inspect_cache(cache)
+    info = inspect_view(checked_view(cache, out))  # the boot check first: no summary of a damaged cache
     if out.json_mode:
         out.json({"command": "inspect", **info.__dict__})
         return
+    # The source format and scale form get columns only where layers differ (V4's drafter beside its main
+    # layers); one line below says them otherwise, which keeps the table within 80 columns.
+    forms = sorted({(i.source_format, i.scale_form) for i in info.layers})
+    varied = len(forms) > 1
     rows = [[i.layer, i.kind, i.experts, fmt_bytes(i.base_bytes), i.delta_experts, fmt_bytes(i.delta_bytes),
              f"{i.rel_error_mean:.4f}", f"{i.rel_error_worst:.4f} #{i.worst_expert}", f"{i.rel_error_served:.4f}",
-             i.source_format, i.scale_form]
+             *([i.source_format, i.scale_form] if varied else [])]
             for i in info.layers]
     out.table(f"{cache} (rel. err = relative weight error; served = with the tier at FP4)",
-              ["layer", "kind", "experts", "base", "tier", "tier bytes", "rel. err", "worst", "served", "format",
-               "scales"], rows)
+              ["layer", "kind", "experts", "base", "tier", "tier bytes", "rel. err", "worst", "served",
+               *(["format", "scales"] if varied else [])], rows)
+    if forms and not varied:
+        out.print(f"every layer: source format {forms[0][0]}, block scales {forms[0][1]} (w13/w2)")
     b = info.build
     out.print(f"source: {info.source_path} ({info.family or 'deepseek_v3'}, {info.source_layout}); built {info.created} "
               f"by moet-cache {info.tool_version}")

@@ -10,11 +10,13 @@ import typer
 
 from moet_cache import vram
 from moet_cache.errors import InputError
+from moet_cache.folders import FolderKind, folder_kind
 from moet_cache.units import GIB, parse_size, parse_tokens
 
+from ._boot import checked_view
 from ._common import JsonOpt, QuietOpt
 from ._errors import EXIT_OK, EXIT_PROBLEM
-from ._output import Output
+from ._output import Output, styled
 
 
 def _g(n: float) -> str:
@@ -95,19 +97,20 @@ def show_plan(out: Output, p: vram.Plan) -> None:
         _kv_row(p),
         ["total", _g(p.need), f"of {_g(p.budget)} usable"],
     ]
-    out.table(None, ["Term", "size in GiB", "What"], rows)
+    out.table(None, ["Term", "GiB", "What"], rows, wrap=("What",))
+    # the verdict is what plan is asked for: printed with --quiet too (out.result); the rest are notes
     if p.fits:
         if p.thin:
-            out.print(f"[yellow]fits, barely[/yellow]: {_g(p.margin)} GiB to spare ({p.deciding})")
+            out.result(styled("fits, barely", "yellow", f": {_g(p.margin)} GiB to spare ({p.deciding})"))
         else:
-            out.print(f"[green]fits[/green], with {_g(p.margin)} GiB to spare ({p.deciding})")
+            out.result(styled("fits", "green", f", with {_g(p.margin)} GiB to spare ({p.deciding})"))
         out.print("the free bytes would buy one of:")
         out.print(f"  {p.extra_full_seqs} more concurrent {s.max_model_len}-token sequences")
         out.print(f"  a context of {p.context_limit} tokens for {s.max_num_seqs} sequence(s)")
         out.print(f"  {p.extra_delta_experts} more delta-tier experts "
                   f"({fp.tier_experts + p.extra_delta_experts} of {fp.total_experts}): moet-cache retier")
     else:
-        out.print(f"[red]does not fit[/red]: short by {_g(-p.margin)} GiB. Deciding term: {p.deciding}")
+        out.result(styled("does not fit", "red", f": short by {_g(-p.margin)} GiB. Deciding term: {p.deciding}"))
         out.print("nearest settings that fit:")
         for x in p.suggestions:
             thin = ": the edge, within the estimates' error" if x.thin(p.budget) else ""
@@ -179,7 +182,13 @@ def plan(
         async_scheduling=async_scheduling,
         cudagraph_reserve=parse_size(cudagraph_reserve, what="--cudagraph-reserve") if cudagraph_reserve else None,
         activation_reserve=parse_size(activation_reserve, what="--activation-reserve") if activation_reserve else None)
-    p = vram.plan_for(path, settings, delta_budget)
+    kind = folder_kind(path)
+    if kind == FolderKind.EMPTY:
+        raise InputError(f"{path} is an empty folder", "give a cache folder or an NVFP4 checkpoint folder")
+    if kind == FolderKind.CACHE:  # the boot check first: a damaged cache is exit 1, not a plan
+        p = vram.make_plan(vram.footprint_of_view(checked_view(path, out), delta_budget), settings)
+    else:  # a checkpoint: computed from config.json and the shard headers
+        p = vram.plan_for(path, settings, delta_budget)
     if out.json_mode:
         out.json(plan_document(p), EXIT_OK if p.fits else EXIT_PROBLEM)
     else:

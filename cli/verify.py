@@ -13,7 +13,7 @@ from moet_cache.verifier import Check, State, VerifyReport
 
 from ._common import JsonOpt, QuietOpt
 from ._errors import EXIT_OK, EXIT_PROBLEM
-from ._output import Output
+from ._output import Output, styled
 from ._progress import cancel_token, progress_for
 
 MAX_LISTED = 20
@@ -49,8 +49,8 @@ def show_report(out: Output, r: VerifyReport, cache: Path) -> None:
     style = "green" if r.ok else "yellow" if r.complete else "red"
     extra = f", verified by {r.verified_by} at {r.verified_at}" if r.ok and r.verified_by else ""
     speed = f", {r.bytes_hashed / r.seconds / 1e9:.2f} GB/s" if r.bytes_hashed and r.seconds > 0 else ""
-    out.print(f"[{style}]{cache}: {r.state_text}[/{style}] ({r.mode} check, {r.files_checked} files, "
-              f"{r.seconds:.2f} s{speed}{extra})")
+    out.print(styled(f"{cache}: {r.state_text}", style, f" ({r.mode} check, {r.files_checked} files, "
+                                                           f"{r.seconds:.2f} s{speed}{extra})"))
     for p in r.problems[:MAX_LISTED]:
         out.print(f"  {p.kind}: {p.describe()}")
     if len(r.problems) > MAX_LISTED:

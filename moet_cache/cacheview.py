@@ -23,6 +23,7 @@ from typing import Any
 from . import layout as L
 from .errors import InputError, UnsafePathError, VerificationError
 from .families import DeepseekV3, Family
+from .folders import require_cache_folder
 from .fsutil import read_all, read_json_file, resolve_inside
 from .hashing import xxh3_file_hex, xxh3_hex
 from .manifest import (CACHE_MANIFEST, COMMIT_RECORD, CacheManifest, CommitRecord, DeltaIndex, FileEntry,
@@ -227,6 +228,7 @@ def open_view(root: str | os.PathLike[str]) -> CacheView:
     """The view of a committed cache; a ManifestError when it is incomplete or its manifests are damaged."""
     root = Path(root)
     if not (root / COMMIT_RECORD).is_file():
+        require_cache_folder(root)  # a typo, a file, a checkpoint: named as what it is (exit 2)
         raise ManifestError(f"{root} has no commit record: the cache is incomplete",
                             "run moet-cache build to finish it")
     return view_of(root, *read_commit(root))

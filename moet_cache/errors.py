@@ -51,6 +51,10 @@ class DiskFullError(EnvironmentProblem):
     """Not enough free space to write the cache."""
 
 
+class OutputError(EnvironmentProblem):
+    """Standard output cannot be written: the file it goes to is on a full disk, or the pipe was closed."""
+
+
 class MissingDependencyError(InputError):
     """An optional program or package (e.g. vLLM) is needed and absent (exit 2: install it)."""
 

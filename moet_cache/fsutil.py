@@ -162,8 +162,12 @@ def atomic_write_json(path: Path, obj: Any) -> bytes:
 
 def raise_if_disk_full(e: OSError, needed: int, path: Path) -> None:
     if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        try:
+            free = f", {shutil.disk_usage(path.parent).free} free"
+        except OSError:
+            free = ""
         raise DiskFullError(
-            f"the disk is full while writing {path.name} ({needed} more bytes needed at least)",
+            f"the disk is full while writing {path} ({needed} bytes needed for it{free})",
             "free space on that filesystem and run the build again; it resumes",
         ) from None
 

@@ -5,10 +5,9 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
-from pathlib import Path
 
 from . import layout as L
-from .cacheview import open_view
+from .cacheview import CacheView, open_view
 from .families import Family
 from .manifest import BuildParams
 
@@ -53,8 +52,12 @@ class CacheInfo:
 def inspect_cache(root: str | os.PathLike[str]) -> CacheInfo:
     """Summarise a committed cache; raises ManifestError when it is incomplete or damaged (a listed file that
     does not match its digest, the delta index included, is never trusted)."""
-    root = Path(root)
-    cf = open_view(root)
+    return inspect_view(open_view(root))
+
+
+def inspect_view(cf: CacheView) -> CacheInfo:
+    """Summarise an opened cache (the view a boot check read: `moet-cache inspect` checks the files first)."""
+    root = cf.root
     m = cf.manifest
     infos = []
     for layer, lm in sorted(cf.layers.items()):
@@ -81,8 +84,8 @@ def served_blocks(fam: Family, served: tuple[int, ...]) -> str:
 
     DeepSeek-V4-Flash has 43 main layers and drafter (MTP) blocks mtp.K = cache layer 43 + K. vLLM loads the
     main model without mtp.* and the drafter as its own model, num_nextn_predict_layers blocks from mtp.0
-    (vllm/models/deepseek_v4 mtp: layers num_hidden_layers .. + num_nextn_predict_layers). The field
-    report's "44 served layers" are the 43 main layers + mtp.0, which --include-mtp adds.
+    (vllm/models/deepseek_v4 mtp: layers num_hidden_layers .. + num_nextn_predict_layers): V4-Flash built with
+    --include-mtp serves 44 layers, the 43 main ones and mtp.0.
     """
     main = [x for x in served if not fam.is_mtp(x)]
     mtp = [x for x in served if fam.is_mtp(x)]
@@ -95,6 +98,4 @@ def served_blocks(fam: Family, served: tuple[int, ...]) -> str:
         have = len(fam.mtp_layers)
         text += (f"; the {have} drafter block{'s' if have != 1 else ''} of the source "
                  "not served (add --include-mtp for speculative decoding)") if have else ""
-    if fam.name == "deepseek_v4":
-        text += ". DeepSeek-V4-Flash: 43 main + mtp.0 = the field report's 44 served layers"
     return text

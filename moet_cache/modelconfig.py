@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -84,6 +85,9 @@ class ModelConfig:
         return dict(self.__dict__)
 
 
+_LAYER_NUMBER = re.compile(r"[0-9]{1,6}")
+
+
 def parse_layer_selection(text: str) -> set[int]:
     """'3-60', '3,5,7-9' -> a set of layer numbers."""
     out: set[int] = set()
@@ -91,7 +95,8 @@ def parse_layer_selection(text: str) -> set[int]:
         if not part:
             continue
         lo, sep, hi = part.partition("-")
-        if not lo.isdigit() or (sep and not hi.isdigit()):
+        # ASCII digits only: str.isdigit() takes '²' and '٣', which int() then refuses (an internal error)
+        if not _LAYER_NUMBER.fullmatch(lo) or (sep and not _LAYER_NUMBER.fullmatch(hi)):
             raise InputError(f"cannot read the layer selection {text!r}", "write e.g. 3-60 or 3,5,7-9")
         a, b = int(lo), int(hi) if sep else int(lo)
         if b < a or b - a > 1 << 16:

@@ -16,7 +16,7 @@ from .errors import InputError
 from .fsutil import read_json_file
 from .hashing import xxh3_hex
 
-DEFAULT_DELTA_BUDGET = "4.5GB"  # the field report's tier: ~4.5 GB, full layer coverage
+DEFAULT_DELTA_BUDGET = "4.5GB"  # the tier planned for DeepSeek-V4-Flash on one 96 GB card (docs/SERVING.md)
 
 
 @dataclass(frozen=True)

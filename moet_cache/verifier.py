@@ -18,7 +18,8 @@ from .manifest import utc_now
 from .enums import StrEnum, TensorKind
 from .cacheview import CacheView, ListedFileError, entry_digest, open_view, read_committed_manifest
 from .errors import InputError, VerificationError
-from .fsutil import atomic_write_json, lock_is_held, open_regular, pread_into, read_json_file, refuse_links
+from .folders import EMPTY_DETAIL, FolderKind, require_cache_folder
+from .fsutil import atomic_write_json, lock_is_held, open_regular, pread_into, read_json_file, refuse_links, resolve_inside
 from .hashing import xxh3_file_hex, xxh3_hex
 from .machine import usable_cores
 from .manifest import CACHE_MANIFEST, COMMIT_RECORD, VERIFIED_STATE, CacheManifest, FileEntry, ManifestError, TensorEntry
@@ -235,8 +236,11 @@ def _source_changes(cf: CacheView) -> tuple[bool, list[Problem]]:
         p = src / shard.name
         try:
             st = p.stat()
-        except OSError:
+        except FileNotFoundError:
             problems.append(Problem(ProblemKind.STALE, shard.name, "the source shard is gone"))
+            continue
+        except OSError as e:  # there, but the disk fails it: say so, not "gone"
+            problems.append(Problem(ProblemKind.STALE, shard.name, f"the source shard cannot be read: {e.strerror or e}"))
             continue
         if st.st_size != shard.size:
             problems.append(Problem(ProblemKind.STALE, p.name,
@@ -259,10 +263,10 @@ def boot_view(root: str | os.PathLike[str], check_source: bool = True) -> tuple[
     a command that goes on to read the cache (load, serve, --against) reads it through this view."""
     t0 = time.perf_counter()
     root = Path(root)
-    if not root.is_dir():
-        raise InputError(f"{root} is not a cache folder")
+    kind = require_cache_folder(root)  # a typo, a file, a checkpoint: named as what it is (exit 2)
     if not (root / COMMIT_RECORD).is_file():
-        detail = "a build is running" if lock_is_held(root) else "no commit record: the build did not finish"
+        detail = EMPTY_DETAIL if kind == FolderKind.EMPTY else \
+            "a build is running" if lock_is_held(root) else "no commit record: the build did not finish"
         return VerifyReport(Check.BOOT, INCOMPLETE, (Problem(ProblemKind.COMMIT, COMMIT_RECORD, detail),), 0,
                             seconds=time.perf_counter() - t0), None
     try:
@@ -279,8 +283,11 @@ def boot_view(root: str | os.PathLike[str], check_source: bool = True) -> tuple[
         p = root / f.path
         try:
             st = os.lstat(p)
-        except OSError:
+        except FileNotFoundError:
             problems.append(Problem(ProblemKind.MISSING, f.path, "file is missing", layer))
+            continue
+        except OSError as e:  # an I/O error is not a missing file: say what the system said
+            problems.append(Problem(ProblemKind.UNREADABLE, f.path, f"cannot stat: {e.strerror or e}", layer))
             continue
         if not os.path.isfile(p) or os.path.islink(p):
             problems.append(Problem(ProblemKind.LINK, f.path, "not a plain file", layer))

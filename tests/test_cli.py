@@ -84,10 +84,10 @@ def test_corrupt_cache_exits_1_with_the_place(tmp_path: Path, ckpt_modelopt: Pat
 
 @pytest.mark.parametrize("args,needle", [
     (["build", "/nonexistent/src", "{tmp}/c"], "/nonexistent/src is not a folder"),
-    (["verify", "/nonexistent/cache"], "is not a cache folder"),
+    (["verify", "/nonexistent/cache"], "/nonexistent/cache: no such folder"),
     (["build", "{src}", "{tmp}/c", "--delta-budget", "lots"], "cannot read delta budget 'lots'"),
     (["build", "{src}", "{tmp}/c", "--layers", "x-y"], "cannot read the layer selection"),
-    (["inspect", "{tmp}"], "no commit record"),
+    (["inspect", "{src}"], "is a checkpoint, not a cache"),
 ])
 def test_bad_input_exits_2_with_one_line(tmp_path: Path, ckpt_modelopt: Path, args: list, needle: str) -> None:
     argv = [a.format(tmp=tmp_path, src=ckpt_modelopt) for a in args]
@@ -107,7 +107,7 @@ def test_usage_error_exits_2(capsys: pytest.CaptureFixture) -> None:
 def test_debug_shows_the_traceback(capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
     assert main(["verify", str(tmp_path / "none"), "--debug"]) == 2
     err = capsys.readouterr().err
-    assert "Traceback" in err and err.strip().endswith("is not a cache folder")
+    assert "Traceback" in err and err.strip().endswith("no such folder (check the path; `moet-cache build SRC CACHE` creates a cache)")
 
 
 def test_lock_held_exits_3(tmp_path: Path, ckpt_modelopt: Path) -> None:
@@ -174,8 +174,8 @@ def test_manifest_path_leaving_the_cache_is_refused(tmp_path: Path, ckpt_modelop
     (cache / "COMMIT.json").write_text(json.dumps(commit))  # a consistent but hostile manifest
     r = run("verify", str(cache), "--full")
     assert r.returncode == 1 and "absolute or leaves the cache" in r.stdout and "Traceback" not in r.stderr
-    r = run("inspect", str(cache))
-    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "absolute or leaves the cache" in r.stderr
+    r = run("inspect", str(cache))  # the boot check first: a hostile manifest is a corrupt cache
+    assert r.returncode == 1 and r.stderr.count("\n") == 1 and "absolute or leaves the cache" in r.stderr
 
 
 def test_interrupt_gate_holds_a_signal_until_the_next_progress_report() -> None:
@@ -211,9 +211,13 @@ def test_a_held_signal_sets_the_librarys_cancel_token() -> None:
 
 def test_the_split_device_comes_from_the_environment_in_the_cli_only(monkeypatch: pytest.MonkeyPatch) -> None:
     from moet_cache.cli.build import split_device_from_env
-    for value, want in (("cpu", "cpu"), ("torch-cpu", "torch-cpu"), ("cuda", "cuda"), ("gpu", "auto"), ("", "auto")):
+    from moet_cache.errors import InputError
+    for value, want in (("cpu", "cpu"), ("torch-cpu", "torch-cpu"), ("cuda", "cuda"), ("", "auto")):
         monkeypatch.setenv("MOET_CACHE_SPLIT_DEVICE", value)
         assert split_device_from_env() == want
+    monkeypatch.setenv("MOET_CACHE_SPLIT_DEVICE", "gpu")  # a typo is refused, not run as auto
+    with pytest.raises(InputError, match="MOET_CACHE_SPLIT_DEVICE='gpu' is not one of: auto, cpu, torch-cpu, cuda"):
+        split_device_from_env()
     monkeypatch.delenv("MOET_CACHE_SPLIT_DEVICE")
     assert split_device_from_env() == "auto"
     import moet_cache.build as build_pkg

@@ -30,7 +30,7 @@ def test_json_on_every_exit(lossless: tuple[Path, Path], work: Path) -> None:
     (work / "notempty" / "x").write_text("x")
     cases = [
         (["verify", cache, "--json"], 0, None),
-        (["verify", work / "nothing-here", "--json"], 2, "not a cache folder"),
+        (["verify", work / "nothing-here", "--json"], 2, "no such folder"),
         (["inspect", work / "nothing-here", "--json"], 2, None),
         (["build", work / "no-src", work / "c2", "--json"], 2, None),
         (["export", cache, work / "notempty", "--json"], 2, "not empty"),
