@@ -5,8 +5,9 @@ Figures (throughputs over the same bytes, page cache warm; ratio > 1 means the l
   load_gpu_vs_h2d  loader into the GPU / a pinned host-to-device copy of the bytes (goal >= 0.7)
   load_vs_source   loader / reading the source's FP4 expert tensors with safetensors
                    and splitting them into planes at boot                          (goal >= 2.5)
-  load_vs_report   loader / the field report's scheme: 4 workers on batches of 12 layers,
-                   synchronize + gc.collect + empty_cache per batch, the last layers serially
+  load_vs_batched_scheme  loader / the batched-layer scheme: 4 workers on batches of 12 layers,
+                   safetensors tensor by tensor, synchronize + gc.collect + empty_cache per batch,
+                   the last layers serially
 
     python benchmarks/bench_loader.py --size 4GiB [--device cuda:0] [--workers 4,8] [--json]
 Importable: run(size_bytes, ...) -> dict.
@@ -38,7 +39,7 @@ from moet_cache.planes import split_planes
 from moet_cache.synthetic import make_checkpoint, spec_for_size
 from moet_cache.units import parse_size
 
-BATCH, REPORT_WORKERS = 12, 4  # the field report's scheme
+BATCH, BATCHED_WORKERS = 12, 4  # the batched-layer scheme: 12 layers a batch on 4 workers
 
 
 def _sync(device: str) -> None:
@@ -69,7 +70,7 @@ def make_cache(work: Path, size_bytes: int, big_layers: bool = True) -> tuple[Pa
         spec = replace(spec, hidden_size=H, moe_intermediate_size=I, intermediate_size=2 * I, n_routed_experts=E,
                        num_hidden_layers=max(2, int(round(size_bytes / per_layer))) + spec.first_k_dense_replace)
     served = spec.num_hidden_layers - spec.first_k_dense_replace
-    if served >= 20:  # 12k + 8 served layers: the report's 44-layer shape (3 batches and a tail of 8)
+    if served >= 20:  # 12k + 8 served layers, as a 44-layer model: 3 batches and a tail of 8
         served = max(20, (served - 8) // 12 * 12 + 8)
         spec = replace(spec, num_hidden_layers=served + spec.first_k_dense_replace)
     src = make_checkpoint(work / "src", spec)
@@ -96,7 +97,7 @@ def _loader(cache: Any, device: str, workers: int, verify: str = "boot", **kw: A
     return n, arrivals
 
 
-def _report_layer(root: Path, layer: int, experts: tuple[int, ...], device: str) -> int:
+def _safetensors_layer(root: Path, layer: int, experts: tuple[int, ...], device: str) -> int:
     """One layer as a straightforward cache-backed loader would: safetensors, tensor by tensor."""
     n = 0
     out = {}
@@ -113,25 +114,25 @@ def _report_layer(root: Path, layer: int, experts: tuple[int, ...], device: str)
     return n
 
 
-def report_scheme(root: Path, device: str) -> dict[str, float]:
-    """The field report's loader: 4 workers x batches of 12 layers, per-batch barrier + cleanup,
+def batched_scheme(root: Path, device: str) -> dict[str, float]:
+    """The batched-layer loader: 4 workers x batches of 12 layers, per-batch barrier + cleanup,
     and the layers that do not fill a batch loaded one by one at the end."""
     cache = open_cache(root)
     layers = list(cache.layers)
     idx = cache.delta_index
     full = len(layers) // BATCH * BATCH
     t0 = time.perf_counter()
-    with ThreadPoolExecutor(REPORT_WORKERS) as pool:
+    with ThreadPoolExecutor(BATCHED_WORKERS) as pool:
         for i in range(0, full, BATCH):
             batch = layers[i:i + BATCH]
-            list(pool.map(lambda x: _report_layer(root, x, idx.experts_of(x) or (), device), batch))
+            list(pool.map(lambda x: _safetensors_layer(root, x, idx.experts_of(x) or (), device), batch))
             _sync(device)
             gc.collect()
             if device.startswith("cuda"):
                 torch.cuda.empty_cache()
     t_batches = time.perf_counter() - t0
     for x in layers[full:]:
-        _report_layer(root, x, idx.experts_of(x) or (), device)
+        _safetensors_layer(root, x, idx.experts_of(x) or (), device)
     _sync(device)
     total = time.perf_counter() - t0
     return {"seconds": total, "batches_seconds": t_batches, "tail_seconds": total - t_batches,
@@ -235,11 +236,11 @@ def run(size_bytes: int, device: str = "cpu", workers: tuple[int, ...] = (4,), r
             res["source_split_seconds"] = ts
             res["load_cpu_seconds"] = res["load_bytes"] / best_cpu / 1e9
             res["load_vs_source"] = ts / res["load_cpu_seconds"]
-        # The field report's scheme, and ours on the same device, with where the time goes at the end.
+        # The batched-layer scheme, and ours on the same device, with where the time goes at the end.
         dev = device
         print("[bench] cpu figures done", file=sys.stderr, flush=True)
-        rep = min((report_scheme(root, dev) for _ in range(reps)), key=lambda r: r["seconds"])
-        res["report_scheme"] = rep
+        rep = min((batched_scheme(root, dev) for _ in range(reps)), key=lambda r: r["seconds"])
+        res["batched_scheme"] = rep
         if dev.startswith("cuda"):
             fresh = open_cache(root)  # a first load pins its staging buffer: time it apart
             t0 = time.perf_counter()
@@ -273,7 +274,7 @@ def run(size_bytes: int, device: str = "cpu", workers: tuple[int, ...] = (4,), r
         res["ours_seconds"] = ours[-1]
         res["ours_workers"] = wbest
         res["ours_last_layers_seconds"] = ours[-1] - ours[-k - 1] if 0 < k < len(ours) else 0.0
-        res["load_vs_report"] = rep["seconds"] / ours[-1]
+        res["load_vs_batched_scheme"] = rep["seconds"] / ours[-1]
         return res
     finally:
         if not keep and not workdir:

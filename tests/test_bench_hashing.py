@@ -25,8 +25,8 @@ def test_file_digest_equals_the_digest_of_the_bytes(tmp_path: Path, size: int, c
 
 def test_a_file_that_cannot_be_mapped_is_read_and_none_is_ever_mapped(tmp_path: Path,
                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
-    """A map turned an unreadable page into a SIGBUS that killed verify --full (issue 13 item 1): files are
-    read with pread, and no map is made (the test of the old mapped path asserted that one was tried)."""
+    """A map would turn an unreadable page into a SIGBUS that kills verify --full: files are read with
+    pread, and no map is made."""
     data = os.urandom(2 * MIB + 3)
     p = tmp_path / "f.bin"
     p.write_bytes(data)

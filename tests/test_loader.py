@@ -390,8 +390,8 @@ def test_ctrl_c_stops_a_real_load(lossless) -> None:
     try:
         out, err = proc.communicate(timeout=15)
     except subprocess.TimeoutExpired:
-        # Seen once in CI (session 22, not again in 7 runs on one core): the first SIGINT lost, the load going on for
-        # 30 s, nothing on stderr. Python drops a KeyboardInterrupt raised inside a weakref callback or C
+        # Seen once in CI (not again in 7 runs on one core): the first SIGINT lost, the load going on for 30 s,
+        # nothing on stderr. Python drops a KeyboardInterrupt raised inside a weakref callback or C
         # code that calls back into Python (why the CLI holds signals: cli/_signals.py). What this test
         # checks is that a load ended by KeyboardInterrupt leaves no thread behind, so: say where the main
         # thread was, and interrupt it again.

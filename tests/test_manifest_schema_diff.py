@@ -3,8 +3,8 @@ JSON Schemas of manifests/. Every field of each written record is deleted, set t
 or given an unknown key (the document itself too), and both judge the result.
 
 The parsers never crash (a ManifestError, nothing else) and refuse exactly what the schemas refuse, except
-the rules across fields in KNOWN, which the parsers alone can state (issue 14: 33 disagreements before, 7
-now, each with its reason). A new disagreement fails, and so does one that has gone (take it out of KNOWN).
+the rules across fields in KNOWN, which the parsers alone can state (each with its reason). A new
+disagreement fails, and so does one that has gone (take it out of KNOWN).
 """
 
 from __future__ import annotations

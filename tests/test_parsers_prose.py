@@ -1,4 +1,4 @@
-"""Issue 13 item 10: prose that mentions a tool-call marker without forming a call keeps all its text."""
+"""Prose that mentions a tool-call marker without forming a call keeps all its text."""
 
 from __future__ import annotations
 

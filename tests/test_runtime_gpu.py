@@ -61,7 +61,7 @@ def _reference(x: torch.Tensor, t: dict, w: torch.Tensor, ids: torch.Tensor, lim
 
 
 #: the tiled fitted blocks' output against the natural layout's where they sum in another order (norm; rows
-#: 3x): measured at most 5.4e-4 (rows 1.0e-3) against the reference's 4-6e-3 (session 19, H200)
+#: 3x): measured at most 5.4e-4 (rows 1.0e-3) against the reference's 4-6e-3 (H200)
 ACC2_TOL = 2e-3
 
 
@@ -206,7 +206,7 @@ def test_prefill_kernels(layer: dict, T: int, block: Prefill, mode: str) -> None
 
 def test_prefill_on_a_card_with_less_shared_memory(layer: dict, monkeypatch: pytest.MonkeyPatch) -> None:
     """Where a CTA may take 99 KB of shared memory (sm_86, sm_89, sm_120: the RTX PRO 6000), a prefill step
-    whose block takes 104 KB (session 19's Prefill(4, 8, 4)) runs on the prefill kernels with 3 stages
+    whose block takes 104 KB (a Prefill(4, 8, 4)) runs on the prefill kernels with 3 stages
     (mma_prefill.within), not on Triton's with the layer put back in the natural layout on every call, and
     gives the reference."""
     T = 700

@@ -3,7 +3,7 @@
 torch 2.13 and up (vLLM 0.34 pins 2.14) have NVRTC compile to a cubin, which the driver's JIT cache does
 not keep, so every process start compiled a layer form's kernels again: 3.5 s at load for an x4 layer's
 14 kernels on 16 cores in threads (warm_up.py), 3.9 s on 4 (the device machine's torch 2.11, its JIT
-cache off). Loaded from their kept images: 0.02 s (docs/RUNTIME.md, session 22). Each image is a file
+cache off). Loaded from their kept images: 0.02 s (docs/RUNTIME.md). Each image is a file
 named by the digest of everything that decides its bytes: the source, the instantiation, the
 architecture, the options and the toolchain (torch's and NVRTC's versions). The file carries the digest
 of the image, so an image that does not match it (a torn or corrupted file) is compiled again and

@@ -85,12 +85,12 @@ DEV U4 load_x(const u16* p) {
 }
 
 // The thread's words (or scale bytes) of one chunk in rows g (r 0) and g + 8 (r 1), as a pointer moved on
-// a chunk at a time (session 16: indices turned into addresses at every load took about six instructions
+// a chunk at a time (indices turned into addresses at every load took about six instructions
 // a load, in a loop whose issue slots bound it at T = 1-2). UNIT: a row's elements in a chunk
 // (CHUNK_WORDS plane words; 8 e8m0 or 16 e4m3 scale bytes); `lane`: the thread's first element in it.
 // TILED (every layer laid out at load, tiles.py): each 16-row tile is stored chunk-major, [chunk][16 rows]
 // [a row's chunk], so a warp's load of a chunk is one contiguous KB where row-major rows scatter it over 16
-// (session 14: T = 1-64 7-22% faster), and row g + 8 lies a fixed offset after row g (one pointer; the
+// (T = 1-64 7-22% faster), and row g + 8 lies a fixed offset after row g (one pointer; the
 // offset goes in the load's immediate). Natural layout (a layer as loaded): each row its own pointer.
 template <typename T, bool TILED, int UNIT>
 struct Cursor {
@@ -133,8 +133,7 @@ DEV void load_chunk(Chunk& ch, WordCursor<TILED>& w, ScaleCursor<E8, TILED>& s) 
 // padding slot, whose loads are skipped and whose registers (xa, xb) keep what they held: that B
 // column's products land only in C columns that are never stored. (Zeroing them every word cost 16
 // instructions a chunk; loading another pair's row instead made every warp's activation loads take
-// four L1 passes where the live lanes alone take one: T = 1 25.3 -> 32.3 us, T = 64 638.6 -> 1002.6,
-// session 16.)
+// four L1 passes where the live lanes alone take one: T = 1 25.3 -> 32.3 us, T = 64 638.6 -> 1002.6.)
 template <int NT, bool E8, bool TIER, bool X4, bool ACC2>
 DEV void compute_chunk(float (&acc)[NT][4], float (&acc2)[NT][4], const Chunk& ch, const U4 (&dl)[2], u32 tlo,
                        u32 thi, const u16* const (&xp)[NT], const bool (&live)[NT], U4 (&xa)[NT], U4 (&xb)[NT]) {
@@ -202,9 +201,8 @@ DEV void compute_chunk(float (&acc)[NT][4], float (&acc2)[NT][4], const Chunk& c
 // chunk D further as soon as it is computed, so D chunks stay in flight; a tier expert's delta words
 // likewise (issued once the lookup has found its tier row). ACC2: a second accumulator set takes the
 // odd sub-steps, so a chunk's 16 mma are two dependent chains of 8 that a warp waits through while its
-// loads are in flight (direct blocks, session 12: T = 4 98.7 against 101.3 us, 106.7 against 109.3
-// with a 10% tier; in lean blocks it spilled at 56 registers (T = 16 306.5 against 296.3) and is 1-3%
-// slower at 64 (session 13).
+// loads are in flight (direct blocks: T = 4 98.7 against 101.3 us, 106.7 against 109.3 with a 10%
+// tier; in lean blocks it spilled at 56 registers (T = 16 306.5 against 296.3) and is 1-3% slower at 64).
 template <int NT, int D, bool E8, bool TIER, bool X4, bool TILED, bool ACC2>
 DEV void k_loop(float (&acc)[NT][4], Chunk (&ch)[D], WordCursor<TILED> w, ScaleCursor<E8, TILED> s,
                 const u32* const (&drow)[2], u32 tlo, u32 thi, const u16* xin0, const u16* const (&xrow)[NT], int q,
@@ -362,7 +360,7 @@ __global__ void pair_rows(const u16* __restrict__ x, u16* __restrict__ xp, int g
 // The threads an SM the decode kernels' registers are sized for (launch bounds), and the chunks each
 // warp keeps in flight (see "Loads in flight" above). One token column (NT 1): 768 threads, 80
 // registers, two chunks, or LEAN: 1024 threads, 64 registers, one chunk (more warps for fewer loads in
-// flight: from 60-80 pairs on by the layer's form, launch.py; session 13: 64 registers, where 56 had
+// flight: from 60-80 pairs on by the layer's form, launch.py; 64 registers, where 56 had
 // spilled around the loop, 2-4% faster than 56 at T = 16-64, e.g. T = 16 289.3 against 294.8 us). Two
 // columns 512 (their activations and accumulators spill at 80); wider blocks one chunk.
 #define MIN_THREADS_SM(NT, LEAN) ((NT) == 1 ? ((LEAN) ? 1024 : 768) : 512)

@@ -51,9 +51,9 @@ class Mma:
 
 def two_accumulators(block: Mma, x4: bool, tiled: bool, e8m0: bool) -> bool:
     """Whether a kernel of `block` sums its mma into two accumulator sets (mma_moe.cu k_loop's ACC2): the
-    one-column blocks that are not lean, of x4 layers (session 12) and of tiled fitted layers with e8m0
-    scales (session 19: 1-3.5% faster at T = 1-24; with e4m3 scales and a tier 3-6% slower at T = 2).
-    Natural-layout blocks would spill with it; lean ones spill or lose 1-3% (session 13). The sums then
+    one-column blocks that are not lean, of x4 layers and of tiled fitted layers with e8m0 scales
+    (1-3.5% faster at T = 1-24; with e4m3 scales and a tier 3-6% slower at T = 2). Natural-layout
+    blocks would spill with it; lean ones spill or lose 1-3%. The sums then
     come in another order than one set's, so the output may differ from the natural layout's by rounding."""
     return block.nt == 1 and not block.lean and (x4 or (tiled and e8m0))
 

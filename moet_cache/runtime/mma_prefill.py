@@ -60,8 +60,8 @@ def smem_limit(device: torch.device) -> int:
 def within(block: Prefill, limit: int) -> Prefill | None:
     """`block`, or the same with fewer stages where it takes more shared memory than `limit` bytes, or None
     where two stages do not fit. Refused, a step would send the layer to the Triton kernels, which read the
-    natural layout only: the layer's planes put back on every call. Session 19's Prefill(4, 8, 4) took 104 KB,
-    which the RTX PRO 6000's 99 KB refuse; today's steps take 84 KB at most (docs/RUNTIME.md, session 21)."""
+    natural layout only: the layer's planes put back on every call. A Prefill(4, 8, 4) takes 104 KB, which
+    the RTX PRO 6000's 99 KB refuse; the steps in use take 84 KB at most (docs/RUNTIME.md)."""
     for stages in range(block.stages, 1, -1):
         fit = replace(block, stages=stages)
         if fit.smem_bytes() <= limit:

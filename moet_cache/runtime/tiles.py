@@ -3,7 +3,7 @@ tile of every plane and block-scale tensor reordered chunk-major (`tile`). A row
 of 256 codes (mma_moe.CHUNK_WORDS words, the unit a decode warp reads), and a tile is stored as
 [chunk][16 rows][the row's bytes of that chunk] (64 plane bytes; 8 e8m0 or 16 e4m3 scale bytes), so that
 a warp's load of one chunk of its 16 rows is one contiguous run of memory where row-major rows put it at
-16 places (mma_bits.cu tiled_at; the decode 7-22% faster at T = 1-64 for x4 layers, session 14, and
+16 places (mma_bits.cu tiled_at; the decode 7-22% faster at T = 1-64 for x4 layers, and
 docs/RUNTIME.md for fitted-table ones).
 
 A layer built with `--base-table x4` also has every plane's bits moved for the x4 decode (x4_table.py) and

@@ -6,8 +6,8 @@ is cold: a fresh container, and every start with torch 2.13 and up (2.14 is vLLM
 wrapper hands the driver a cubin, which that cache does not keep. A step that vLLM's profile run and graph
 captures had not met stalled serving for its two kernels' compile (0.7-1.1 s; 2.9 s for the last prefill
 step). NVRTC runs outside the GIL, so in threads they take about the longest kernel's own time: 3.0 s at
-load on 16 cores, cold; 0.5 s where the JIT cache is warm (docs/RUNTIME.md, session 21). Since session 22
-each compiled image is kept on disk (kernel_cache.py), and a later start loads them all in 0.02 s."""
+load on 16 cores, cold; 0.5 s where the JIT cache is warm (docs/RUNTIME.md). Each compiled image is
+also kept on disk (kernel_cache.py), and a later start loads them all in 0.02 s."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""Issue 13 item 2: verify --against compares global scales, input scales, tables and the lossless source
-scalars with the source, refuses a cache without its model config or source map, notices a dense tensor
-missing from the dense files, and exits like the boot check (1 for an incomplete or corrupt cache)."""
+"""verify --against compares global scales, input scales, tables and the lossless source scalars with the source,
+refuses a cache without its model config or source map, notices a dense tensor missing from the dense files,
+and exits like the boot check (1 for an incomplete or corrupt cache)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""Issue 13 items 1, 5, 8 and 9 (duplicated tensor): read errors injected at the library's one read seam
-(fsutil._os_open / fsutil._os_preadv), a file truncated under a hash in a real process, real FIFOs in
-place of state files, the lock, cache and source files, SIGTERM, and temp files that never follow links."""
+"""Read errors injected at the library's one read seam (fsutil._os_open / fsutil._os_preadv), a file
+truncated under a hash in a real process, real FIFOs in place of state files, the lock, cache and source
+files, SIGTERM, temp files that never follow links, and a tensor duplicated across source shards."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""Issue 13 items 9 and 14: messages that say what happened. A NaN or infinite scale in the source is the
-source's problem; the tier summary stays within its budget; a copied cache (cp -a) is "copied", with the
-cost of one --full, never the words for damage."""
+"""Messages that say what happened. A NaN or infinite scale in the source is the source's problem; the tier
+summary stays within its budget; a copied cache (cp -a) is "copied", with the cost of one --full, never the
+words for damage."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""Issue 13 items 3 and 4: kills aimed at every window between "uncommit" and "commit" of build, retier
-and export (the child SIGKILLs itself there: MOET_CACHE_TEST_KILL_AT), real SIGTERM/SIGINT inside
-retier's window, export's resume, and export's check of every byte it reads."""
+"""Kills aimed at every window between "uncommit" and "commit" of build, retier and export (the child SIGKILLs
+itself there: MOET_CACHE_TEST_KILL_AT), real SIGTERM/SIGINT inside retier's window, export's resume, and
+export's check of every byte it reads."""
 
 from __future__ import annotations
 
