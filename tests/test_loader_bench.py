@@ -17,7 +17,7 @@ def test_bench_runs_at_a_tiny_size(tmp_path: Path) -> None:
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     res = bench.run(40_000_000, workers=(2,), reps=1, workdir=str(tmp_path), big_layers=False)
-    for key in ("load_vs_read", "load_cpu_hash_vs_read", "load_vs_source", "load_vs_report"):
+    for key in ("load_vs_read", "load_cpu_hash_vs_read", "load_vs_source", "load_vs_batched_scheme"):
         assert res[key] > 0, key
     assert res["load_bytes"] > 0 and res["layers"] == 2
-    assert res["report_scheme"]["tail_layers"] == 2  # 2 layers: no full batch of 12, all "tail"
+    assert res["batched_scheme"]["tail_layers"] == 2  # 2 layers: no full batch of 12, all "tail"
