@@ -692,7 +692,8 @@ def vllm_install_hint() -> str:
     """How to install the tested vLLM: the checkout's `vllm` extra (moet-cache is not on the package index)."""
     here = _checkout()
     if here is not None:
-        return f"install it with: pip install -e {shlex.quote(str(here) + '[vllm]')} (vLLM {VLLM_PIN}, torch {TORCH_PIN})"
+        src = shlex.quote(str(here) + "[vllm]")
+        return f"install it with: pip install -e {src} (vLLM {VLLM_PIN}, torch {TORCH_PIN})"
     return f"install it with: pip install vllm=={VLLM_PIN} torch=={TORCH_PIN}"
 
 

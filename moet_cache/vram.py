@@ -614,8 +614,9 @@ def _within_positions(fp: Footprint, s: PlanSettings, kvm: _Kv, budget: int, sta
     make the model's whole context fit, each with that --max-model-len."""
     within = replace(s, max_model_len=mpe)
     kvm_within = replace(kvm, s=within)
-    if static + kvm_within.bytes(s.max_num_seqs, mpe) <= budget:
-        return (Suggestion("context", f"--max-model-len {mpe}", budget - static - kvm_within.bytes(s.max_num_seqs, mpe)),)
+    left = budget - static - kvm_within.bytes(s.max_num_seqs, mpe)
+    if left >= 0:
+        return (Suggestion("context", f"--max-model-len {mpe}", left),)
     out = []
     for x in _suggestions(fp, within, kvm_within, budget, static, acts, mpe):
         if "--max-model-len" in x.setting:
