@@ -545,6 +545,7 @@ class ServeCommand:
     # before exec reads the same checked view instead of opening the cache again.
     view: CacheView | None = field(default=None, repr=False, compare=False)
     launcher: tuple[str, ...] = ("vllm", "serve")    # argv's part before the model folder
+    cpu: bool = False                   # vLLM's CPU build: no GPU memory to plan, and its rules are not the GPU's
 
     @property
     def flag_argv(self) -> tuple[str, ...]:
@@ -809,7 +810,8 @@ def build_serve_command(cache: str | os.PathLike[str], preset_name: str = DEFAUL
     return ServeCommand((*start, *args), tuple(_env_added(preset)),
                         str(root.resolve()), preset.name, report.state, exe,
                         table.version if table else None, table is not None, tuple(warnings), tuple(notes),
-                        model_type=model_type, torch_version=torch_v, view=view, launcher=start)
+                        model_type=model_type, torch_version=torch_v, view=view, launcher=start,
+                        cpu=install is not None and install.cpu)
 
 
 # --- plan before exec ---------------------------------------------------------------------------------

@@ -200,6 +200,7 @@ def test_vllm_cpu_is_started_through_its_server_module_with_settings_it_accepts(
     assert argv[:5] == [sys.executable, "-m", serving.SERVER_MODULE, "--model", str((hub_cache / "model").resolve())]
     assert "--gpu-memory-utilization" not in argv and int(_flag(argv, "--kv-cache-memory-bytes")) == 1 << 30
     assert _flag(argv, "--max-model-len") == "4096"                            # the model's positions
+    assert doc["plan"] is None                          # host RAM: no GPU plan, none of its GPU-only rules
     # The real start: serve becomes the server module (same pid), with that command; its exit code is serve's.
     p = subprocess.Popen([MOET, "serve", str(hub_cache)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                          text=True)

