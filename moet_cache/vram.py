@@ -595,7 +595,7 @@ def make_plan(fp: Footprint, s: PlanSettings) -> Plan:
         mtp_need = fp.mtp_bytes + v4_kv(*args, True).allocated - v4_kv(*args).allocated
     else:
         mtp_need = fp.mtp_bytes + mtp_layers * per_layer * kv_tokens
-    mtp_fits = bool(fp.mtp_bytes) and (fits if spec else margin >= mtp_need)
+    mtp_fits = bool(fp.mtp_bytes) and not past_positions and (fits if spec else margin >= mtp_need)
     thin = fits and margin < thin_margin(budget)
     if fits:
         suggestions: tuple[Suggestion, ...] = ()

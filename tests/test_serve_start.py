@@ -102,6 +102,7 @@ def test_a_context_past_the_positions_does_not_fit(hub_cache: Path) -> None:
     assert doc["fits"] is False and doc["margin_bytes"] > 0          # the memory would hold it; vLLM would not
     assert "past the model's 4,096 positions" in doc["deciding"]
     assert [x["setting"] for x in doc["suggestions"]] == ["--max-model-len 4096"]
+    assert doc["buys"]["mtp_fits"] is False                             # nothing fits past the positions
     human = _run(["plan", str(hub_cache), "--gpu", "h200", "--max-model-len", "2M"], _env())
     assert human.returncode == 1 and "does not fit" in human.stdout and "short by -" not in human.stdout
 
