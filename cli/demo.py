@@ -16,6 +16,8 @@ MODELOPT, COMPRESSED_TENSORS = "modelopt", "compressed-tensors"
 # MXFP4 drafter); the other V4 forms, and the V3 family in both NVFP4 layouts, on request.
 V4_LAYOUTS = {"v4": "hybrid", "v4-mxfp4": "mxfp4", "v4-nvfp4": "nvfp4", "v4-ct": "ct-nvfp4"}
 
+from moet_cache.errors import InputError
+
 from ._common import JsonOpt, QuietOpt
 from ._errors import EXIT_OK, EXIT_PROBLEM
 from ._output import Output
@@ -23,7 +25,7 @@ from ._progress import progress_for
 
 
 def demo(
-    workdir: Annotated[Optional[Path], typer.Option(help="Where to write the checkpoint and cache (default: a temp folder, removed after).")] = None,
+    workdir: Annotated[Optional[Path], typer.Option(help="A new or empty folder to write the checkpoint and cache into (default: a temp folder, removed after).")] = None,
     layout: Annotated[str, typer.Option(help="v4 (DeepSeek-V4-Flash -0731-NVFP4 style, the default), v4-mxfp4, v4-nvfp4, "
                                              "v4-ct, or the V3 family: modelopt, compressed-tensors.")] = "v4",
     json_: JsonOpt = False,
@@ -40,6 +42,10 @@ def demo(
     with tempfile.TemporaryDirectory(prefix="moet-demo-") as tmp:
         base = workdir or Path(tmp)
         src, cache = base / "checkpoint", base / "cache"
+        taken = next((d for d in (src, cache) if d.exists() and (not d.is_dir() or any(d.iterdir()))), None)
+        if taken is not None:  # the demo writes a whole checkpoint there: never over a user's files
+            raise InputError(f"{taken} already exists and is not empty; the demo writes a new checkpoint and cache",
+                             "give --workdir a new or empty folder")
         t0 = time.perf_counter()
         if layout in V4_LAYOUTS:  # three main layers (compress_ratios 0, 4, 128) and one drafter block
             make_v4_checkpoint(src, small_v4_spec(V4_LAYOUTS[layout], num_hidden_layers=3))

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from . import layout as L
-from .errors import InputError, UnsafePathError
+from .errors import InputError, UnsafePathError, VerificationError
 from .families import DeepseekV3, Family
 from .fsutil import read_all, read_json_file, resolve_inside
 from .hashing import xxh3_file_hex, xxh3_hex
@@ -34,7 +34,14 @@ SMALL_LIMIT = 64 << 20
 REBUILD = "run moet-cache build again"
 
 
-class ListedFileError(ManifestError):
+class DamagedCacheError(ManifestError, VerificationError):
+    """The cache's own files say it is damaged (a commit record that cannot be read, a file that is not what
+    its record names): a verification problem (exit 1) to every command, never bad input; still a
+    ManifestError to the callers that treat every unusable manifest alike. (A folder without a commit
+    record stays a ManifestError, exit 2 outside `verify`: it may be no cache at all.)"""
+
+
+class ListedFileError(DamagedCacheError):
     """A file a manifest lists is missing, unreadable, or not the bytes its entry names (size or digest)."""
 
     def __init__(self, message: str, hint: str | None = None, path: str = "") -> None:
@@ -101,16 +108,19 @@ def read_commit(root: Path) -> tuple[CacheManifest, str]:
     try:
         doc = read_json_file(root / COMMIT_RECORD)
     except InputError as e:
-        raise ManifestError(e.message, REBUILD) from None
-    commit = CommitRecord.parse(doc, COMMIT_RECORD)
+        raise DamagedCacheError(e.message, REBUILD) from None
+    try:
+        commit = CommitRecord.parse(doc, COMMIT_RECORD)
+    except ManifestError as e:
+        raise DamagedCacheError(e.message, e.hint) from None
     mpath = resolve_inside(root, commit.manifest, "commit record manifest")
     try:
         data = read_all(mpath, commit.manifest_size)
     except (OSError, InputError):
         data = b""
     if len(data) != commit.manifest_size or xxh3_hex(data) != commit.manifest_xxh3:
-        raise ManifestError(f"{commit.manifest} does not match the commit record (edited or replaced after the build)",
-                            REBUILD)
+        raise ListedFileError(f"{commit.manifest} does not match the commit record (edited or replaced after the build)",
+                              REBUILD, commit.manifest)
     return CacheManifest.parse(loads_record(data, commit.manifest), commit.manifest), commit.manifest_xxh3
 
 
@@ -235,5 +245,5 @@ def open_uncommitted_view(root: str | os.PathLike[str]) -> CacheView:
     return view_of(root, manifest, xxh3_hex(data))
 
 
-__all__ = ["CacheView", "ListedFileError", "open_view", "open_uncommitted_view", "view_of", "read_listed",
+__all__ = ["CacheView", "DamagedCacheError", "ListedFileError", "open_view", "open_uncommitted_view", "view_of", "read_listed",
            "read_listed_record", "read_delta_index", "entry_digest", "file_matches", "read_commit", "read_committed_manifest"]

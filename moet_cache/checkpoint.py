@@ -430,6 +430,19 @@ def header_digest(path: Path) -> str:
         return xxh3_hex(head + f.read(min(n, 100 << 20)))
 
 
+def link_root(root: Path) -> Path:
+    """The folder the source's links may lead into (resolved): a Hugging Face hub snapshot's repo folder
+    (`models--org--name/`, whose `snapshots/<rev>/` files are links into its `blobs/`), else the source
+    folder itself."""
+    try:
+        real = root.resolve()
+    except (OSError, RuntimeError):  # a link loop
+        raise InputError(f"{root} cannot be resolved: a link loop", "give the checkpoint folder itself") from None
+    if real.parent.name == "snapshots" and real.parent.parent.name.startswith("models--"):
+        return real.parent.parent
+    return real
+
+
 def _require_plain_file(p: Path) -> None:
     """A source file must be a regular file (a link to one is fine: Hugging Face snapshots are links)."""
     import stat

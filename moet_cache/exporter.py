@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,8 @@ from .formats import FORMATS, LAYOUT_FORMAT, ExpertFormat, SourceLayout, TensorK
 from .geometry import names_of
 from .errors import InputError, VerificationError
 from .cacheview import CacheView, ListedFileError, open_view
-from .fsutil import atomic_write_bytes, atomic_write_json, fsync_dir, open_regular, pread_into, read_json_file, resolve_inside
+from .fsutil import (atomic_write_bytes, atomic_write_json, fsync_dir, open_regular, pread_into, read_json_file,
+                     refuse_overlap, resolve_inside)
 from .hashing import xxh3_file_hex, xxh3_hex
 from .manifest import TensorEntry
 from .planes import join_planes
@@ -144,6 +146,13 @@ class VerifiedTensors:
         self._kept.clear()
 
 
+def _record_progress(out: Path, cache_digest: str, done: dict[str, str]) -> None:
+    """OUT/.moet-export.json: the cache this export is of and the shards finished (name -> xxh3). Written
+    before the first shard, so that a folder holding any shard also holds the record that resumes it."""
+    atomic_write_json(out / PROGRESS_RECORD, {"format": "moet-cache-export-progress", "format_version": 1,
+                                              "cache_xxh3": cache_digest, "shards": done})
+
+
 def _prepare_out(out: Path, cache_digest: str) -> dict[str, str]:
     """A new or empty folder, or one an interrupted export of this same cache left (resumed): returns the
     shards already exported (name -> xxh3), after removing the temp files a kill left."""
@@ -191,6 +200,7 @@ def export_checkpoint(root: str | os.PathLike[str], out: str | os.PathLike[str],
     """
     root, out = Path(root), Path(out)
     progress = progress or NullProgress()
+    refuse_overlap(root, "cache folder", out, "export folder")  # the export would land in the cache, or over it
     cf = open_view(root)
     if not cf.manifest.build.lossless:
         raise InputError("this cache keeps the delta planes of its tier only, so it cannot give back the source",
@@ -215,6 +225,7 @@ def export_checkpoint(root: str | os.PathLike[str], out: str | os.PathLike[str],
     if not isinstance(shards, list):
         raise InputError("the cache's source map has no list of shards", "rebuild the cache")
     done = _prepare_out(out, cf.manifest_xxh3)
+    _record_progress(out, cf.manifest_xxh3, done)
     weight_map: dict[str, str] = {}
     n_tensors = written_bytes = 0
     progress.start(sum(f.size for f, _ in cf.files if f.role in (L.Role.BASE, L.Role.DELTA_ALL, L.Role.DENSE)), "export")
@@ -247,8 +258,7 @@ def export_checkpoint(root: str | os.PathLike[str], out: str | os.PathLike[str],
                 written = w.commit()
             done[name] = written.xxh3
             written_bytes += written.size
-            atomic_write_json(out / PROGRESS_RECORD, {"format": "moet-cache-export-progress", "format_version": 1,
-                                                      "cache_xxh3": cf.manifest_xxh3, "shards": done})
+            _record_progress(out, cf.manifest_xxh3, done)
             kill_point(kill_at, Window.EXPORT_SHARD_WRITTEN)
     finally:
         reader.close()
@@ -256,6 +266,7 @@ def export_checkpoint(root: str | os.PathLike[str], out: str | os.PathLike[str],
         index = {"metadata": smap.get("index_metadata") or {}, "weight_map": dict(sorted(weight_map.items()))}
         atomic_write_bytes(out / INDEX_NAME, json.dumps(index, indent=1).encode())
         kill_point(kill_at, Window.EXPORT_INDEX_WRITTEN)
+    check_cancel(cancel)  # an interrupt before the end stops with the record in place: the rerun finishes
     source_config = any(f.role == L.Role.SOURCE_CONFIG for f, _ in cf.files)
     for f, _ in cf.files:
         served = source_config and f.role == L.Role.AUX and f.path == f"{L.AUX_DIR}/config.json"
@@ -268,10 +279,11 @@ def export_checkpoint(root: str | os.PathLike[str], out: str | os.PathLike[str],
             rel = "config.json" if f.role == L.Role.SOURCE_CONFIG else Path(f.path).relative_to(L.AUX_DIR)
             dest = out / rel
             dest.parent.mkdir(parents=True, exist_ok=True)
-            atomic_write_bytes(dest, data)
-    (out / PROGRESS_RECORD).unlink(missing_ok=True)
+            atomic_write_bytes(dest, data, stat.S_IMODE(os.lstat(root / f.path).st_mode))  # the source's, kept by the build
+    check_cancel(cancel)
+    progress.finish()  # (the CLI's raises a held Ctrl-C here, while the record still resumes the export)
+    (out / PROGRESS_RECORD).unlink(missing_ok=True)  # last: from here OUT is a finished checkpoint
     fsync_dir(out)
-    progress.finish()
     return ExportResult(str(out), len(shards), n_tensors, written_bytes)
 
 

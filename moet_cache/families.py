@@ -171,6 +171,7 @@ def detect_family(config: dict[str, Any], model: ModelConfig, names: Iterable[st
     probe = kind.cls(kind.cls.__name__, model.num_hidden_layers, (), ())
     layers = {probe.layer_of(n) for n in hits}
     n = model.num_hidden_layers
+    _check_layer_count(kind.cls, model, names)
     if kind.cls is DeepseekV4:
         moe = tuple(range(n))
         mtp = tuple(sorted(x for x in layers if x is not None and x >= n))
@@ -180,6 +181,26 @@ def detect_family(config: dict[str, Any], model: ModelConfig, names: Iterable[st
         mtp = tuple(i for i in model.mtp_layers() if model.is_moe_layer(i) and i in layers)
         name = "deepseek_v3"
     return kind.cls(name, n, moe, mtp)
+
+
+def _check_layer_count(cls: type[Family], model: ModelConfig, names: list[str]) -> None:
+    """config.json's num_hidden_layers must cover every main layer the tensors name. V4 numbers its drafter
+    blocks after the main layers (`mtp.K` is cache layer num_hidden_layers + K): a count one short makes
+    the last main layer and `mtp.0` one cache layer, and one of them would silently be left out. V3 keeps
+    its MTP layers in the main numbering, so a tensor past num_hidden_layers + num_nextn_predict_layers
+    belongs to no layer the config knows."""
+    n = model.num_hidden_layers
+    if cls is DeepseekV4:
+        pattern, limit = _V4_LAYER, n
+    else:
+        pattern, limit = _V3_LAYER, n + model.num_nextn_predict_layers
+    beyond = max((int(m.group(1)) for name in names if (m := pattern.match(name))), default=-1)
+    if beyond >= limit:
+        what = "" if cls is DeepseekV4 else f" and num_nextn_predict_layers={model.num_nextn_predict_layers}"
+        raise UnsupportedCheckpointError(
+            f"config.json says num_hidden_layers={n}{what}, but the checkpoint has tensors of layer {beyond}",
+            "config.json and the shards must describe the same model: fix num_hidden_layers or use the "
+            "checkpoint's own config.json")
 
 
 # The families a cache manifest may name (its model.family.name), by name.

@@ -86,12 +86,13 @@ def read_all(path: str | os.PathLike[str], limit: int | None = None, follow: boo
         os.close(fd)
 
 
-def create_temp_for(path: Path) -> tuple[int, Path]:
+def create_temp_for(path: Path, mode: int = 0o644) -> tuple[int, Path]:
     """A new temp file beside `path` for an atomic write: exclusive creation (O_EXCL, so never through a
-    link), an unpredictable name `.NAME.tmp-XXXXXXXX`, mode 0644. Returns (fd, temp path)."""
+    link), an unpredictable name `.NAME.tmp-XXXXXXXX`, `mode` (0644 unless a copy keeps its source's).
+    Returns (fd, temp path)."""
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
     try:
-        os.fchmod(fd, 0o644)
+        os.fchmod(fd, mode)
     except BaseException:
         os.close(fd)
         os.unlink(tmp)
@@ -134,10 +135,11 @@ def start_writeback(fd: int) -> None:
         fn(fd, 0, 0, _SYNC_FILE_RANGE_WRITE)  # ctypes releases the GIL around the call
 
 
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write to a new temp file in the same folder, fsync, rename over `path`, fsync the folder."""
+def atomic_write_bytes(path: Path, data: bytes, mode: int = 0o644) -> None:
+    """Write to a new temp file (permissions `mode`) in the same folder, fsync, rename over `path`, fsync
+    the folder."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = create_temp_for(path)
+    fd, tmp = create_temp_for(path, mode)
     try:
         with open(fd, "wb") as f:
             f.write(data)
@@ -211,6 +213,23 @@ def resolve_inside(root: Path, rel: str, what: str = "path") -> Path:
     except ValueError:
         raise UnsafePathError(f"{what} {rel!r} resolves outside the cache") from None
     return path
+
+
+def is_inside(folder: Path, path: Path) -> bool:
+    """`path` is `folder` or lies under it, both with every link resolved."""
+    try:
+        real, inner = folder.resolve(), path.resolve()
+    except (OSError, RuntimeError) as e:  # a link loop
+        raise InputError(f"cannot resolve {path} or {folder}: {e}", "remove the looping link") from None
+    return inner == real or real in inner.parents
+
+
+def refuse_overlap(a: Path, a_what: str, b: Path, b_what: str) -> None:
+    """Refuse two folders that are one, or one inside the other (after links): a command that writes one
+    and reads (or sweeps) the other would destroy what it reads."""
+    if is_inside(a, b) or is_inside(b, a):
+        raise InputError(f"the {a_what} ({a}) and the {b_what} ({b}) overlap: one is the other or lies inside it",
+                         f"choose a {b_what} outside the {a_what}, and not containing it")
 
 
 def refuse_links(root: Path, names: tuple[str, ...]) -> None:

@@ -11,6 +11,8 @@ AUX_DIR = "model"
 PACK = "delta/tier.safetensors"
 DELTA_INDEX = "delta/tier.json"
 SOURCE_MAP = "source-map.json"
+# The paths the builds of this folder wrote, the sweep's proof (build/written.py); not part of the format.
+WRITTEN_RECORD = ".written.json"
 # Every folder the library writes into (must never be a link out of the cache).
 WRITTEN_DIRS = (LAYERS_DIR, DENSE_DIR, STAGING_DIR, AUX_DIR, "delta", ".state")
 

@@ -8,16 +8,17 @@ from __future__ import annotations
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Collection, Iterable
 
 from . import layout as L
 from .manifest import utc_now
 from .enums import StrEnum, TensorKind
 from .cacheview import CacheView, ListedFileError, entry_digest, open_view, read_committed_manifest
 from .errors import InputError, VerificationError
-from .fsutil import atomic_write_json, lock_is_held, open_regular, pread_into, read_json_file, refuse_links, resolve_inside
+from .fsutil import atomic_write_json, lock_is_held, open_regular, pread_into, read_json_file, refuse_links
 from .hashing import xxh3_file_hex, xxh3_hex
 from .machine import usable_cores
 from .manifest import CACHE_MANIFEST, COMMIT_RECORD, VERIFIED_STATE, CacheManifest, FileEntry, ManifestError, TensorEntry
@@ -130,21 +131,36 @@ def _stat_key(st: os.stat_result) -> list[int]:
 
 
 def record_verified_state(root: Path, manifest: CacheManifest, manifest_xxh3: str, by: VerifiedBy,
-                          bytes_per_second: float | None = None, view: CacheView | None = None) -> None:
+                          bytes_per_second: float | None = None, view: CacheView | None = None,
+                          damaged: dict[str, str] | None = None, unproven: Collection[str] = ()) -> None:
     """Remember each file's (size, mtime_ns, inode) after a build or a full verify, for the boot check,
     and the speed this machine hashed the cache at (kept from the previous record when none is given).
-    `view`: the committed cache as the caller opened it (--full: the view it hashed); else opened here."""
+    `view`: the committed cache as the caller opened it (--full: the view it hashed); else opened here.
+    `damaged`: what a failed --full found ({path: what}): those files get no stats, and the boot check
+    reports them as corrupt until a build replaces them or a --full finds them whole; `unproven`: other
+    files the --full did not hash (missing, a link, the wrong size), which get no stats either."""
     refuse_links(root, (".state",))
     cf = view if view is not None else open_view(root)
-    stats = {f.path: _stat_key((root / f.path).stat()) for f, _ in cf.files}
+    damaged = damaged or {}
+    stats = {f.path: _stat_key((root / f.path).stat()) for f, _ in cf.files
+             if f.path not in damaged and f.path not in unproven}
     for name in (CACHE_MANIFEST, COMMIT_RECORD):
         stats[name] = _stat_key((root / name).stat())
     if bytes_per_second is None:
         bytes_per_second = _recorded_speed(_verified_state(root, None))
-    atomic_write_json(root / VERIFIED_STATE, {
-        "format": "moet-cache-verified", "format_version": 1, "manifest_xxh3": manifest_xxh3,
-        "by": by, "at": utc_now(), "files": stats,
-        "hash_bytes_per_second": bytes_per_second})
+    doc = {"format": "moet-cache-verified", "format_version": 1, "manifest_xxh3": manifest_xxh3,
+           "by": by, "at": utc_now(), "files": stats, "hash_bytes_per_second": bytes_per_second}
+    if damaged:
+        doc["damaged"] = dict(sorted(damaged.items()))
+    atomic_write_json(root / VERIFIED_STATE, doc)
+
+
+def _recorded_damage(state: dict[str, Any] | None) -> dict[str, str]:
+    """What the last --full of this manifest found damaged ({path: what}); empty when it found nothing."""
+    damaged = state.get("damaged") if state else None
+    if not isinstance(damaged, dict):
+        return {}
+    return {k: v if isinstance(v, str) else "damaged" for k, v in damaged.items() if isinstance(k, str)}
 
 
 MIN_SPEED_SAMPLE = 256 << 10  # fewer bytes hashed than this say nothing about a disk's speed
@@ -256,6 +272,7 @@ def boot_view(root: str | os.PathLike[str], check_source: bool = True) -> tuple[
                             seconds=time.perf_counter() - t0), None
     state = _verified_state(root, cf.manifest_xxh3)
     recorded = state["files"] if state else {}
+    damaged = _recorded_damage(state)
     problems: list[Problem] = []
     changed: list[Problem] = []
     for f, layer in cf.files:
@@ -270,12 +287,18 @@ def boot_view(root: str | os.PathLike[str], check_source: bool = True) -> tuple[
         elif st.st_size != f.size:
             problems.append(Problem(ProblemKind.SIZE, f.path,
                                     f"size is {st.st_size}, the manifest says {f.size}", layer))
+        elif f.path in damaged:
+            at = state.get("at") if state else None
+            problems.append(Problem(ProblemKind.DIGEST, f.path, f"the last verify --full ({at}) found it damaged "
+                                    f"({damaged[f.path]}); build the cache again to repair it", layer))
+        elif (bad := _small_file_problem(root, f, layer)) is not None:
+            problems.append(bad)
         elif recorded.get(f.path) != _stat_key(st):
             changed.append(Problem(ProblemKind.CHANGED, f.path, _how_changed(recorded.get(f.path), st), layer))
     problems += _structure(cf, {p.path for p in problems})
     present, stale = _source_changes(cf) if check_source else (None, [])
-    if any(p.kind == ProblemKind.MISSING for p in problems) \
-            and not any(p.kind in (ProblemKind.SIZE, ProblemKind.LINK) for p in problems):
+    if any(p.kind == ProblemKind.MISSING for p in problems) and not any(
+            p.kind in (ProblemKind.SIZE, ProblemKind.LINK, ProblemKind.DIGEST, ProblemKind.UNREADABLE) for p in problems):
         verdict = INCOMPLETE
     elif problems:
         verdict = CORRUPT
@@ -291,6 +314,27 @@ def boot_view(root: str | os.PathLike[str], check_source: bool = True) -> tuple[
     return VerifyReport(Check.BOOT, verdict, tuple(problems + stale + changed), len(cf.files),
                         seconds=time.perf_counter() - t0, verified_by=state.get("by") if state else None,
                         verified_at=state.get("at") if state else None, source_present=present, details=details), cf
+
+
+#: The small files the boot check hashes on every start (what vLLM reads from model/, the records a build
+#: resumes from, the source map): cheap next to the planes, and read by a server without any other check.
+#: Layer manifests and the delta index are hashed when the view and the coverage check read them.
+SMALL_ROLES = (L.Role.AUX, L.Role.SOURCE_CONFIG, L.Role.PART, L.Role.SOURCE_MAP)
+
+
+def _small_file_problem(root: Path, f: FileEntry, layer: int | None) -> Problem | None:
+    """A small listed file's bytes against its digest (hashed through the read seam); None when they match
+    or when `f` is not one of the small files."""
+    if f.role not in SMALL_ROLES:
+        return None
+    try:
+        digest = entry_digest(root, f)
+    except OSError as e:
+        return Problem(ProblemKind.UNREADABLE, f.path, f"cannot be read ({e.strerror or e}); check the disk", layer)
+    if digest != f.xxh3:
+        return Problem(ProblemKind.DIGEST, f.path, "contents differ from the manifest (xxh3-128 mismatch); "
+                       "build the cache again to repair it", layer)
+    return None
 
 
 def _how_changed(recorded: Any, st: os.stat_result) -> str:
@@ -359,8 +403,10 @@ def full_verify(root: str | os.PathLike[str], workers: int | None = None,
     cf = view
     total = sum(f.size for f, _ in cf.files)
     progress.start(total, "verify")
-    # "changed" is what --full settles; a small file's "digest" problem comes back from the re-hash below
-    problems = [p for p in boot.problems if p.kind not in (ProblemKind.CHANGED, ProblemKind.DIGEST)]
+    # "changed" is what --full settles; a "digest" or "unreadable" problem (a small file's, or the damage a
+    # previous --full recorded) comes back from the re-hash below if it is still there
+    problems = [p for p in boot.problems
+                if p.kind not in (ProblemKind.CHANGED, ProblemKind.DIGEST, ProblemKind.UNREADABLE)]
     hashed = 0
     layer_of = {f.path: layer for f, layer in cf.files}
     n_workers = workers or min(8, usable_cores())
@@ -395,6 +441,12 @@ def full_verify(root: str | os.PathLike[str], workers: int | None = None,
         secs = time.perf_counter() - t0
         record_verified_state(root, cf.manifest, cf.manifest_xxh3, by=VerifiedBy.FULL,
                               bytes_per_second=speed_sample(hashed, secs), view=cf)
+    damaged = {p.path: p.detail for p in problems if p.kind in (ProblemKind.DIGEST, ProblemKind.UNREADABLE)}
+    if damaged:
+        # Remembered, so that the boot check (every serve, load, retier, build's "nothing to do") refuses the
+        # cache until a build replaces these files or a later --full finds them whole.
+        record_verified_state(root, cf.manifest, cf.manifest_xxh3, by=VerifiedBy.FULL, view=cf, damaged=damaged,
+                              unproven={p.path for p in problems})
     ok = verdict == VERIFIED
     return VerifyReport(Check.FULL, verdict, tuple(problems), len(cf.files), bytes_hashed=hashed,
                         seconds=time.perf_counter() - t0, verified_by=VerifiedBy.FULL if ok else None,
@@ -449,10 +501,10 @@ class _LayerAgainst:
     lm: Any              # LayerManifest
     geo: Any             # its LayerGeometry, once a layer
     base_path: str
-    base: Any            # safe_open of the base file
+    base: Any            # the base file, a stread.TensorFile (pread, no map)
     all_path: str | None
-    all: Any             # safe_open of the lossless delta file, or None
-    pack: Any            # safe_open of the tier pack, or None
+    all: Any             # the lossless delta file (a TensorFile), or None
+    pack: Any            # the tier pack (a TensorFile), or None
     tier: list[int]
     checked: dict[str, int]
     names: frozenset[str] = frozenset()  # the base file's tensor names
@@ -477,7 +529,6 @@ class _LayerAgainst:
         """Expert e's projection `proj` (j-th) in the cache against the source's raw tensors x."""
         import numpy as np
 
-        from .checkpoint import tensor_bytes
         from .formats import stored_scales
         from .geometry import is_w13, names_of
         from .planes import code_histogram, fit_base_table, split_planes
@@ -491,38 +542,38 @@ class _LayerAgainst:
         base_name, delta_name, scale_name = names_of(proj)
         rows, w13 = self.geo.rows(proj), is_w13(proj)
         at = (e, j) if w13 else (e,)
-        if _differs(tensor_bytes(bf.get_slice(base_name)[e])[rows], base):
+        if _differs(bf.row(base_name, e)[rows], base):
             mismatch("base plane", base_name)
         try:
             want_scale = stored_scales(x.scale_bytes, x.fmt.scale_form, self.lm.scale_form(scale_name))
         except InputError:
             want_scale = None
-        if want_scale is None or _differs(tensor_bytes(bf.get_slice(scale_name)[e])[rows], want_scale):
+        if want_scale is None or _differs(bf.row(scale_name, e)[rows], want_scale):
             mismatch("block scales", scale_name)
         s2 = L.W13_SCALE_2 if w13 else L.W2_SCALE_2
-        if _differs(bf.get_tensor(s2)[at].numpy(), np.float32(x.scale_2)):
+        if _differs(bf.array(s2)[at], np.float32(x.scale_2)):
             mismatch("global scale", s2)
         tname = L.W13_TABLE if w13 else L.W2_TABLE
-        if _differs(bf.get_tensor(tname)[at].numpy(), fit_base_table(code_histogram(x.codes), self.form)):
+        if _differs(bf.array(tname)[at], fit_base_table(code_histogram(x.codes), self.form)):
             mismatch(f"{self.form} table (recomputed from the source's codes)", tname)
         iname = L.W13_INPUT_SCALE if w13 else L.W2_INPUT_SCALE
         if (x.input_scale is None) != (iname not in self.names):
             mismatch("presence of an input scale", iname)
-        elif x.input_scale is not None and _differs(bf.get_tensor(iname)[at].numpy(),
+        elif x.input_scale is not None and _differs(bf.array(iname)[at],
                                                     np.float32(x.fmt.multiply(x.input_scale))):
             mismatch("input scale", iname)
         self.checked["scales"] += 1 + (x.global_scale is not None) + (x.input_scale is not None)
         self.checked["tables"] += 1
         deltas = []
         if self.all is not None:
-            deltas.append((self.all_path, delta_name, tensor_bytes(self.all.get_slice(delta_name)[e])[rows]))
+            deltas.append((self.all_path, delta_name, self.all.row(delta_name, e)[rows]))
             for kind, t in ((TensorKind.GLOBAL_SCALE, x.global_scale), (TensorKind.INPUT_SCALE, x.input_scale)):
                 raw = L.source_scalar(proj, kind)
-                if t is not None and _differs(tensor_bytes(self.all.get_slice(raw)[e]), t):
+                if t is not None and _differs(self.all.row(raw, e), t):
                     mismatch(f"source {kind.replace('_', ' ')}", raw, self.all_path)
         if e in self.tier:
             which = L.pack_tensor(self.layer, delta_name)
-            deltas.append((L.PACK, which, tensor_bytes(self.pack.get_slice(which)[self.tier.index(e)])[rows]))
+            deltas.append((L.PACK, which, self.pack.row(which, self.tier.index(e))[rows]))
         for path, tensor, got in deltas:
             self.checked["delta_planes"] += 1
             if _differs(got, delta):
@@ -534,15 +585,14 @@ class _LayerAgainst:
 def _layer_against(root: Path, cf: CacheView, layer: int, ck: Any, pack: Any, checked: dict[str, int],
                    progress: Progress, cancel: CancelToken | None) -> list[Problem]:
     """Every expert of one served layer against the source; the first problems found, or none."""
-    from safetensors import safe_open
-
     from .formats import FORMATS
+    from .stread import TensorFile
     lm = cf.layers[layer]
     base_fe = next(f for f in lm.files if f.role == L.Role.BASE)
     all_fe = next((f for f in lm.files if f.role == L.Role.DELTA_ALL), None)
     want_fmt = FORMATS.get(lm.source_format) if lm.source_format else None
-    with safe_open(str(resolve_inside(root, base_fe.path)), framework="pt") as bf:
-        allf = safe_open(str(resolve_inside(root, all_fe.path)), framework="pt") if all_fe else None
+    with TensorFile(root, base_fe.path) as bf, ExitStack() as stack:
+        allf = stack.enter_context(TensorFile(root, all_fe.path)) if all_fe else None
         la = _LayerAgainst(layer, lm, lm.geometry(), base_fe.path, bf, all_fe.path if all_fe else None, allf,
                            pack, list(cf.tier_experts(layer)), checked, frozenset(bf.keys()),
                            cf.manifest.build.base_table)
@@ -564,9 +614,8 @@ def verify_against(root: str | os.PathLike[str], src: str | os.PathLike[str],
     corrupt is reported as such (exit 1), as is one without its model config or source map."""
     # numpy, torch and safetensors are imported inside, not at the top: the boot check (every start of
     # `moet-cache verify`) needs none of them, and torch alone costs seconds of import time.
-    from safetensors import safe_open
-
     from .checkpoint import open_checkpoint
+    from .stread import TensorFile
     t0 = time.perf_counter()
     root = Path(root)
     progress = progress or NullProgress()
@@ -582,12 +631,13 @@ def verify_against(root: str | os.PathLike[str], src: str | os.PathLike[str],
             return VerifyReport(Check.AGAINST, CORRUPT, (Problem(ProblemKind.MISMATCH, CACHE_MANIFEST,
                                 f"the source is {ck.layout}, the cache was built from {cf.manifest.source_layout}"),),
                                 len(cf.files), seconds=time.perf_counter() - t0)
-        pack = safe_open(str(resolve_inside(root, L.PACK)), framework="pt") if cf.delta_index else None
-        progress.start(sum(lm.source_bytes for lm in cf.layers.values()), "verify --against")
-        for layer in sorted(cf.layers):
-            problems = _layer_against(root, cf, layer, ck, pack, checked, progress, cancel)
-            if problems:
-                break
+        with ExitStack() as stack:
+            pack = stack.enter_context(TensorFile(root, L.PACK)) if cf.delta_index else None
+            progress.start(sum(lm.source_bytes for lm in cf.layers.values()), "verify --against")
+            for layer in sorted(cf.layers):
+                problems = _layer_against(root, cf, layer, ck, pack, checked, progress, cancel)
+                if problems:
+                    break
         if not problems:
             problems = _dense_against(root, cf, ck, checked, cf.source_map)
     progress.finish()
@@ -597,10 +647,7 @@ def verify_against(root: str | os.PathLike[str], src: str | os.PathLike[str],
 
 def _dense_against(root: Path, cf: CacheView, ck: Any, checked: dict[str, int], smap: Any) -> list[Problem]:
     """Every tensor the source map lists that is not a plane of a served layer is in a dense file, equal."""
-    import numpy as np
-    from safetensors import safe_open
-
-    from .checkpoint import tensor_bytes
+    from .stread import TensorFile
     planed = ck.expert_tensor_names(list(cf.manifest.build.layers))
     shards = smap.get("shards") if isinstance(smap, dict) else None
     listed = {t[0] for sh in (shards if isinstance(shards, list) else ()) if isinstance(sh, dict)
@@ -610,11 +657,13 @@ def _dense_against(root: Path, cf: CacheView, ck: Any, checked: dict[str, int], 
     for f, _ in cf.files:
         if f.role != L.Role.DENSE:
             continue
-        with safe_open(str(resolve_inside(root, f.path)), framework="pt") as df:
+        with TensorFile(root, f.path) as df:
             for name in df.keys():
                 checked["dense_tensors"] += 1
                 seen.add(name)
-                if name not in ck.tensors or not np.array_equal(tensor_bytes(df.get_tensor(name)), ck.get_raw(name)):
+                ent, want = df.header.tensors[name], ck.tensors.get(name)
+                if want is None or (ent.dtype, tuple(ent.shape)) != (want.dtype, tuple(want.shape)) \
+                        or _differs(df.raw(name), ck.get_raw(name)):
                     return [Problem(ProblemKind.MISMATCH, f.path,
                                     f"dense tensor {name} differs from the source", None, name)]
     missing = sorted(listed - planed - seen)

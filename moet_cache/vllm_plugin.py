@@ -17,6 +17,8 @@ Only tensor parallelism 1 without expert parallelism: shapes are checked and a m
 from __future__ import annotations
 
 import functools
+import importlib.util
+import logging
 import re
 import time
 from dataclasses import dataclass, fields
@@ -28,6 +30,8 @@ from .enums import DeltaMode, VerifyMode
 from .errors import InputError
 from .load import DELTA_EXPERTS, open_cache
 from .load.options import check_delta, check_inflight, check_verify, check_workers
+
+_log = logging.getLogger(__name__)
 
 LOAD_FORMAT = "moet"
 _TIER_SHAPED = ("w13_delta", "w2_delta", DELTA_EXPERTS)
@@ -191,15 +195,32 @@ def _loader_class() -> type:
     return register_model_loader(LOAD_FORMAT)(MoetModelLoader)
 
 
+def vllm_installed() -> bool:
+    """Whether a vLLM package is there to import (not hidden by a None in sys.modules): then an ImportError
+    of its modules means it failed part-way (a compiled extension or a library it needs is missing)."""
+    try:
+        return importlib.util.find_spec("vllm") is not None
+    except (ImportError, ValueError):
+        return False
+
+
 def register() -> type | None:
     """The `vllm.general_plugins` entry point: registers `--load-format moet` and the quantization method
-    `moet` (vllm_quant.py); returns the loader class, None without vLLM. Registering again changes nothing."""
+    `moet` (vllm_quant.py); returns the loader class, None without vLLM. Registering again changes nothing.
+    Where vLLM is installed but its import fails, a warning says what failed (vLLM would only say later
+    that `moet` is an invalid quantization method or load format)."""
     try:
         import vllm.model_executor.model_loader  # noqa: F401
-    except ImportError:
+
+        from .vllm_quant import quant_classes
+        quant_classes()  # imports vLLM's fused-MoE and quantization modules, which may fail the same way
+    except ImportError as e:
+        if vllm_installed():
+            _log.warning("moet-cache: vLLM is installed but does not import (%s: %s), so --load-format moet and "
+                         "--quantization moet are not registered; reinstall the vLLM build that matches this "
+                         "torch and GPU, and check with: python -c 'import vllm.model_executor.model_loader'",
+                         type(e).__name__, str(e).replace("\n", " "))
         return None
-    from .vllm_quant import quant_classes
-    quant_classes()
     return _loader_class()
 
 

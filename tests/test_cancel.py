@@ -84,8 +84,8 @@ def test_a_cancelled_retier_restores_the_previous_commit(lossless: tuple[Path, P
     token = CancelToken()
     real = R.file_deltas
 
-    def deltas_then_cancel(sources: dict) -> object:
-        read = real(sources)
+    def deltas_then_cancel(root: Path, layers: dict) -> object:
+        read = real(root, layers)
 
         def gen(layer: int, which: str, experts: tuple[int, ...]):  # type: ignore[no-untyped-def]
             for i, chunk in enumerate(read(layer, which, experts)):

@@ -77,8 +77,9 @@ def test_corrupt_cache_exits_1_with_the_place(tmp_path: Path, ckpt_modelopt: Pat
     r = run("verify", str(cache), "--full")
     assert r.returncode == 1
     assert "layers/layer-003.base.safetensors (layer 3, tensor w13_base)" in r.stdout
-    r = run("verify", str(cache))
-    assert r.returncode == 1 and "not re-verified" in r.stdout
+    r = run("verify", str(cache))  # the failed --full is remembered: corrupt, not merely changed
+    assert r.returncode == 1 and "corrupt" in r.stdout and "verify --full" in r.stdout
+    assert "layers/layer-003.base.safetensors" in r.stdout and "build" in r.stderr
 
 
 @pytest.mark.parametrize("args,needle", [

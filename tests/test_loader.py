@@ -27,7 +27,7 @@ from moet_cache.expand import expand_projection, join_planes_torch, nearest_delt
 from moet_cache.fp4 import unpack_codes
 from moet_cache.load.plan import Read, dense_jobs, layer_job
 from moet_cache.load.reads import mismatch
-from moet_cache.loader import DELTA_EXPERTS, LoadOptions, Tuning, _Pipeline, open_cache, parse_header
+from moet_cache.loader import DELTA_EXPERTS, Cache, LoadOptions, Tuning, _Pipeline, open_cache, parse_header
 from moet_cache.planes import join_planes, nearest_code_for_table, split_planes
 
 
@@ -249,8 +249,11 @@ def test_manifest_offsets_checked_against_file(tiered, tmp_path, monkeypatch) ->
     p = root / L.base_file(1)
     with open(p, "r+b") as f:  # cut the file behind the boot check's back (same mtime is not needed: verify=none)
         f.truncate(p.stat().st_size - 100)
-    with pytest.raises(VerificationError, match="ends at byte"):
+    with pytest.raises(VerificationError, match="changed since the cache was opened"):
         list(cache.load(verify="none", layers=[1]))
+    unpinned = Cache(cache.view, cache.report)  # no record of the files as opened: the ranges are still checked
+    with pytest.raises(VerificationError, match="ends at byte"):
+        list(unpinned.load(verify="none", layers=[1]))
 
 
 # --- the pipeline -----------------------------------------------------------------------------

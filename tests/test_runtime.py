@@ -289,9 +289,12 @@ def test_v4_cache_compact_scales(v4_cache, delta: str) -> None:
 def test_config_picks_each_regime_by_pairs() -> None:
     """launch.Config: decode kernels below the first prefill step, each prefill step from its pair count,
     Triton where neither tensor-core family runs, and Config.only pinning one block."""
-    from moet_cache.runtime.launch import (DEFAULT, LEAN, MMA_STEPS, MMA_STEPS_X4, MMA_STEPS_X4_BASE,
-                                           MMA_STEPS_X4_E4M3, PREFILL_LATER, PREFILL_STEPS, SUM_IN_W2_BELOW, WHOLE,
-                                           WHOLE_K_BELOW, Config, Grouped, Mma, Pairs, PrefillLater, Prefill)
+    from moet_cache.runtime.launch import DEFAULT, LEAN, WHOLE, Config, Grouped, Mma, Pairs, PrefillLater, Prefill
+
+    # DEFAULT: the H200's steps (configs/NVIDIA_H200.json)
+    MMA_STEPS, MMA_STEPS_X4, MMA_STEPS_X4_BASE = DEFAULT.mma, DEFAULT.mma_x4, DEFAULT.mma_x4_base
+    MMA_STEPS_X4_E4M3, PREFILL_STEPS, PREFILL_LATER = DEFAULT.mma_x4_e4m3, DEFAULT.prefill, DEFAULT.prefill_later
+    SUM_IN_W2_BELOW, WHOLE_K_BELOW = 12, 18
 
     starts = [start for start, _ in PREFILL_STEPS]
     assert starts == sorted(starts) and starts[0] <= DEFAULT.large_from
@@ -360,17 +363,17 @@ def test_prefill_blocks_fit_each_cards_shared_memory() -> None:
     """mma_prefill.within: on a card whose CTAs may take less shared memory than the H200's 227 KB (99 KB on
     sm_86, sm_89 and sm_120, the RTX PRO 6000), every prefill step still runs on the prefill kernels, with
     fewer stages where it must; at the H200's limit every step is as measured."""
-    from moet_cache.runtime.launch import PREFILL_STEPS
+    from moet_cache.runtime.launch import DEFAULT, Config
     from moet_cache.runtime.mma_prefill import Prefill, within
 
     h200, rtx_pro_6000 = 227 * 1024, 99 * 1024
-    for _, block in PREFILL_STEPS:
+    for _, block in DEFAULT.prefill + Config().prefill:  # the H200's steps and an unknown device's
         assert within(block, h200) == block
         fit = within(block, rtx_pro_6000)
         assert fit is not None and fit.smem_bytes() <= rtx_pro_6000
         assert dataclasses.replace(fit, stages=block.stages) == block
         assert fit == block or dataclasses.replace(fit, stages=fit.stages + 1).smem_bytes() > rtx_pro_6000
-    # session 19's step that needed it: 104 KB with 4 stages, 78 KB with 3
+    # an 8-warp step that needs it: 104 KB with 4 stages, 78 KB with 3
     assert Prefill(4, 8, 4).smem_bytes() == 106496 and within(Prefill(4, 8, 4), rtx_pro_6000) == Prefill(4, 8, 3)
     assert within(Prefill(4, 8, 4), Prefill(4, 8, 2).smem_bytes() - 1) is None  # not even two stages
 

@@ -13,7 +13,7 @@ from moet_cache.runtime.dequant import LayerPlanes
 from moet_cache.runtime import mma_moe, mma_prefill
 from moet_cache.runtime.mma_moe import two_accumulators
 from moet_cache.planes import X4_PATTERN
-from moet_cache.runtime.launch import DEFAULT, WHOLE, Config, Mma, Pairs, Prefill, fused_moe_cuda, layer_form
+from moet_cache.runtime.launch import DEFAULT, SPLIT, WHOLE, Config, Mma, Pairs, Prefill, fused_moe_cuda, layer_form
 from moet_cache.runtime.reference import fused_moe_reference
 from moet_cache.runtime.synthetic_layer import random_layer
 from moet_cache.runtime import layout, tiles, x4_table
@@ -283,7 +283,7 @@ def test_x4_layers_equal_reference(x4_layer: dict, T: int, config: Config) -> No
     blocks (direct, lean, sorted; DEFAULT at T = 1 and 3 takes direct blocks with their two accumulator
     sets, at T = 2 direct ones with K whole, at T = 7, 16 and 30 lean ones with e8m0 scales and ones with K
     whole with e4m3, and K whole at T = 16 for both; at T = 300 the prefill blocks with e8m0 scales and
-    sorted lean ones with e4m3, launch.PREFILL_LATER), the prefill blocks, and Triton, which reads them put
+    sorted lean ones with e4m3, DEFAULT.prefill_later), the prefill blocks, and Triton, which reads them put
     back; tier experts (their exact FP4 decode, x4_tier_reg) routed beside the base ones."""
     prepared = prepare(x4_layer)
     planes = LayerPlanes.from_tensors(prepared)
@@ -295,13 +295,13 @@ def test_x4_layers_equal_reference(x4_layer: dict, T: int, config: Config) -> No
 
 @pytest.mark.parametrize("T", [7, 16])
 def test_x4_layer_without_a_tier_equals_reference(x4_layer: dict, T: int) -> None:
-    """An x4 layer with no tier takes its own decode steps (launch.MMA_STEPS_X4_BASE: K whole from 24 pairs
+    """An x4 layer with no tier takes its own decode steps (DEFAULT.mma_x4_base: K whole from 24 pairs
     with e8m0 scales)."""
     base = {k: v for k, v in x4_layer.items() if k not in ("w13_delta", "w2_delta", "delta_experts")}
     planes = LayerPlanes.from_tensors(prepare(base))
     assert planes.x4_layout and not layer_form(planes)["tier"]
     x, w, ids = _tokens_to_tier(x4_layer, T, 750 + T)  # its tier experts are base ones here
-    _check(fused_moe_cuda(x, planes, w, ids, 7.0), _reference(x, base, w, ids, 7.0))
+    _check(fused_moe_cuda(x, planes, w, ids, 7.0, DEFAULT), _reference(x, base, w, ids, 7.0))
 
 
 @pytest.mark.parametrize("T,config", [(1, DEFAULT), (2, DEFAULT), (3, DEFAULT), (16, DEFAULT), (30, DEFAULT),
@@ -462,3 +462,37 @@ def test_kernels_loaded_from_kept_images_equal_compiled(x4_layer: dict, tmp_path
     assert sorted(tmp_path.iterdir()) == kept
     for a, b in zip(compiled, loaded):
         assert torch.equal(a, b)
+
+
+#: batches padded as vLLM pads them (real rows, padding rows with expert id -1 in every slot, the block;
+#: None: the one DEFAULT picks for the padded batch): decode to a CUDA-graph size, prefill to a chunk
+PADDED = [(1, 3, dataclasses.replace(SPLIT, sum_in_w2=True)), (1, 1, None), (1, 7, None), (2, 6, None),
+          (3, 1, None), (5, 3, None), (13, 3, None), (40, 8, None), (300, 212, None), (4000, 96, None),
+          (1, 7, Pairs(64, 8, 2)), (20, 12, DEFAULT.mid), (300, 212, DEFAULT.large)]
+
+
+@pytest.mark.parametrize("T,pad,block", PADDED)
+@pytest.mark.parametrize("form", ["fitted", "x4"])
+def test_padding_rows_skipped_eagerly_and_in_cuda_graphs(layer: dict, x4_layer: dict, T: int, pad: int,
+                                                         block, form: str) -> None:
+    """vLLM 0.34's routers set the padding rows' expert ids to -1 (VLLM_MOE_SKIP_PADDING): on every path
+    (the direct, whole-K, lean and sorted decode blocks, the prefill blocks, Triton's pairs and grouped
+    kernels), with the kernels the padded batch takes, the real rows are bit-identical to the batch
+    without the padding rows and the padding rows are 0, though their activations and weights are not
+    finite; a CUDA graph replays it exactly (no host sync)."""
+    raw = layer if form == "fitted" else x4_layer
+    planes = LayerPlanes.from_tensors(prepare(raw))
+    config = Config.only(block or DEFAULT.pick((T + pad) * K, **layer_form(planes)))
+    x, w, ids = _tokens_to_tier(raw, T, 1000 + T)
+    ids = ids.int()  # as vLLM's routers give them
+    want = fused_moe_cuda(x, planes, w, ids, 7.0, config)
+    xp = torch.cat([x, torch.full((pad, H), float("nan"), dtype=x.dtype, device="cuda")])
+    xp[T] = float("inf")
+    wp = torch.cat([w, torch.full((pad, K), float("inf"), device="cuda")])
+    ip = torch.cat([ids, torch.full((pad, K), -1, dtype=ids.dtype, device="cuda")])
+    step = lambda: fused_moe_cuda(xp, planes, wp, ip, 7.0, config)  # noqa: E731
+    got = step()
+    assert torch.equal(got[:T], want)
+    assert bool((got[T:] == 0).all())
+    _replay_equals_eager(step)
+    _check(want, _reference(x, raw, w, ids, 7.0))

@@ -6,6 +6,7 @@ written costs only the compile. Real files; the compile is a counting stand-in (
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path
 
 import pytest
@@ -147,3 +148,81 @@ def test_load_kernel_compiles_once_through_torchs_helpers(tmp_path: Path, monkey
     assert calls == [(SOURCE, "k", (), "120", ["-std=c++17"], {})]
     assert loaded == [(b"\x7fELF image", ["_Z1kPi"])] * 2
     assert len(list(tmp_path.iterdir())) == 1
+
+
+_OTHER_UID = 54321  # no user of this machine: a file root gives it is another user's
+
+
+def _plant(where: Path) -> Path:
+    """A sound image (its digest matches) at the file cached_image would read, not the compiler's."""
+    path = image_path(where, *ARGS)
+    assert write_image(path, Image("_Z1kPi", b"planted code"))
+    return path
+
+
+def _refused(where: Path, caplog, what: str) -> None:
+    """cached_image compiles, neither loads nor replaces the planted image, and says why in one line."""
+    path = image_path(where, *ARGS)
+    before = path.read_bytes()
+    compile_image = _Compiler()
+    with caplog.at_level("WARNING", logger=kernel_cache.__name__):
+        assert cached_image(*ARGS, compile_image, where) == Image("_Z1kPi", compile_image.data)
+        assert cached_image(*ARGS, compile_image, where).data == compile_image.data
+    assert compile_image.calls == 2
+    assert path.read_bytes() == before  # another user's file is left as it is
+    lines = [r.getMessage() for r in caplog.records if r.name == kernel_cache.__name__]
+    assert len(lines) == 1, lines  # once, not at every kernel
+    assert str(where) in lines[0] and what in lines[0] and kernel_cache.ENV in lines[0]
+    assert "\n" not in lines[0]
+    kernel_cache._say_once.cache_clear()
+
+
+@pytest.mark.parametrize("mode", [0o777, 0o770, 0o702], ids=oct)
+def test_folder_others_may_write_is_refused(tmp_path: Path, caplog, mode: int) -> None:
+    where = tmp_path / "kernels"
+    _plant(where)
+    os.chmod(where, mode)
+    _refused(where, caplog, f"writable by other users (mode {mode:03o})")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a folder to another user needs root")
+def test_folder_of_another_user_is_refused(tmp_path: Path, caplog) -> None:
+    where = tmp_path / "kernels"
+    path = _plant(where)
+    os.chown(where, _OTHER_UID, -1)
+    os.chown(path, _OTHER_UID, -1)
+    _refused(where, caplog, f"owned by uid {_OTHER_UID}")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a folder to another user needs root")
+def test_link_to_another_users_folder_is_refused(tmp_path: Path, caplog) -> None:
+    theirs = tmp_path / "theirs"
+    _plant(theirs)
+    os.chown(theirs, _OTHER_UID, -1)
+    where = tmp_path / "kernels"
+    where.symlink_to(theirs)  # the folder the images would come from is theirs
+    _refused(where, caplog, f"owned by uid {_OTHER_UID}")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a file to another user needs root")
+def test_image_file_of_another_user_is_refused(tmp_path: Path, caplog) -> None:
+    os.chmod(tmp_path, 0o700)
+    os.chown(_plant(tmp_path), _OTHER_UID, -1)
+    _refused(tmp_path, caplog, f"owned by uid {_OTHER_UID}")
+
+
+def test_image_file_others_may_write_is_refused(tmp_path: Path, caplog) -> None:
+    os.chmod(tmp_path, 0o700)
+    os.chmod(_plant(tmp_path), 0o646)
+    _refused(tmp_path, caplog, "writable by other users (mode 646)")
+
+
+def test_missing_folder_is_created_for_this_user_alone(tmp_path: Path, caplog) -> None:
+    where = tmp_path / "a" / "kernels"
+    compile_image = _Compiler()
+    with caplog.at_level("WARNING", logger=kernel_cache.__name__):
+        cached_image(*ARGS, compile_image, where)
+        cached_image(*ARGS, compile_image, where)
+    assert compile_image.calls == 1 and not caplog.records
+    st = os.stat(where)
+    assert st.st_uid == os.geteuid() and stat.S_IMODE(st.st_mode) == 0o700

@@ -238,3 +238,50 @@ def test_bench_moe_goals_mark_each_miss(monkeypatch: pytest.MonkeyPatch, capsys:
     assert "no speed goal checked" in capsys.readouterr().out
     bench.print_goals(rows[:1] + [row("planes x4 e8m0 tier10%", 8, 1.8, 0.6), rows[5]], 4250.0)
     assert "missed" not in (out := capsys.readouterr().out) and "every speed goal met (2 form" in out
+
+
+def test_bench_moe_prefill_goal_at_both_chunks_names_hummings_glue(monkeypatch: pytest.MonkeyPatch,
+                                                                   capsys: pytest.CaptureFixture) -> None:
+    """The prefill goal is read at T = 2048 (the v4-flash-96g preset's chunk) and at 4096, and the table
+    says which glue Humming ran with (vLLM's, where vLLM imports)."""
+    bench = _bench_moe(monkeypatch)
+    rows = [{"what": "humming_glue", "glue": "vLLM's glue"}]
+    for T, x in ((2048, 1 / 1.31), (4096, 1 / 1.2)):
+        rows.append({"what": "speed", "harness": "write", "name": "planes x4 e8m0 tier10%", "tokens": T,
+                     "speedup_vs_humming": x, "copy_frac": 0.9, "form": "x4 e8m0 tier10%"})
+    bench.print_goals(rows, 4250.0)
+    out = capsys.readouterr().out
+    assert "prefill T = 2048 and 4096 <= 1.25x Humming's time; Humming with vLLM's glue" in out
+    assert "missed (write speed): 1: x4 e8m0 tier10% T=2048" in out
+
+
+def test_bench_moe_humming_glues(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Humming's glue: vLLM's own first (the baseline row, named plainly) where vLLM imports, torch's as a
+    labelled second line; alone, torch's is the baseline. Both compute the SwiGLU and the weighted top-k sum
+    (vLLM's silu_and_mul op on the CPU here; its moe_fused_mul_sum is a Triton kernel, GPU only)."""
+    bench = _bench_moe(monkeypatch)
+    g = torch.Generator().manual_seed(3)
+    gate_up = torch.randn((5, 128), generator=g)
+    plain = torch.nn.functional.silu(gate_up[:, :64]) * gate_up[:, 64:]
+    torch_glue = bench.torch_glue()
+    act = torch.empty((5, 64))
+    torch_glue.swiglu(gate_up, act)
+    assert torch.equal(act, plain)
+    down = torch.randn((3, 4, 16), generator=g).to(torch.bfloat16)
+    w = torch.rand((3, 4), generator=g)
+    want = sum(down[:, k].float() * w[:, k:k + 1] for k in range(4)).to(torch.bfloat16)
+    got = torch_glue.weighted_sum(down, w, torch.zeros((3, 4), dtype=torch.int32), torch.empty((3, 16)))
+    torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=1e-2)
+    vllm_glue = bench.vllm_glue()
+    if vllm_glue is not None:  # the vLLM CPU build of the test environment
+        act = torch.empty((5, 64))
+        vllm_glue.swiglu(gate_up, act)
+        torch.testing.assert_close(act, plain, rtol=1e-5, atol=1e-5)
+        glues = bench.humming_glues()
+        assert [x.name for x in glues] == ["vLLM's glue", "torch glue"]
+        assert bench.humming_row("humming mxfp4", glues[0], glues) == "humming mxfp4"
+        assert bench.humming_row("humming mxfp4", glues[1], glues) == "humming mxfp4, torch glue"
+    monkeypatch.setattr(bench, "vllm_glue", lambda: None)
+    glues = bench.humming_glues()
+    assert [x.name for x in glues] == ["torch glue"]
+    assert bench.humming_row("humming nvfp4", glues[0], glues) == "humming nvfp4"

@@ -34,7 +34,8 @@ def test_bit_flip_caught_by_full_naming_layer_and_tensor(cache: Path) -> None:
     assert r.state == "corrupt"
     (p,) = r.problems
     assert p.kind == "digest" and p.layer == 2 and p.tensor == "w2_base" and p.path == "layers/layer-002.base.safetensors"
-    assert boot_check(cache).state == "unverified"  # a failed full verify records nothing
+    after = boot_check(cache)  # a failed full verify is remembered: the file is corrupt, not merely changed
+    assert after.state == "corrupt" and [(q.kind, q.path) for q in after.problems] == [("digest", p.path)]
 
 
 def test_flip_in_header_padding_is_caught(cache: Path) -> None:

@@ -3,6 +3,7 @@ and shapes (no vLLM needed), importing without vLLM, and (marker vllm) vLLM's re
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from importlib.metadata import entry_points
@@ -157,6 +158,35 @@ def test_imports_and_registers_nothing_without_vllm() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "registered: None"
+    assert "moet-cache" not in out.stderr  # no vLLM at all: nothing to say
+
+
+# vLLM installed but failing part-way: its package imports, its model loader does not
+_BROKEN_LOADERS = {
+    "missing compiled extension": ("import vllm._C  # noqa: F401\n", "ModuleNotFoundError: No module named 'vllm._C'"),
+    "missing shared library": ("raise ImportError('libcudart.so.12: cannot open shared object file: No such file "
+                               "or directory')\n", "ImportError: libcudart.so.12: cannot open shared object file"),
+}
+
+
+@pytest.mark.parametrize("case", list(_BROKEN_LOADERS))
+def test_vllm_that_fails_part_way_is_named_at_registration(tmp_path, case: str) -> None:
+    body, failure = _BROKEN_LOADERS[case]
+    loader = tmp_path / "vllm" / "model_executor" / "model_loader"
+    loader.mkdir(parents=True)
+    (tmp_path / "vllm" / "__init__.py").write_text("")
+    (tmp_path / "vllm" / "model_executor" / "__init__.py").write_text("")
+    (loader / "__init__.py").write_text(body)
+    code = "import moet_cache.vllm_plugin as p\nprint('registered:', p.register())"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env,
+                         cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "registered: None"
+    lines = [x for x in out.stderr.splitlines() if "moet-cache" in x]
+    assert len(lines) == 1, out.stderr  # Python's last-resort handler: no logging set up, still printed
+    assert failure in lines[0]
+    assert "--quantization moet" in lines[0] and "reinstall" in lines[0]
 
 
 def test_entry_point_declared() -> None:

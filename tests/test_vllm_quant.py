@@ -149,6 +149,21 @@ def test_the_moe_layer_gets_the_planes_and_apply_equals_fused_moe(built_cache: P
     assert out.abs().sum() > 0
 
 
+def test_apply_skips_vllms_padding_rows(built_cache: Path, vllm_config: Any) -> None:
+    """vLLM's routers mark the rows that pad a batch (CUDA-graph sizes, data parallelism) with expert id -1 in
+    every slot (VLLM_MOE_SKIP_PADDING): apply gives the real rows as without them, and 0 for them."""
+    model = _model_on(built_cache)
+    load_into_model(model, PluginOptions(cache=str(built_cache), workers=1))
+    experts = model.model.layers[3].mlp.experts.routed_experts
+    x, w, ids = _routed(2)
+    want = experts.quant_method.apply(experts, x, w, ids, None, None)
+    xp = torch.cat([x, torch.full((3, H), float("nan"), dtype=x.dtype)])  # whatever the buffers held
+    wp = torch.cat([w, torch.rand(3, TOP_K)])
+    ip = torch.cat([ids, torch.full((3, TOP_K), -1, dtype=ids.dtype)])
+    got = experts.quant_method.apply(experts, xp, wp, ip, None, None)
+    assert torch.equal(got[:5], want) and bool((got[5:] == 0).all()) and want.abs().sum() > 0
+
+
 @pytest.mark.parametrize("base_table,suffix", [("x4", "_x4"), ("fitted", "_tiled")])
 def test_a_cache_is_laid_out_after_loading_and_computes_the_same(tmp_path: Path, vllm_config: Any,
                                                                  monkeypatch: pytest.MonkeyPatch, base_table: str,

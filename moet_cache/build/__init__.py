@@ -5,7 +5,8 @@
     dense    the copies: model folder, dense shards (ring of reused buffers), source map
     layers   the per-layer pipeline: read, split, write, commit on the committer thread
     tier     the delta tier: choose, write the pack, its index and part record
-    parts    file entries of bytes just written, the resume check of a part, counters, the sweep
+    parts    file entries of bytes just written, the resume check of a part, counters
+    written  what a build proves it wrote (.written.json and its records), the sweep, is_cache_folder
     run      build_cache, the script;  retier  retier_cache
 Both commands change the cache through moet_cache.commit (uncommit, write, commit, record, restore).
 """

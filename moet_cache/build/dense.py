@@ -5,6 +5,8 @@ the source map that lets export give the checkpoint back."""
 from __future__ import annotations
 
 import json
+import os
+import stat
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -13,7 +15,7 @@ import numpy as np
 
 from .. import layout as L
 from ..cancel import CancelToken
-from ..checkpoint import INDEX_NAME, Checkpoint, SourceReader
+from ..checkpoint import INDEX_NAME, Checkpoint, SourceReader, link_root
 from ..errors import InputError
 from ..fsutil import read_all, refuse_links
 from ..manifest import FORMAT_VERSION, FileEntry, LayerManifest, PartManifest
@@ -23,6 +25,7 @@ from ..window import bounded_window
 from .parts import Counters, read_entry, reusable_part, write_bytes_entry, write_record_entry, \
     written_entries
 from .plan import BuildPlan
+from .tier import TIER_PART
 
 AUX_MAX_BYTES = 64 << 20
 AUX_MAX_FILES = 4096
@@ -32,9 +35,13 @@ AUX_MAX_DEPTH = 4
 def aux_files(src: Path) -> list[tuple[str, Path]]:
     """(relative path, path) of the source's small non-weight files, folders included (V4's encoding/).
 
-    Links to files are followed (hub snapshots); linked folders, hidden names, weights and files over
-    AUX_MAX_BYTES are not carried.
+    Links to files are followed, but only inside the source (a Hugging Face hub snapshot's repo folder,
+    `models--org--name/`, whose snapshot files link into its blobs: checkpoint.link_root). Hidden names,
+    weights, linked folders and files over AUX_MAX_BYTES are not carried. A file a server would need and
+    that cannot be carried is refused (exit 2), never left out: a dangling or looping link, a link out of
+    the source, a FIFO, socket or device.
     """
+    inside = link_root(src)
     out: list[tuple[str, Path]] = []
 
     def walk(d: Path, rel: str, depth: int) -> None:
@@ -43,37 +50,69 @@ def aux_files(src: Path) -> list[tuple[str, Path]]:
                     or p.name.endswith((".safetensors", ".bin", ".pt", ".pth", ".gguf")):
                 continue
             r = f"{rel}{p.name}"
+            if p.is_symlink():
+                try:
+                    target = p.resolve(strict=True)
+                except (OSError, RuntimeError):
+                    raise InputError(f"{r} in the checkpoint is a link that leads nowhere (dangling or a loop)",
+                                     "download the file again, or remove the link") from None
+                if target != inside and inside not in target.parents:
+                    raise InputError(f"{r} in the checkpoint is a link out of it (to {target})",
+                                     f"copy the file into {src} instead of linking it")
             try:
-                if p.is_dir():
-                    if not p.is_symlink() and depth < AUX_MAX_DEPTH:
-                        walk(p, r + "/", depth + 1)
-                elif p.is_file() and p.stat().st_size <= AUX_MAX_BYTES:
-                    out.append((r, p))
-            except OSError:
-                continue  # a dangling link or an unreadable entry: not carried
+                st = p.stat()
+            except OSError as e:
+                raise InputError(f"cannot read {r} in the checkpoint: {e.strerror}",
+                                 "make it readable, or remove it") from None
+            if stat.S_ISDIR(st.st_mode):
+                if not p.is_symlink() and depth < AUX_MAX_DEPTH:
+                    walk(p, r + "/", depth + 1)
+            elif not stat.S_ISREG(st.st_mode):
+                raise InputError(f"{r} in the checkpoint is not a plain file (a FIFO, socket or device)",
+                                 "replace it by a plain file, or remove it")
+            elif st.st_size <= AUX_MAX_BYTES:
+                out.append((r, p))
     walk(src, "", 0)
     return out
 
 
-def copy_aux(src: Path, root: Path) -> list[FileEntry]:
-    """The model folder: config.json, hf_quant_config.json, generation_config.json, the tokenizer files and
-    folders such as V4's encoding/, so a server needs nothing from the source. Links in the source are
-    followed (a Hugging Face hub snapshot's files are links into its blobs); links in the cache never."""
+def aux_dest(rel_src: str) -> str:
+    """Where a source file lands in the cache: the model folder; the source's config.json as
+    config.source.json (served_config writes the config.json vLLM reads)."""
+    return f"{L.AUX_DIR}/{SOURCE_CONFIG if rel_src == SERVED_CONFIG else rel_src}"
+
+
+def copy_aux(aux: list[tuple[str, Path]], root: Path) -> list[FileEntry]:
+    """The model folder from `aux_files`: config.json, hf_quant_config.json, generation_config.json, the
+    tokenizer files and folders such as V4's encoding/, so a server needs nothing from the source. Each
+    keeps its source file's permissions (a 0600 file stays 0600). Links in the cache are never followed."""
     out = []
-    for rel_src, p in aux_files(src):
+    for rel_src, p in aux:
         try:
             data = read_all(p, AUX_MAX_BYTES, follow=True)
-        except (OSError, InputError):
-            continue  # not a plain file after all (it changed), or grown past the limit: not carried
-        # the source's config.json is kept as config.source.json; served_config writes config.json
-        source_config = rel_src == SERVED_CONFIG
-        rel = f"{L.AUX_DIR}/{SOURCE_CONFIG if source_config else rel_src}"
+            mode = stat.S_IMODE(os.stat(p).st_mode) & 0o777
+        except (OSError, InputError) as e:
+            why = e.strerror if isinstance(e, OSError) else e.message
+            raise InputError(f"cannot read {rel_src} in the checkpoint: {why}",
+                             "make it a readable plain file (of at most 64 MiB), or remove it") from None
+        rel = aux_dest(rel_src)
         refuse_links(root, tuple(str(Path(rel).parents[i]) for i in range(len(Path(rel).parts) - 1)))
-        out.append(write_bytes_entry(root, rel, data, L.Role.SOURCE_CONFIG if source_config else L.Role.AUX))
+        role = L.Role.SOURCE_CONFIG if rel_src == SERVED_CONFIG else L.Role.AUX
+        out.append(write_bytes_entry(root, rel, data, role, mode))
     if not any(f.role == L.Role.SOURCE_CONFIG for f in out):
-        raise InputError(f"cannot copy {src / 'config.json'} into the cache's model folder",
+        raise InputError("cannot copy config.json of the checkpoint into the cache's model folder",
                          "config.json must be a readable file (or a link to one) of at most 64 MiB")
     return out
+
+
+def planned_paths(plan: BuildPlan, aux: list[tuple[str, Path]]) -> list[str]:
+    """Every path in the cache's folders this build writes (for build/written.py's record)."""
+    paths = [aux_dest(rel) for rel, _ in aux] + [f"{L.AUX_DIR}/{SERVED_CONFIG}", L.PACK, L.DELTA_INDEX, TIER_PART]
+    for shard in plan.dense_by_shard:
+        paths += [L.dense_file(shard), L.dense_record(shard)]
+    for layer in plan.served:
+        paths += [L.base_file(layer), L.layer_manifest(layer)] + ([L.delta_file(layer)] if plan.opts.lossless else [])
+    return paths
 
 
 def served_config(root: Path, files: list[FileEntry], layers: dict[int, LayerManifest]) -> list[FileEntry]:
@@ -85,8 +124,10 @@ def served_config(root: Path, files: list[FileEntry], layers: dict[int, LayerMan
     forms = {layer: LayerForm(lm.scale_form(L.W13_SCALE), lm.scale_form(L.W2_SCALE),
                               any(t.name == L.W13_INPUT_SCALE for t in lm.tensors))
              for layer, lm in layers.items()}
-    served = served_config_bytes((root / entry.path).read_bytes(), forms)
-    return [*files, write_bytes_entry(root, f"{L.AUX_DIR}/{SERVED_CONFIG}", served, L.Role.AUX)]
+    source = root / entry.path
+    served = served_config_bytes(source.read_bytes(), forms)
+    mode = stat.S_IMODE(source.stat().st_mode)  # the source config.json's permissions, as every model file
+    return [*files, write_bytes_entry(root, f"{L.AUX_DIR}/{SERVED_CONFIG}", served, L.Role.AUX, mode)]
 
 
 def source_map(ck: Checkpoint, root: Path, omitted: set[str]) -> FileEntry:

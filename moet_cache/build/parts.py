@@ -1,25 +1,24 @@
 """The small pieces every step of a build shares: records of files just written, the resume check of a
-part, the counters a build reports, and the sweep of what a killed build left behind."""
+part, the counters a build reports (the sweep of what a killed build left behind is written.py's)."""
 
 from __future__ import annotations
 
 import json
-import shutil
+import stat
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
-from .. import layout as L
 from ..cancel import CancelToken
-from ..fsutil import atomic_write_bytes, fsync_dir
-from ..cacheview import file_matches, read_listed_record
+from ..fsutil import atomic_write_bytes
+from ..cacheview import file_matches
 from ..hashing import xxh3_hex
-from ..manifest import (CACHE_MANIFEST, COMMIT_RECORD, VERIFIED_STATE, CacheManifest, FileEntry, LayerManifest,
-                        ManifestError, PartManifest, TensorEntry, load_record, write_record)
+from ..manifest import FileEntry, ManifestError, PartManifest, TensorEntry, load_record, write_record
 from ..progress import Progress
 from ..stwriter import WrittenFile
+from .written import sweep  # noqa: F401  (build and retier import it from here)
 
 
 class _Reusable(Protocol):
@@ -45,11 +44,13 @@ def read_entry(root: Path, rel: str, role: str) -> FileEntry:
     return file_entry(rel, (root / rel).read_bytes(), role)
 
 
-def write_bytes_entry(root: Path, rel: str, data: bytes, role: str) -> FileEntry:
-    """Write `data` atomically (skipped when the file already holds exactly it) and return its entry."""
+def write_bytes_entry(root: Path, rel: str, data: bytes, role: str, mode: int = 0o644) -> FileEntry:
+    """Write `data` atomically with permissions `mode` (skipped when the file already holds exactly it, with
+    those permissions) and return its entry."""
     dest = root / rel
-    if not (dest.is_file() and not dest.is_symlink() and dest.read_bytes() == data):
-        atomic_write_bytes(dest, data)
+    if not (dest.is_file() and not dest.is_symlink() and stat.S_IMODE(dest.stat().st_mode) == mode
+            and dest.read_bytes() == data):
+        atomic_write_bytes(dest, data, mode)
     return file_entry(rel, data, role)
 
 
@@ -121,29 +122,3 @@ class Counters:
     def add_hashed(self, written: WrittenFile) -> None:
         with self._lock:
             self.hashed = (self.hashed[0] + written.size, self.hashed[1] + written.hash_seconds)
-
-
-def sweep(root: Path, manifest: CacheManifest) -> None:
-    """Remove what an earlier (killed) build or retier left that this cache does not list: unlisted files
-    in our folders, the staging folder, temp files of atomic writes (the caller holds the lock)."""
-    keep = {f.path for f in manifest.files} | {r.manifest for r in manifest.layers}
-    for layer in manifest.layers:  # checked against cache.json's entry, as every reader of a cache does
-        entry = FileEntry(layer.manifest, layer.size, layer.xxh3, L.Role.LAYER_MANIFEST)
-        lm = read_listed_record(root, entry, LayerManifest.parse)
-        keep.update(f.path for f in lm.files)
-    for folder in (L.LAYERS_DIR, L.DENSE_DIR, "delta", L.AUX_DIR):
-        d = root / folder
-        if d.is_dir() and not d.is_symlink():
-            for p in (d.rglob("*") if folder == L.AUX_DIR else d.iterdir()):
-                if p.relative_to(root).as_posix() not in keep and (p.is_file() or p.is_symlink()):
-                    p.unlink()
-    staging = root / L.STAGING_DIR
-    if staging.is_dir():
-        shutil.rmtree(staging)
-    for name in (CACHE_MANIFEST, COMMIT_RECORD, L.SOURCE_MAP):
-        for p in root.glob(f".{name}.tmp-*"):
-            p.unlink(missing_ok=True)
-    state = root / VERIFIED_STATE
-    for p in state.parent.glob(f".{state.name}.tmp-*") if state.parent.is_dir() and not state.parent.is_symlink() else ():
-        p.unlink(missing_ok=True)
-    fsync_dir(root)

@@ -17,22 +17,23 @@ from pathlib import Path
 from .. import layout as L
 from ..cacheview import read_committed_manifest, read_delta_index
 from ..cancel import CancelToken
-from ..checkpoint import SourceReader, open_checkpoint
+from ..checkpoint import SourceReader, link_root, open_checkpoint
 from ..commit import changing
 from ..errors import InputError
-from ..fsutil import check_free_space
+from ..fsutil import check_free_space, is_inside, refuse_overlap
 from ..manifest import BuildParams, CacheManifest, CacheModel, FileEntry, LayerRef, ManifestError, utc_now
 from ..progress import NullProgress, Progress
 from ..tiering import RoutingProfile, check_profile, load_profile
 from ..units import parse_budget
 from ..verifier import speed_sample
 from ..version import __version__
-from .dense import copy_aux, copy_dense, served_config, source_map
+from .dense import aux_files, copy_aux, copy_dense, planned_paths, served_config, source_map
 from .layers import LayerResults, build_layers
 from .options import BuildOptions, BuildResult
-from .parts import Counters, sweep
+from .parts import Counters
 from .plan import BuildPlan, make_plan
 from .tier import build_tier
+from .written import is_cache_folder, note_planned, sweep
 
 
 def build_cache(src: str | os.PathLike[str], cache: str | os.PathLike[str], options: BuildOptions | None = None,
@@ -50,16 +51,18 @@ def build_cache(src: str | os.PathLike[str], cache: str | os.PathLike[str], opti
         profile = _profile(plan)
         budget = parse_budget(opts.delta_budget, plan.total_delta_bytes, what="delta budget")
         params = plan.build_params(budget, profile.digest if profile else None)
+        aux = aux_files(ckpt.root)  # a source file that cannot be carried is refused before any write
         done = _already_complete(root, plan, params)
         if done is not None:
             sweep(root, done)  # what a build killed after its commit left: the temp of .state/verified.json
             return _result(root, plan, done, None, 0, budget, t0)
         commits.uncommit()
         _check_space(root, plan, budget)
+        note_planned(root, planned_paths(plan, aux))  # the sweep's proof, before the first cache file
         counters = Counters(progress or NullProgress(), cancel)
         counters.progress.start(plan.planed_bytes + plan.dense_bytes, "build")
         with closing(SourceReader(ckpt)) as reader:
-            files = copy_aux(ckpt.root, root)
+            files = copy_aux(aux, root)
             # The dense copy (disk-bound) runs on its own thread beside the layers (CPU-bound).
             with ThreadPoolExecutor(max_workers=1, thread_name_prefix="moet-dense") as dense_pool:
                 dense = [dense_pool.submit(copy_dense, plan, root, reader, counters, shard)
@@ -78,12 +81,38 @@ def build_cache(src: str | os.PathLike[str], cache: str | os.PathLike[str], opti
 
 
 def _cache_folder(src: Path, root: Path) -> Path:
+    """The cache folder, checked before anything is written: apart from the source (in both directions,
+    links resolved: the sweep deletes and the writes replace files in the cache), and new, empty or a cache."""
     if root.exists() and not root.is_dir():
-        raise InputError(f"{root} exists and is not a folder")
-    if root.resolve() == src.resolve() or src.resolve() in root.resolve().parents:
-        raise InputError("the cache folder must not be the checkpoint folder or inside it")
+        raise InputError(f"{root} exists and is not a folder", "choose a new folder for the cache")
+    refuse_overlap(link_root(src), "checkpoint folder", root, "cache folder")
+    into = _link_into(src, root)
+    if into is not None:
+        raise InputError(f"{into} in the checkpoint is a link into the cache folder {root}",
+                         "choose a cache folder that holds none of the checkpoint's files")
+    if root.is_dir() and not is_cache_folder(root):
+        raise InputError(f"{root} is not empty and holds no moet-cache cache; a build writes only into a new or "
+                         "empty folder or its own cache", "choose a new or empty folder for the cache")
     root.mkdir(parents=True, exist_ok=True)
     return root
+
+
+def _link_into(src: Path, root: Path) -> Path | None:
+    """A link in the source folder (its subfolders too, linked folders not entered) that leads into `root`."""
+    if not src.is_dir():
+        return None  # open_checkpoint says what is wrong with it
+    for folder, dirs, names in os.walk(src):
+        for name in (*dirs, *names):
+            p = Path(folder) / name
+            if not p.is_symlink():
+                continue
+            try:
+                target = p.resolve()
+            except (OSError, RuntimeError):  # a loop leads nowhere; aux_files or open_checkpoint name it
+                continue
+            if is_inside(root, target):
+                return p
+    return None
 
 
 def _profile(plan: BuildPlan) -> RoutingProfile | None:

@@ -16,9 +16,10 @@ from .. import layout as L
 from ..cancel import CancelToken
 from ..checkpoint import SourceReader
 from ..errors import VerificationError
+from ..fsutil import open_regular, pread_into, resolve_inside
+from ..hashing import new_hasher
 from ..manifest import DeltaIndex, FileEntry, LayerManifest, PartManifest
 from ..planes import HostKernel, split_planes
-from ..stheader import read_header
 from ..stwriter import SafetensorsWriter, TensorSpec
 from ..tiering import Candidate, RoutingProfile, choose_tier
 from ..window import bounded_window
@@ -46,26 +47,53 @@ def tier_candidates(layers: dict[int, LayerManifest], profile: RoutingProfile | 
     return out
 
 
-def file_deltas(sources: dict[int, Path]) -> DeltaReader:
-    """A DeltaReader over per-layer delta files (the --lossless ones) holding every expert's planes.
+def file_deltas(root: Path, layers: dict[int, LayerManifest]) -> DeltaReader:
+    """A DeltaReader over the layers' --lossless delta files, which hold every expert's planes.
 
-    Read through the strict header reader: a damaged file is a damaged cache (exit 1), never a crash.
+    Each delta tensor is read whole, expert by expert through the read seam (pread, no map), and hashed:
+    the chosen experts' planes go out as they come, and a tensor that does not match its digest in the
+    layer manifest (or cannot be read) raises a VerificationError after its last expert, before the pack
+    that got its planes is committed. So a tier never carries a plane the manifests do not vouch for.
     """
     def read(layer: int, which: str, experts: tuple[int, ...]) -> Iterator[np.ndarray]:
-        path = sources[layer]
-        head = read_header(path, str(path.name), VerificationError, VerificationError)
-        ent = head.tensors.get(which)
-        if ent is None or ent.dtype != "U8" or not ent.shape or any(e >= ent.shape[0] for e in experts):
-            raise VerificationError(f"{path.name}: {which} is missing or does not hold the tier's experts",
+        lm = layers[layer]
+        files = {f.path for f in lm.files if f.role == L.Role.DELTA_ALL}
+        t = next((t for t in lm.tensors if t.name == which and t.file in files), None)
+        n = lm.n_experts
+        if t is None or t.dtype != "U8" or not t.shape or t.shape[0] != n or (t.end - t.begin) % n \
+                or any(e >= n for e in experts):
+            raise VerificationError(f"layer {layer}: the manifest lists no {which} of {n} experts in a delta file",
                                     "run moet-cache verify --full, then build the cache again")
-        per = (ent.end - ent.begin) // ent.shape[0]
-        with open(path, "rb") as f:
-            for e in experts:
-                data = os.pread(f.fileno(), per, ent.begin + e * per)
-                if len(data) != per:
-                    raise VerificationError(f"{path.name}: the file ends inside {which}", "build the cache again")
-                yield np.frombuffer(data, dtype=np.uint8)
+        per, wanted, h = (t.end - t.begin) // n, set(experts), new_hasher()
+        buf = memoryview(bytearray(per))
+        try:
+            fd = open_regular(resolve_inside(root, t.file))
+        except OSError as e:
+            raise _unreadable(t.file, e) from None
+        try:
+            for e in range(n):
+                try:
+                    got = pread_into(fd, buf, t.begin + e * per)
+                except OSError as err:
+                    raise _unreadable(t.file, err) from None
+                if got != per:
+                    raise VerificationError(f"{t.file}: the file ends inside {which}",
+                                            "run moet-cache verify --full, then build the cache again")
+                h.update(buf)
+                if e in wanted:
+                    yield np.frombuffer(buf, dtype=np.uint8).copy()
+        finally:
+            os.close(fd)
+        if h.hexdigest() != t.xxh3:
+            raise VerificationError(f"{t.file}: {which} (layer {layer}) does not match its xxh3-128 digest, so its "
+                                    "planes are not copied into the tier", "the cache is corrupt: run moet-cache "
+                                    "verify --full, then build it again (with --lossless)")
     return read
+
+
+def _unreadable(path: str, err: OSError) -> VerificationError:
+    return VerificationError(f"{path} cannot be read ({err.strerror or err}), so its planes are not copied "
+                             "into the tier", "check the disk, then run moet-cache verify --full")
 
 
 def source_deltas(reader: SourceReader, workers: int, cancel: CancelToken | None = None,
@@ -131,7 +159,7 @@ def build_tier(plan: BuildPlan, root: Path, reader: SourceReader, layers: dict[i
     if part is not None:
         return [*part.files, read_entry(root, TIER_PART, L.Role.PART)]
     chosen = choose_tier(tier_candidates(layer_mans, profile), budget)
-    deltas = file_deltas({layer: root / L.delta_file(layer) for layer in layer_mans}) if plan.opts.lossless \
+    deltas = file_deltas(root, layer_mans) if plan.opts.lossless \
         else source_deltas(reader, plan.opts.tuning.workers(), cancel, plan.opts.tuning.kernel())
     return write_tier(root, layer_mans, chosen, deltas, budget, profile, key, cancel)
 

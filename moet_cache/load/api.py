@@ -19,23 +19,23 @@ import os
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Iterator, Mapping, Sequence
 
 import torch
 
 from .. import layout as L
-from ..cacheview import CacheView, ListedFileError, entry_digest
+from ..cacheview import CacheView, ListedFileError, entry_digest, read_commit
 from ..cancel import CancelToken
 from ..enums import BaseTable, DeltaMode, VerifyMode
 from ..errors import InputError, VerificationError
-from ..manifest import DeltaIndex, FileEntry, TensorEntry
+from ..manifest import DeltaIndex, FileEntry, ManifestError, TensorEntry
 from ..progress import NullProgress, Progress
 from ..verifier import (CORRUPT, INCOMPLETE, STALE, VERIFIED, Problem, ProblemKind, VerifyReport, boot_check,
                         boot_view)
 from .assemble import assemble_layer
 from .engine import Finish, Pipeline
 from .options import LoadOptions, Tuning
-from .plan import Job, dense_jobs, layer_job, read_pack_header
+from .plan import FileId, Job, dense_jobs, file_id, layer_job, read_pack_header
 from .staging import PinnedPool
 
 DENSE_MIN_INFLIGHT = 1 << 20     # load_dense's floor for the in-flight bytes (its jobs are ~64 MiB groups)
@@ -105,10 +105,12 @@ class _Gates:
 class Cache:
     """An opened cache: its checked manifests; `load` and `load_dense` read it into memory."""
 
-    def __init__(self, view: CacheView, report: VerifyReport) -> None:
+    def __init__(self, view: CacheView, report: VerifyReport, opened: Mapping[str, FileId] | None = None) -> None:
         self.root = view.root
         self.view = view
         self.report = report
+        # every listed file as it was opened (None: not recorded; then any file is read as it is found)
+        self.opened = opened
         self._pinned = PinnedPool()  # staging reused by this cache's GPU loads (pinning is slow)
 
     @property
@@ -164,7 +166,7 @@ class Cache:
             if pack_fe is None:
                 raise VerificationError("the delta index names tier experts, cache.json lists no delta pack",
                                         "run moet-cache build again")
-        pack = read_pack_header(self.root, pack_fe) if pack_fe is not None else None
+        pack = read_pack_header(self.root, pack_fe, self.opened) if pack_fe is not None else None
         jobs = [layer_job(self.view.layers[x], opts.delta, self.view.tier_experts(x), pack) for x in sel]
         return self._run_layers(jobs, opts, progress or NullProgress(), pack_fe, cancel)
 
@@ -177,7 +179,7 @@ class Cache:
 
     def _run_layers(self, jobs: list[Job], opts: LoadOptions, progress: Progress,
                     pack_fe: FileEntry | None, cancel: CancelToken | None = None) -> Iterator[LoadedLayer]:
-        pipe = Pipeline(self.root, opts, self._finish(opts), self._pinned)
+        pipe = Pipeline(self.root, opts, self._finish(opts), self._pinned, self.opened)
         gates = _Gates(self.root, opts.verify, pack_fe)
         try:
             for job, tensors in pipe.run(jobs, progress, "load", gates.before_yield, cancel):
@@ -219,18 +221,49 @@ class Cache:
         jobs = dense_jobs(self.dense_entries(), opts.tuning.dense_job)
         keep: Finish = lambda j, t, s: t  # dense tensors are handed out as read
         pipe = Pipeline(self.root, dataclasses.replace(opts, max_inflight=max(opts.max_inflight, DENSE_MIN_INFLIGHT)),
-                        keep, self._pinned)
+                        keep, self._pinned, self.opened)
         for _, tensors in pipe.run(jobs, progress or NullProgress(), "load dense", cancel=cancel):
             yield from tensors.items()
 
 
 def open_cache(path: str | os.PathLike[str], check_source: bool = True) -> Cache:
-    """Open a cache for loading: manifests read and checked; incomplete, stale or corrupt is refused."""
+    """Open a cache for loading: manifests read and checked; incomplete, stale or corrupt is refused.
+
+    The files are identified as they are opened (size, mtime, inode), under a commit record that still
+    names the same manifest afterwards; a load reads those very files or refuses (a build or retier that
+    commits meanwhile replaces them), so it never mixes two commits."""
     root = Path(path)
-    report, view = boot_view(root, check_source=check_source)
-    if report.state in (CORRUPT, INCOMPLETE, STALE) or view is None:
-        raise _refuse(report, root)
-    return Cache(view, report)  # the boot check read the delta index through the view (a damaged one is corrupt)
+    for _ in range(OPEN_TRIES):
+        report, view = boot_view(root, check_source=check_source)
+        if report.state in (CORRUPT, INCOMPLETE, STALE) or view is None:
+            raise _refuse(report, root)
+        opened = _file_ids(view)
+        if _committed_digest(root) == view.manifest_xxh3:
+            return Cache(view, report, opened)  # the boot check read the delta index through the view
+    raise VerificationError(f"the cache at {root} was committed again while it was opened, {OPEN_TRIES} times",
+                            "wait for the build or retier that is changing it, then open it again")
+
+
+OPEN_TRIES = 3
+
+
+def _file_ids(view: CacheView) -> dict[str, FileId]:
+    """Every listed file's identity now (a missing one is left out: reading it is refused)."""
+    ids = {}
+    for f, _ in view.files:
+        try:
+            ids[f.path] = file_id(os.lstat(view.root / f.path))
+        except OSError:
+            continue
+    return ids
+
+
+def _committed_digest(root: Path) -> str | None:
+    """The digest of the manifest the commit record names now; None when there is none (a build is running)."""
+    try:
+        return read_commit(root)[1]
+    except (ManifestError, OSError):
+        return None
 
 
 __all__ = ["Cache", "LoadedLayer", "open_cache"]

@@ -11,14 +11,14 @@ from __future__ import annotations
 from collections import deque
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 
 from ..cancel import CancelToken, check as check_cancel
 from ..progress import Progress
 from .options import LoadOptions
-from .plan import Job
+from .plan import FileId, Job
 from .reads import Files, read_host
 from .staging import CudaStaging, PinnedPool
 
@@ -31,8 +31,9 @@ class Pipeline:
     """Runs jobs on `opts.workers` threads. Into host memory at most `opts.max_inflight` bytes are read
     but not yet handed over; into a GPU the pinned staging bounds the bytes (staging.py)."""
 
-    def __init__(self, root: Path, opts: LoadOptions, finish: Finish, pinned: PinnedPool | None = None) -> None:
-        self.files = Files(root)
+    def __init__(self, root: Path, opts: LoadOptions, finish: Finish, pinned: PinnedPool | None = None,
+                 opened: Mapping[str, FileId] | None = None) -> None:
+        self.files = Files(root, opened)
         self.opts = opts
         self.finish = finish
         self.staging = CudaStaging(self.files, opts, pinned or PinnedPool()) if opts.device.type == "cuda" else None

@@ -8,8 +8,10 @@ geometry here, and against the file's size and dtype x shape when the engine ope
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Mapping
 
 from .. import layout as L
 from ..enums import DeltaMode
@@ -59,15 +61,41 @@ class Job:
         return sum(r.nbytes for r in self.reads)
 
 
+#: A file as it was when the cache was opened: (size, mtime_ns, inode). Every write of the library replaces a
+#: file by a rename, so a file rewritten since (a build or retier that committed meanwhile) has another inode.
+FileId = tuple[int, int, int]
+
+
+def file_id(st: os.stat_result) -> FileId:
+    return (st.st_size, st.st_mtime_ns, st.st_ino)
+
+
+def changed_since_opened(rel: str) -> VerificationError:
+    """A load reads one commit or nothing: a file replaced since the cache was opened is refused, so the
+    planes of a new tier never meet the old delta index (or the old layer manifests) the cache was opened with."""
+    return VerificationError(f"{rel} changed since the cache was opened (replaced by a build or retier that "
+                             "committed meanwhile, or edited), so this load would mix two versions of the cache",
+                             "open the cache again")
+
+
 def read_cache_header(path: Path, rel: str) -> Header:
     """A cache safetensors file's header: every tensor's dtype, shape and absolute byte range, strictly
     checked (stheader.read_header; a bad file is a VerificationError)."""
     return read_header(path, rel, VerificationError, VerificationError)
 
 
-def read_pack_header(root: Path, fe: FileEntry) -> Header:
-    """The tier pack's header (read_cache_header), and its file size against cache.json's entry."""
-    head = read_cache_header(resolve_inside(root, fe.path), fe.path)
+def read_pack_header(root: Path, fe: FileEntry, opened: Mapping[str, FileId] | None = None) -> Header:
+    """The tier pack's header (read_cache_header), and its file size against cache.json's entry; with
+    `opened` (the files as the cache was opened), a pack replaced since is refused before its header is used."""
+    path = resolve_inside(root, fe.path)
+    if opened is not None:
+        try:
+            now: FileId | None = file_id(os.lstat(path))
+        except OSError:
+            now = None
+        if opened.get(fe.path) != now:
+            raise changed_since_opened(fe.path)
+    head = read_cache_header(path, fe.path)
     if head.size != fe.size:
         raise VerificationError(f"{fe.path} is {head.size} bytes, cache.json says {fe.size}",
                                 "run moet-cache build again")
@@ -121,4 +149,4 @@ def dense_jobs(entries: list[TensorEntry], job_bytes: int) -> list[Job]:
     return jobs
 
 
-__all__ = ["Read", "Job", "read_cache_header", "read_pack_header", "layer_job", "dense_jobs"]
+__all__ = ["FileId", "Read", "Job", "changed_since_opened", "file_id", "read_cache_header", "read_pack_header", "layer_job", "dense_jobs"]

@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import numpy as np
 import torch
@@ -20,7 +20,7 @@ from ..stheader import DTYPES as STDTYPES
 from ..stheader import nbytes as st_nbytes
 from ..stheader import storage_shape, torch_dtype
 from ..verifier import Problem, ProblemKind
-from .plan import Job, Read
+from .plan import FileId, Job, Read, changed_since_opened, file_id
 
 
 class Stopped(Exception):
@@ -66,8 +66,9 @@ class Files:
     """Open file descriptors of one load (pread is safe from many threads on one descriptor), and the
     load's stop flag: every read checks it, so a stop ends every worker at its next read."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, opened: Mapping[str, FileId] | None = None) -> None:
         self.root = root
+        self.opened = opened  # each listed file as the cache was opened: what every descriptor must be
         self.stop = threading.Event()
         self._fds: dict[str, tuple[int, int]] = {}
         self._lock = threading.Lock()
@@ -77,7 +78,11 @@ class Files:
             got = self._fds.get(rel)
             if got is None:
                 fd = os.open(resolve_inside(self.root, rel), os.O_RDONLY)
-                got = (fd, os.fstat(fd).st_size)
+                st = os.fstat(fd)
+                if self.opened is not None and self.opened.get(rel) != file_id(st):
+                    os.close(fd)
+                    raise changed_since_opened(rel)
+                got = (fd, st.st_size)
                 self._fds[rel] = got
             return got
 

@@ -16,10 +16,11 @@ def _check_routing(x: torch.Tensor, planes: LayerPlanes, topk_weights: torch.Ten
     if topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0] or topk_weights.shape != topk_ids.shape:
         raise InputError(f"topk_ids {tuple(topk_ids.shape)} and topk_weights {tuple(topk_weights.shape)} "
                          f"must both be [{x.shape[0]}, top_k]")
-    # On a GPU this check would cost a device sync per call (and break graph capture): CPU only.
-    if not x.is_cuda and topk_ids.numel() and (int(topk_ids.min()) < 0
+    # On a GPU this check would cost a device sync per call (and break graph capture): CPU only. -1 marks
+    # a pair to skip (vLLM's padding rows, padding.py).
+    if not x.is_cuda and topk_ids.numel() and (int(topk_ids.min()) < -1
                                                or int(topk_ids.max()) >= planes.num_experts):
-        raise InputError(f"topk_ids outside 0..{planes.num_experts - 1}",
+        raise InputError(f"topk_ids outside 0..{planes.num_experts - 1} (and -1, a pair to skip)",
                          "expert parallelism is not supported yet: every expert must be local")
 
 

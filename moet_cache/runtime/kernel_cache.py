@@ -9,6 +9,10 @@ architecture, the options and the toolchain (torch's and NVRTC's versions). The 
 of the image, so an image that does not match it (a torn or corrupted file) is compiled again and
 replaced, never loaded.
 
+The digest is an integrity check, not a signature: an image is code the GPU runs. So a folder or an image
+file that another user owns, or that its group or everyone may write, is refused as ssh refuses such a
+key file: its images are neither loaded nor kept, the kernels are compiled, and one line says why.
+
 The folder: $MOET_CACHE_KERNEL_IMAGES, else $XDG_CACHE_HOME/moet-cache/kernels, else
 ~/.cache/moet-cache/kernels; MOET_CACHE_KERNEL_IMAGES=off keeps nothing. It can be deleted at any time;
 where it cannot be read or written, the kernels are compiled as before: slower to start, never wrong.
@@ -20,7 +24,9 @@ from __future__ import annotations
 
 import ctypes
 import json
+import logging
 import os
+import stat
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import lru_cache
@@ -30,6 +36,8 @@ from typing import Any
 from ..errors import MoetError
 from ..fsutil import atomic_write_bytes, read_all
 from ..hashing import xxh3_hex
+
+_log = logging.getLogger(__name__)
 
 ENV = "MOET_CACHE_KERNEL_IMAGES"
 _MAGIC = b"moet-cache kernel image 1\n"
@@ -92,12 +100,60 @@ def write_image(path: Path, image: Image) -> bool:
     return True
 
 
+def not_ours_alone(st: os.stat_result) -> str | None:
+    """Why a folder or file of this stat could hold another user's bytes, or None: owned by another
+    user, or writable by its group or by everyone."""
+    if st.st_uid != os.geteuid():
+        return f"is owned by uid {st.st_uid}, not by this user (uid {os.geteuid()})"
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return f"is writable by other users (mode {stat.S_IMODE(st.st_mode):03o})"
+    return None
+
+
+def folder_problem(where: Path) -> str | None:
+    """Why images in `where` must not be used, or None; creates it (mode 0700) where it is missing. The
+    folder the path names now, links followed: the one the images would be read from."""
+    try:
+        where.mkdir(parents=True, exist_ok=True, mode=0o700)
+        st = os.stat(where)
+    except OSError as e:
+        return f"cannot be created or read ({e.strerror or e})"
+    return not_ours_alone(st) if stat.S_ISDIR(st.st_mode) else "is not a folder"
+
+
+def file_problem(path: Path) -> str | None:
+    """Why the image file at `path` must be neither loaded nor replaced, or None (also where there is
+    none). In a folder that passed folder_problem only this user (or root) can change it after the check."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return None
+    return not_ours_alone(st)
+
+
+@lru_cache(maxsize=None)
+def _say_once(where: str, problem: str) -> None:
+    _log.warning("moet-cache: kernel images in %s not used: it %s; the kernels are compiled at every start "
+                 "(make it yours alone with chown and chmod go-w, or point %s at a folder of your own)",
+                 where, problem, ENV)
+
+
 def cached_image(source: str, name: str, arch: str, options: tuple[str, ...], toolchain: str,
                  compile_image: Callable[[], Image], where: Path | None) -> Image:
-    """The image from `where` if it holds a sound one for these inputs, else compile_image()'s, then kept."""
+    """The image from `where` if it holds a sound one for these inputs, else compile_image()'s, then kept.
+    A folder or file that is not this user's alone is not used (`folder_problem`, `file_problem`): the
+    image is compiled, and another user's file is left where it is."""
     if where is None:
         return compile_image()
     path = image_path(where, source, name, arch, options, toolchain)
+    problem = folder_problem(where)
+    if problem is None:
+        problem = file_problem(path)
+        if problem is not None:
+            problem = f"holds {path.name}, which {problem}"
+    if problem is not None:
+        _say_once(str(where), problem)
+        return compile_image()
     if (image := read_image(path)) is not None:
         return image
     image = compile_image()

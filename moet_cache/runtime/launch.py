@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from functools import cache
 
 import torch
 
+from . import launch_config
 from .align import align_pairs
 from .dequant import LayerPlanes
+from .launch_config import DECODE_LADDERS, PrefillLater
 from .mma_moe import Mma
 from .mma_prefill import Prefill
+from .padding import skip_padding
 
 
 @dataclass(frozen=True)
@@ -34,107 +38,26 @@ class Grouped:
     v2: bool  # the 2-D, K-permuted kernels (triton_moe.py, version 2)
 
 
-#: the prefill blocks by the pairs they take over from (launch.Config.prefill): H200, V4-Flash layer, one
-#: process, write harness, four served forms (docs/RUNTIME.md, session 21). A block's pairs are best about
-#: the pairs an expert has: 32 (nt 4) up to about 8192 pairs (T = 1280: 2422 us against 2722 for nt 8;
-#: T = 1536: 2978 against 2737), 64 (nt 8) up to about 17400 (T = 2560: 3576 against 4564 for nt 16;
-#: T = 3072: 4894 against 4692), 128 after. Four warps a CTA: 4-9% faster at T = 1344-2816, 21-25% at 2048
-#: than the (2, 8, 4) and (4, 8, 4) blocks before them, which took 8 warps and 88-104 KB of shared memory
-#: where these take 35-84.
-PREFILL_STEPS: tuple[tuple[int, Prefill], ...] = (
+#: the direct decode blocks: K split in two (SPLIT), K whole, one warp a tile (WHOLE), or split with more
+#: warps an SM and one chunk in flight (LEAN); SORTED: lean blocks of pairs sorted by expert (align.py). Every
+#: decode block is launched dependent (pdl).
+SPLIT = Mma(1, 2, 2, direct=True, pdl=True)
+WHOLE = Mma(1, 1, 1, direct=True, pdl=True)
+LEAN = dataclasses.replace(SPLIT, lean=True)
+SORTED = Mma(1, 2, 2, lean=True, pdl=True)
+
+#: the decode steps of a device without a config file (launch_config.py), one ladder for every layer form:
+#: direct blocks, the w2 kernel summing the top-k slots below 12 pairs (T = 1 at top-6), K whole from 12
+#: pairs (one wave of CTAs at T = 2), K split in two from 18, sorted lean blocks from 224
+SHORT_DECODE: tuple[tuple[int, Mma], ...] = (
+    (0, dataclasses.replace(SPLIT, sum_in_w2=True)), (12, WHOLE), (18, SPLIT), (224, SORTED))
+#: the prefill steps of a device without a config file: four-warp blocks of about the pairs an expert has
+#: (P / 256 at V4-Flash's 256 experts), each within 99 KB of shared memory (sm_86, sm_89, sm_120)
+SHORT_PREFILL: tuple[tuple[int, Prefill], ...] = (
     (1536, Prefill(4, 4, 2, pipe=True, ctas=2)),
     (8192, Prefill(8, 4, 2, pipe=True, ctas=2)),
     (17408, Prefill(16, 4, 2, pipe=True, ctas=1)),
 )
-
-
-#: pairs below which the w2 kernel sums the top-k slots itself (Mma.sum_in_w2), in place of moe_sum (session
-#: 15, H200, x4 layers, same process, µs: T = 1 30.7 against 32.5, with a tier 31.1 against 33.0; T = 2 53.1
-#: against 53.2, with a tier 58.1 against 56.6; T = 4 with e4m3 scales, direct blocks, 93.5 against 90.9;
-#: lean blocks at T = 16 261.7 against 249.6: each w2 block ends in a fence and an atomic)
-SUM_IN_W2_BELOW = 12
-
-
-#: pairs from which the direct blocks split K in two again (`_decode_steps`): from SUM_IN_W2_BELOW up to here
-#: they leave K whole, one warp a tile (session 17, H200, V4-Flash layer, same process, µs, stream / write:
-#: T = 2 x4 37.1 against 40.4 / 42.9 against 45.9, x4 e4m3 39.9 against 43.3, with a 10% tier 43.8 against
-#: 45.1, fitted with a tier 52.9 against 53.9; T = 3 62.6 against 56.8). At 12 pairs the split blocks' w13
-#: grid, 12 x 128 CTAs of 4 warps, takes two waves of the 24 warps an SM their registers allow, the unsplit
-#: one a single wave; at 6 pairs both fit one and the split one has twice the warps (T = 1: 27.0 against
-#: 23.2), and from 18 pairs neither fits one.
-WHOLE_K_BELOW = 18
-
-
-#: the direct decode blocks (docs/RUNTIME.md, session 18): K split in two (SPLIT), K whole, one warp a tile
-#: (WHOLE), or split with more warps an SM and one chunk in flight (LEAN)
-SPLIT = Mma(1, 2, 2, direct=True, pdl=True)
-WHOLE = Mma(1, 1, 1, direct=True, pdl=True)
-LEAN = dataclasses.replace(SPLIT, lean=True)
-
-
-def _decode_steps(*middle: tuple[int, Mma], sorted_from: int = 224) -> tuple[tuple[int, Mma], ...]:
-    """The decode blocks by the pairs they take over from (launch.Config.mma), below the prefill steps; the
-    layer forms differ only in the `middle` steps, from WHOLE_K_BELOW pairs up to `sorted_from`. Every one
-    launched dependent (`pdl`: T = 1: 42.9 us against 45.6). Direct blocks, each expert's decode shared by
-    its pairs: K split in two below SUM_IN_W2_BELOW (where the w2 kernel also sums the top-k slots) and from
-    WHOLE_K_BELOW, K whole between; then the form's steps; sorted lean blocks from `sorted_from` pairs
-    (session 8: T = 40: 724 against 749 direct; T = 32, direct: 522-535 against 573 sorted)."""
-    return ((0, dataclasses.replace(SPLIT, sum_in_w2=True)), (SUM_IN_W2_BELOW, WHOLE), (WHOLE_K_BELOW, SPLIT),
-            *middle, (sorted_from, Mma(1, 2, 2, lean=True, pdl=True)))
-
-
-#: fitted tables: K whole from 36 pairs (session 18, H200, V4-Flash layer, one process, two samples each,
-#: µs, stream / write, split or lean against K whole: with e4m3 scales and a 10% tier T = 16 328.9 / 320.2
-#: against 316.1 / 313.3, T = 24 444.9 / 439.5 against 428.5 / 423.6; e8m0 T = 8 161.8 / 167.9 against
-#: 159.9 / 165.5; T = 6 about 1% faster; T = 4 2-3% slower, 88.5 / 93.8 against 90.8 / 96.1: split to 35),
-#: sorted from 288 pairs (session 19, stream, two samples, µs, sorted lean against K whole: e8m0 T = 38
-#: 600.1 / 596.2 against 550.6 / 550.7, T = 44 636.5 / 634.3 against 606.8 / 603.2; e4m3 with a 10% tier
-#: T = 38 636.6 / 636.0 against 608.4 / 608.7, T = 46 698.4 / 712.5 against 699.3 / 689.6; session 18:
-#: K whole 0.5-3% slower at T = 48)
-MMA_STEPS = _decode_steps((36, WHOLE), sorted_from=288)
-
-#: x4 layers (x4_table.py: chunk-major tiles), e8m0 scales, with a tier (the build's default): lean from 24
-#: pairs (session 14, two samples each, direct against lean: T = 4 87.8 us against 86.2, with a 10% tier
-#: 96.0 against 94.5; T = 8 155.6 against 143.7; T = 16 278.5 against 247.5). K whole in their place is
-#: 1.5-6% slower at T = 4-12 (session 18, stream / write: T = 4 76.5 / 86.9 against 77.8 / 88.8; T = 12
-#: 176.0 / 180.4 against 179.8 / 191.4): its tier experts' blocks, a warp a tile over the whole K, end last.
-MMA_STEPS_X4 = _decode_steps((24, LEAN))
-
-#: x4 layers with e8m0 scales and no tier: K whole from 24 pairs to 71, lean after (session 18, stream /
-#: write, µs, lean against K whole: T = 4 70.8 / 79.5 against 67.4 / 74.2; T = 6 98.8 / 109.0 against 95.8 /
-#: 104.2; T = 8 124.9 / 134.1 against 122.8 / 132.1; T = 12 164.9 / 171.2 against 166.4 / 178.2)
-MMA_STEPS_X4_BASE = _decode_steps((24, WHOLE), (72, LEAN))
-
-#: x4 layers with e4m3 block scales (NVFP4 whose scales are not powers of two, e.g. the V3 family), whose
-#: decode converts a scale every 16 codes: K whole from 24 pairs, with a tier or not (session 18, stream,
-#: µs, split or lean against K whole: T = 4 74.6 against 72.3, with a 10% tier 81.0 against 81.2; T = 8
-#: 135.2 against 131.9, tier 146.4 against 145.0; T = 16 252.3 against 244.6, tier 276.1 against 269.9;
-#: T = 32 422.4 against 399.8, tier 439.9 against 425.3; do_bench's harness 1-3% slower at T = 12: 183.4
-#: against 186.0, tier 194.2 against 200.3)
-MMA_STEPS_X4_E4M3 = _decode_steps((24, WHOLE))
-
-
-@dataclass(frozen=True)
-class PrefillLater:
-    """The pairs by which a layer form's first prefill step comes after `Config.prefill`'s: the prefill
-    blocks' time grows more than the sorted lean decode blocks' with the x4 layout, a tier and e4m3 scales."""
-
-    x4: int = 0
-    tier: int = 0
-    e4m3: int = 0
-
-    def of(self, x4: bool, e4m3: bool, tier: bool) -> int:
-        return self.x4 * x4 + self.tier * tier + self.e4m3 * e4m3
-
-
-#: the crossovers from the sorted lean blocks to the first prefill step, by form (session 21, H200, V4-Flash
-#: layer, write harness, µs, lean against Prefill(4, 4, 2)): the lean blocks' time grows about 5.4 us a token
-#: from T = 256 to 320 where the prefill block's stays (x4 with a tier: 1539.9 against 1631.8 at T = 256,
-#: 1886.4 against 1634.2 at T = 320), so they cross at about 1540 pairs x4 base only (1528.7 / 1534.8 at T =
-#: 256), 1640 x4 with a tier, 1660 fitted with a tier, 1810 x4 e4m3 with a tier (1548.2 / 1790.3 at 256, 1893.4
-#: / 1794.4 at 320): 1536 + 112 tier + 160 e4m3 within 20 pairs of each. (Session 19, against the slower
-#: Prefill(2, 8, 4): 1536 + 64 x4 + 128 tier + 256 e4m3.)
-PREFILL_LATER = PrefillLater(x4=0, tier=112, e4m3=160)
 
 
 def _step(steps: tuple[tuple[int, Mma | Prefill], ...], P: int) -> Mma | Prefill:
@@ -142,15 +65,12 @@ def _step(steps: tuple[tuple[int, Mma | Prefill], ...], P: int) -> Mma | Prefill
     return [block for start, block in steps if P >= start][-1]
 
 
-#: Config's decode steps, one for each layer form
-_LADDERS = ("mma", "mma_x4", "mma_x4_base", "mma_x4_e4m3")
-
-
 @dataclass(frozen=True)
 class Config:
-    """Which kernels and blocks for P = T * top_k pairs; the defaults are the H200 measurements' best
-    (benchmarks/bench_moe.py --sweep, docs/RUNTIME.md). From the first of `prefill`'s steps the prefill
-    tensor-core kernels (mma_prefill.cu) run where they can, each step's block from its pair count on.
+    """Which kernels and blocks for P = T * top_k pairs. The defaults are the short ones of a device without a
+    config file; `config_for` gives a device its measured steps (configs/<device>.json). From the first of
+    `prefill`'s steps the prefill tensor-core kernels (mma_prefill.cu) run where they can, each step's block
+    from its pair count on.
     Below it, and below `large_from` where the prefill kernels cannot run, the decode tensor-core kernels
     (mma_moe.cu) run where they can, each of `mma`'s steps from its pair count on (`()`: none). The
     Triton kernels run the rest: everything where neither can run (no sm_80, dims that do not split),
@@ -158,10 +78,10 @@ class Config:
     or `mma_x4_e4m3`'s where their block scales are e4m3, or `mma_x4_base`'s where they are e8m0 and the
     layer has no tier. A layer's first prefill step comes `prefill_later.of(its form)` pairs later."""
 
-    mma: tuple[tuple[int, Mma], ...] = MMA_STEPS  # (from P, block), ascending, the first from 0; () for none
-    mma_x4: tuple[tuple[int, Mma], ...] = MMA_STEPS_X4  # the same for x4 layers
-    mma_x4_base: tuple[tuple[int, Mma], ...] = MMA_STEPS_X4_BASE  # and for x4 layers without a tier
-    mma_x4_e4m3: tuple[tuple[int, Mma], ...] = MMA_STEPS_X4_E4M3  # and for x4 layers with e4m3 scales
+    mma: tuple[tuple[int, Mma], ...] = SHORT_DECODE  # (from P, block), ascending, the first from 0; () for none
+    mma_x4: tuple[tuple[int, Mma], ...] = SHORT_DECODE  # the same for x4 layers
+    mma_x4_base: tuple[tuple[int, Mma], ...] = SHORT_DECODE  # and for x4 layers without a tier
+    mma_x4_e4m3: tuple[tuple[int, Mma], ...] = SHORT_DECODE  # and for x4 layers with e4m3 scales
     tiny_max: int = 12        # P up to this: Triton `tiny`
     pairs_max: int = 96       # then up to this: Triton `pairs`
     large_from: int = 2048    # from this: Triton `large` (and no decode kernels); between: Triton `mid`
@@ -169,8 +89,8 @@ class Config:
     pairs: Pairs = Pairs(64, 8, 2)
     mid: Grouped = Grouped(16, 64, 16, 4, 2, True)
     large: Grouped = Grouped(128, 128, 4, 8, 3, False)
-    prefill: tuple[tuple[int, Prefill], ...] = PREFILL_STEPS  # (from P, block), ascending; () for none
-    prefill_later: PrefillLater = PREFILL_LATER
+    prefill: tuple[tuple[int, Prefill], ...] = SHORT_PREFILL  # (from P, block), ascending; () for none
+    prefill_later: PrefillLater = dataclasses.field(default_factory=PrefillLater)
 
     def pick(self, P: int, mma_runs: bool = True, prefill_runs: bool = True,
              x4: bool = False, e4m3: bool = False, tier: bool = True) -> Pairs | Grouped | Mma | Prefill:
@@ -194,11 +114,11 @@ class Config:
         return (self.mma_x4_e4m3 if e4m3 else self.mma_x4 if tier else self.mma_x4_base) if x4 else self.mma
 
     @classmethod
-    def only(cls, block: Pairs | Grouped | Mma | Prefill) -> "Config":
+    def only(cls, block: Pairs | Grouped | Mma | Prefill) -> Config:
         """Always these kernels and blocks (tests, sweeps); Prefill where it cannot run: Triton `large`."""
         if isinstance(block, Mma):
-            return cls(**{n: ((0, block),) for n in _LADDERS}, large_from=1 << 62, prefill=())
-        no_mma = {n: () for n in _LADDERS}
+            return cls(**{n: ((0, block),) for n in DECODE_LADDERS}, large_from=1 << 62, prefill=())
+        no_mma = {n: () for n in DECODE_LADDERS}
         if isinstance(block, Prefill):
             return cls(**no_mma, tiny_max=0, pairs_max=0, large_from=0, prefill=((0, block),),
                        prefill_later=PrefillLater())
@@ -208,10 +128,32 @@ class Config:
 
     def decode_blocks(self) -> set[Mma]:
         """Every block of every layer form's decode steps."""
-        return {block for name in _LADDERS for _, block in getattr(self, name)}
+        return {block for name in DECODE_LADDERS for _, block in getattr(self, name)}
 
 
-DEFAULT = Config()
+@cache
+def config_named(device_name: str) -> Config:
+    """The Config of a CUDA device named `device_name`: its measured steps (configs/<device>.json), or the
+    short defaults where there is no file for it. A malformed file is an InputError."""
+    steps = launch_config.for_device(device_name)
+    return Config(**steps.fields()) if steps is not None else Config()
+
+
+def config_for(device: torch.device) -> Config:
+    """The Config fused_moe runs with on `device` (the short defaults off CUDA)."""
+    if device.type != "cuda":
+        return Config()
+    return _config_of_index(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@cache
+def _config_of_index(index: int) -> Config:
+    # once a process and device: fused_moe_cuda asks on every call
+    return config_named(torch.cuda.get_device_name(index))
+
+
+#: the steps measured on the H200 (configs/NVIDIA_H200.json): the reference ladder of the tests and sweeps
+DEFAULT = config_named("NVIDIA H200")
 
 
 def layer_form(planes: LayerPlanes) -> dict[str, bool]:
@@ -235,8 +177,9 @@ def _words(t: torch.Tensor) -> torch.Tensor:
 
 
 def fused_moe_cuda(x: torch.Tensor, planes: LayerPlanes, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                   swiglu_limit: float | None, config: Config = DEFAULT) -> torch.Tensor:
-    """[T, H] in x's dtype; works on CUDA tensors (and CPU ones under TRITON_INTERPRET=1)."""
+                   swiglu_limit: float | None, config: Config | None = None) -> torch.Tensor:
+    """[T, H] in x's dtype; works on CUDA tensors (and CPU ones under TRITON_INTERPRET=1); `config`: the
+    device's (config_for) unless given."""
     from . import mma_moe, mma_prefill
     from . import triton_moe as k
 
@@ -247,6 +190,9 @@ def fused_moe_cuda(x: torch.Tensor, planes: LayerPlanes, topk_weights: torch.Ten
     if H % 16 or I % 16:
         raise ValueError(f"hidden {H} and intermediate {I} must be multiples of 16")
     dev = x.device
+    config = config_for(dev) if config is None else config
+    # vLLM's padding rows (expert id -1): no -1 reaches a kernel (padding.py)
+    x, topk_weights, topk_ids = skip_padding(x, topk_weights, topk_ids)
     x = x.contiguous()
     P = T * top_k
     form = layer_form(planes)

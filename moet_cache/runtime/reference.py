@@ -22,7 +22,8 @@ from .dequant import LayerPlanes, dequant_expert
 
 def fused_moe_reference(x: torch.Tensor, planes: LayerPlanes, topk_weights: torch.Tensor,
                         topk_ids: torch.Tensor, swiglu_limit: float | None = None) -> torch.Tensor:
-    """float32 [T, H] routed-expert output (the caller casts). Repeated experts in a row count twice."""
+    """float32 [T, H] routed-expert output (the caller casts). Repeated experts in a row count twice; a pair
+    whose expert id is -1 (vLLM's padding rows) counts nothing."""
     T, H, I = x.shape[0], planes.hidden, planes.inter
     out = torch.zeros((T, H), dtype=torch.float32, device=x.device)
     if T == 0 or topk_ids.numel() == 0:
@@ -33,6 +34,8 @@ def fused_moe_reference(x: torch.Tensor, planes: LayerPlanes, topk_weights: torc
     tokens = torch.arange(T, device=x.device).repeat_interleave(topk_ids.shape[1])
     rows = planes.tier_rows()
     for e in torch.unique(flat_ids).tolist():
+        if e < 0:  # a padding pair (vLLM's -1): no contribution
+            continue
         pick = (flat_ids == e).nonzero().squeeze(1)
         w13, w2 = (w.to(x.dtype).float() for w in dequant_expert(planes, e, rows.get(e)))
         t = tokens[pick]

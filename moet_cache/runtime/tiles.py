@@ -77,13 +77,14 @@ def tiles_fit(tensors: dict[str, torch.Tensor]) -> bool:
 
 def kernels_take(tensors: dict[str, torch.Tensor]) -> bool:
     """Whether the plane kernels run this layer on its device at every decode block of every layer form
-    (launch.DEFAULT.decode_blocks): a tiled layer the Triton kernels would have to read put back on every
-    call (slow, and not in a CUDA graph), so a layer is tiled only where they never do."""
+    (launch.config_for(device).decode_blocks): a tiled layer the Triton kernels would have to read put back
+    on every call (slow, and not in a CUDA graph), so a layer is tiled only where they never do."""
     from .dequant import LayerPlanes
-    from .launch import DEFAULT
+    from .launch import config_for
     from .mma_moe import supported
     planes = LayerPlanes.from_tensors(tensors)
-    return all(supported(planes, planes.w13_base.device, block) for block in DEFAULT.decode_blocks())
+    device = planes.w13_base.device
+    return all(supported(planes, device, block) for block in config_for(device).decode_blocks())
 
 
 def plane_names(tensors: dict[str, torch.Tensor]) -> dict[str, bool]:

@@ -18,17 +18,18 @@ import torch
 
 from . import mma_moe, mma_prefill
 from .dequant import LayerPlanes
-from .launch import DEFAULT, Config, layer_form
+from .launch import Config, config_for, layer_form
 
 
-def kernel_names(planes: LayerPlanes, device: torch.device, config: Config = DEFAULT,
+def kernel_names(planes: LayerPlanes, device: torch.device, config: Config | None = None,
                  dtype: torch.dtype = torch.bfloat16) -> list[tuple[str, str]]:
     """(kernel file, instantiation) of every plane kernel `fused_moe` can launch for this layer on this device
-    under `config`, for activations of `dtype`: the layer form's decode steps that the kernels run here, the
+    under `config` (the device's, launch.config_for, unless given), for activations of `dtype`: the layer form's decode steps that the kernels run here, the
     prefill steps as this device's shared memory lets them run (mma_prefill.within), and the kernels around
     them (pair_rows, moe_sum). None where the plane kernels do not run here."""
     if not mma_moe.runs_here(device):
         return []
+    config = config_for(device) if config is None else config
     x4, tiled = planes.x4_layout, planes.tiled
     e8m0 = {2: planes.e8m0[0], 1: planes.e8m0[1]}  # by the kernels' tiles: w13 2, w2 1
     names = {("mma_moe.cu", "pair_rows")}
@@ -45,7 +46,7 @@ def kernel_names(planes: LayerPlanes, device: torch.device, config: Config = DEF
     return sorted(names)
 
 
-def warm_up(planes: LayerPlanes, config: Config = DEFAULT, dtype: torch.dtype = torch.bfloat16) -> int:
+def warm_up(planes: LayerPlanes, config: Config | None = None, dtype: torch.dtype = torch.bfloat16) -> int:
     """Compile (once a process: later calls find them compiled) every kernel of `kernel_names` for the layer's
     device, in threads; returns how many kernels that is. A kernel that does not compile fails here, at load."""
     device = planes.w13_base.device

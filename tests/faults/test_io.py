@@ -56,7 +56,6 @@ def test_a_read_error_is_never_verified(lossless: tuple[Path, Path], work: Path,
     cache = link_copy(ref, work / "cache")
     private(cache / BASE)  # its own inode (a hard link shares its times with the reference cache)
     os.utime(cache / BASE)  # touched: the boot check wants a --full before it trusts the file again
-    state_before = (cache / VERIFIED_STATE).read_bytes()
     assert boot_check(cache).state == "unverified"
     hits = _inject(monkeypatch, BASE, err, at)
     rep = full_verify(cache)
@@ -67,9 +66,12 @@ def test_a_read_error_is_never_verified(lossless: tuple[Path, Path], work: Path,
     rc, out, _ = run_main(["verify", cache, "--full", "--json"])
     assert rc == 1 and json.loads(out)["problems"][0]["kind"] == "unreadable"
     monkeypatch.undo()
-    assert (cache / VERIFIED_STATE).read_bytes() == state_before  # nothing recorded as verified
-    assert boot_check(cache).state == "unverified"
-    assert full_verify(cache).ok  # the disk "recovered": now it verifies
+    state = json.loads((cache / VERIFIED_STATE).read_bytes())
+    assert BASE not in state["files"] and BASE in state["damaged"]  # never recorded as verified; remembered
+    boot = boot_check(cache)
+    assert boot.state == "corrupt" and [p.path for p in boot.problems if p.kind == "digest"] == [BASE]
+    assert full_verify(cache).ok  # the disk "recovered": now it verifies, and the boot check agrees
+    assert boot_check(cache).ok
 
 
 _TRUNCATE_UNDER_HASH = r"""
