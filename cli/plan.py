@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
-from moet_cache import vram
+from moet_cache import serving, vram
 from moet_cache.errors import InputError
 from moet_cache.folders import FolderKind, folder_kind
 from moet_cache.units import GIB, parse_size, parse_tokens
@@ -110,7 +111,8 @@ def show_plan(out: Output, p: vram.Plan) -> None:
         out.print(f"  {p.extra_delta_experts} more delta-tier experts "
                   f"({fp.tier_experts + p.extra_delta_experts} of {fp.total_experts}): moet-cache retier")
     else:
-        out.result(styled("does not fit", "red", f": short by {_g(-p.margin)} GiB. Deciding term: {p.deciding}"))
+        short = f"short by {_g(-p.margin)} GiB. " if p.margin < 0 else ""
+        out.result(styled("does not fit", "red", f": {short}Deciding term: {p.deciding}"))
         out.print("nearest settings that fit:")
         for x in p.suggestions:
             thin = ": the edge, within the estimates' error" if x.thin(p.budget) else ""
@@ -151,46 +153,57 @@ def resolve_plan_gpu(gpu: str) -> vram.GpuPreset:
     return vram.resolve_gpu(gpu)
 
 
+def _footprint(path: Path, delta_budget: str | None, out: Output) -> vram.Footprint:
+    """A cache's exact bytes after the boot check (a damaged cache is exit 1, not a plan), or a checkpoint's
+    computed from config.json and the shard headers."""
+    kind = folder_kind(path)
+    if kind == FolderKind.EMPTY:
+        raise InputError(f"{path} is an empty folder", "give a cache folder or an NVFP4 checkpoint folder")
+    if kind == FolderKind.CACHE:
+        return vram.footprint_of_view(checked_view(path, out), delta_budget)
+    return vram.read_footprint(path, delta_budget)
+
+
 def plan(
     path: Annotated[Path, typer.Argument(help="A cache folder (exact bytes) or an NVFP4 checkpoint (computed).")],
     extra: Annotated[Optional[list[str]], typer.Argument(hidden=True, show_default=False)] = None,
     gpu: Annotated[str, typer.Option(help=f"auto (the GPU nvidia-smi sees, as serve; else {vram.DEFAULT_GPU}), a preset ({', '.join(vram.GPU_PRESETS)}) or its memory, e.g. 96GB, 95.6GiB.")] = "auto",
-    gpu_memory_utilization: Annotated[float, typer.Option(help="vLLM's share of the GPU's memory.")] = vram.DEFAULT_UTILIZATION,
-    max_model_len: Annotated[str, typer.Option(help="Context length in tokens, as vLLM reads it: 131072, 128k, 128K.")] = str(vram.DEFAULT_MAX_MODEL_LEN),
-    kv_cache_dtype: Annotated[str, typer.Option(help=f"One of {', '.join(vram.KV_DTYPES)}.")] = vram.DEFAULT_KV_DTYPE,
+    gpu_memory_utilization: Annotated[Optional[float], typer.Option(help="vLLM's share of the GPU's memory. Default: the serve preset's.", show_default=False)] = None,
+    max_model_len: Annotated[Optional[str], typer.Option(help="Context length in tokens, as vLLM reads it: 131072, 128k, 128K. Default: the serve preset's, capped at the model's positions.", show_default=False)] = None,
+    kv_cache_dtype: Annotated[Optional[str], typer.Option(help=f"One of {', '.join(vram.KV_DTYPES)}. Default: the serve preset's, one the model's attention runs.", show_default=False)] = None,
     max_num_seqs: Annotated[int, typer.Option(min=1, help="Full-length sequences the KV cache must hold at once.")] = 1,
-    cudagraph_capture_sizes: Annotated[Optional[str], typer.Option(help="CUDA-graph batch sizes as vLLM takes them (1 2 4 8), or 1,2,4,8; none for eager.")] = None,
+    cudagraph_capture_sizes: Annotated[Optional[str], typer.Option(help="CUDA-graph batch sizes as vLLM takes them (1 2 4 8), or 1,2,4,8; none for eager. Default: the serve preset's.")] = None,
     delta_budget: Annotated[Optional[str], typer.Option(help="Plan with this delta tier (4.5GB, 2GiB, 25%, 0) instead of the built one.")] = None,
     speculative: Annotated[str, typer.Option(help="mtp: count the MTP layer and its KV; none.")] = "none",
     kv_bytes_per_token: Annotated[Optional[int], typer.Option(min=1, help="KV bytes per token per layer, for attention moet-cache does not know.")] = None,
-    block_size: Annotated[int, typer.Option(min=1, help="KV-cache block size in tokens.")] = vram.DEFAULT_BLOCK_SIZE,
-    max_num_batched_tokens: Annotated[int, typer.Option(min=1, help="vLLM's --max-num-batched-tokens (activations; V4's windows).")] = vram.DEFAULT_BATCHED_TOKENS,
-    async_scheduling: Annotated[bool, typer.Option("--async-scheduling/--no-async-scheduling", help="vLLM's async scheduling (on by default: two batches in flight).")] = True,
+    block_size: Annotated[Optional[int], typer.Option(min=1, help="KV-cache block size in tokens. Default: the serve preset's.", show_default=False)] = None,
+    max_num_batched_tokens: Annotated[Optional[int], typer.Option(min=1, help="vLLM's --max-num-batched-tokens (activations; V4's windows). Default: the serve preset's, else vLLM's 8192.", show_default=False)] = None,
+    async_scheduling: Annotated[Optional[bool], typer.Option("--async-scheduling/--no-async-scheduling", help="vLLM's async scheduling (on by default: two batches in flight).", show_default=False)] = None,
     cudagraph_reserve: Annotated[Optional[str], typer.Option(help="Override the CUDA-graph estimate (e.g. 1GiB).")] = None,
     activation_reserve: Annotated[Optional[str], typer.Option(help="Override the activation estimate (e.g. 2GiB).")] = None,
     json_: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
-    """Plan the VRAM: weights, KV cache, reserves, headroom; exit 0 when it fits, 1 when it does not."""
+    """Plan the VRAM: weights, KV cache, reserves, headroom; exit 0 when it fits, 1 when it does not.
+    Unless given, every setting is the one `moet-cache serve` would start with (its preset for the model)."""
     out = Output(json_, quiet)
     path, sizes = _split_positionals(path, extra, cudagraph_capture_sizes)
-    settings = vram.PlanSettings(
-        gpu=resolve_plan_gpu(gpu), utilization=gpu_memory_utilization, max_model_len=parse_tokens(max_model_len),
-        kv_cache_dtype=kv_cache_dtype, max_num_seqs=max_num_seqs,
-        cudagraph_sizes=vram.parse_sizes_list(sizes if sizes is not None else "1 2 4 8"), speculative=speculative,
-        block_size=block_size, kv_bytes_per_token=kv_bytes_per_token, batched_tokens=max_num_batched_tokens,
-        async_scheduling=async_scheduling,
+    fp = _footprint(path, delta_budget, out)
+    preset, defaults = serving.preset_plan_settings(fp.model, resolve_plan_gpu(gpu))
+    given = {"utilization": gpu_memory_utilization,
+             "max_model_len": parse_tokens(max_model_len) if max_model_len is not None else None,
+             "kv_cache_dtype": kv_cache_dtype, "block_size": block_size, "batched_tokens": max_num_batched_tokens,
+             "async_scheduling": async_scheduling,
+             "cudagraph_sizes": vram.parse_sizes_list(sizes) if sizes is not None else None}
+    settings = replace(
+        defaults, **{k: v for k, v in given.items() if v is not None},
+        max_num_seqs=max_num_seqs, speculative=speculative, kv_bytes_per_token=kv_bytes_per_token,
         cudagraph_reserve=parse_size(cudagraph_reserve, what="--cudagraph-reserve") if cudagraph_reserve else None,
         activation_reserve=parse_size(activation_reserve, what="--activation-reserve") if activation_reserve else None)
-    kind = folder_kind(path)
-    if kind == FolderKind.EMPTY:
-        raise InputError(f"{path} is an empty folder", "give a cache folder or an NVFP4 checkpoint folder")
-    if kind == FolderKind.CACHE:  # the boot check first: a damaged cache is exit 1, not a plan
-        p = vram.make_plan(vram.footprint_of_view(checked_view(path, out), delta_budget), settings)
-    else:  # a checkpoint: computed from config.json and the shard headers
-        p = vram.plan_for(path, settings, delta_budget)
+    p = vram.make_plan(fp, settings)
     if out.json_mode:
-        out.json(plan_document(p), EXIT_OK if p.fits else EXIT_PROBLEM)
+        out.json({**plan_document(p), "preset": preset}, EXIT_OK if p.fits else EXIT_PROBLEM)
     else:
+        out.info(f"settings: the {preset} preset `moet-cache serve` starts, with the flags given here")
         show_plan(out, p)
     raise typer.Exit(EXIT_OK if p.fits else EXIT_PROBLEM)

@@ -36,11 +36,15 @@ def serve(
         out.warn(w)
     for n in cmd.notes:
         out.info(f"note: {n}")
-    pre = serving.preflight_plan(cmd) if cmd.boot_state != State.CORRUPT else None
+    # vLLM's CPU build holds the model in host RAM: a GPU plan (and its GPU-only rules, such as V4's FP8 KV)
+    # would not describe what starts.
+    pre = serving.preflight_plan(cmd) if cmd.boot_state != State.CORRUPT and not cmd.cpu else None
     if pre is not None:
         for w in pre.warnings:
             out.warn(f"plan: {w}")
-    if pre is None or not pre.gpu_seen:
+    if cmd.cpu:
+        out.info("vLLM's CPU build: no GPU to plan")
+    elif pre is None or not pre.gpu_seen:
         out.info("no GPU seen (nvidia-smi): no fit verdict; run `moet-cache plan CACHE --gpu CARD` for a card")
     elif not pre.fits:
         out.warn(f"these settings do not fit {pre.gpu}: short by {-pre.margin / GIB:.2f} GiB ({pre.deciding}); "

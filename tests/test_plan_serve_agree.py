@@ -198,17 +198,20 @@ def test_serve_checks_that_moet_imports_where_vllm_runs(cache: Path, tmp_path: P
     assert bool(old) == (importlib.util.find_spec("moet_cache.vllm_quant") is not None)   # an older install there
 
 
-def test_dry_run_prints_the_command_when_vllm_is_broken(cache: Path, tmp_path: Path) -> None:
+def test_dry_run_prints_the_command_when_vllm_is_broken(cache: Path, tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     d = tmp_path / "broken"
     d.mkdir()
-    (d / "vllm").write_text(f"#!{sys.executable}\nraise SystemExit(1)\n")   # our interpreter has no vllm package
+    (d / "vllm").write_text(f"#!{sys.executable}\nraise SystemExit(1)\n")   # our interpreter, a vllm that does not import
     (d / "vllm").chmod(0o755)
+    monkeypatch.setenv("PYTHONPATH", str(vllm_cpu_env.vllm_site(tmp_path / "site", broken=True)))
     r = _run(["serve", str(cache), "--dry-run", "--json"], d)
+    refused = _run(["serve", str(cache)], d)
     assert r.returncode == 0, r.stderr
     doc = json.loads(r.stdout)
     assert doc["argv"][1] == "serve" and doc["flags_checked"] is False
     assert any("cannot load vLLM's argument parser" in w for w in doc["warnings"])
-    assert _run(["serve", str(cache)], d).returncode == 3                      # not a dry run: still refused
+    assert refused.returncode == 3                                               # not a dry run: still refused
 
 
 def test_tested_versions_are_stated_and_pinnable() -> None:

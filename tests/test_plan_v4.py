@@ -1,4 +1,4 @@
-"""The field report, redone on a full-size DeepSeek-V4-Flash checkpoint (header-only, sparse: no disk).
+"""One 96 GB card, planned on a full-size DeepSeek-V4-Flash checkpoint (header-only, sparse: no disk).
 
 43 main layers of base planes with compact e8m0 scales (72.56 GiB), the checkpoint's dense tensors, a 4.5 GB
 delta tier, 260,000 tokens of FP8 KV (vLLM 0.34's V4 arithmetic), four CUDA-graph sizes, an RTX PRO 6000 at
@@ -42,7 +42,7 @@ def test_the_fixture_costs_no_disk(flash: Path) -> None:
     assert size > 150 * 10**9 and used < 64 << 20          # ~160 GB of checkpoint, a few MiB on disk
 
 
-def test_field_report_fits_the_rtx_pro_6000_with_the_real_margin(flash: Path) -> None:
+def test_v4_flash_fits_the_rtx_pro_6000_with_the_real_margin(flash: Path) -> None:
     fp = footprint_from_checkpoint(flash, "4.5GB")
     assert fp.served_layers == 43 and fp.total_experts == 43 * 256
     assert fp.base_bytes == 43 * 1_811_954_688 and fp.base_bytes / GIB == pytest.approx(72.56, abs=0.005)
@@ -84,6 +84,23 @@ def test_plan_cli_on_the_full_size_checkpoint(flash: Path) -> None:
     assert doc["kv_allocator"]["bytes_per_block"] == 1_002_240 and doc["kv_raw_bytes"] == 1_016_494_176
     r80 = subprocess.run([*args[:5], "h100-80g", *args[6:]], capture_output=True, text=True, timeout=300)
     assert r80.returncode == 1 and json.loads(r80.stdout)["fits"] is False
+
+
+def test_plan_given_nothing_plans_what_serve_starts(flash: Path) -> None:
+    """plan's defaults are the preset serve picks for the model (V4: 2,048 batched tokens, not vLLM's 8,192)."""
+    from moet_cache.serving import fit_preset, get_preset, settings_from_flags
+    r = subprocess.run([MOET, "plan", str(flash), "--json", "--gpu", "rtx-pro-6000"], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["preset"] == "v4-flash-96g" and doc["fits"] is True and doc["margin_gib"] > 2.9
+    cfg = json.loads((flash / "config.json").read_text())
+    serve = settings_from_flags(fit_preset(get_preset("auto", cfg["model_type"]), cfg)[0], GPU_PRESETS["rtx-pro-6000"])
+    s = doc["settings"]
+    assert (s["gpu_memory_utilization"], s["max_model_len"], s["kv_cache_dtype"], s["block_size"],
+            s["max_num_batched_tokens"], tuple(s["cudagraph_capture_sizes"])) == \
+        (serve.utilization, serve.max_model_len, serve.kv_cache_dtype, serve.block_size, serve.batched_tokens,
+         serve.cudagraph_sizes) == (0.96, 260_000, "fp8", 256, 2048, (1, 2, 4, 8))
 
 
 @pytest.mark.parametrize("variant", ["hybrid", "mxfp4"])

@@ -77,13 +77,14 @@ def _flags(argv: list[str]) -> dict[str, list[str]]:
 
 # --- dry runs ---------------------------------------------------------------------------------------
 
-def test_dry_run_default_profile_is_the_field_reports_settings(served: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_dry_run_default_preset_fitted_to_the_model(served: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     doc = _dry_json([str(served)], monkeypatch)
     argv = doc["argv"]
     assert argv[:3] == ["vllm", "serve", str((served / "model").resolve())]
     f = _flags(argv)
     assert f["--tensor-parallel-size"] == ["1"] and f["--gpu-memory-utilization"] == ["0.96"]
-    assert f["--max-model-len"] == ["260000"] and f["--kv-cache-dtype"] == ["fp8_ds_mla"]
+    # The preset's 260K and fp8_ds_mla, fitted to this model: 4,096 positions, no sparse indexer.
+    assert f["--max-model-len"] == ["4096"] and f["--kv-cache-dtype"] == ["fp8"]
     assert f["--block-size"] == ["256"] and f["--cudagraph-capture-sizes"] == ["1", "2", "4", "8"]
     assert json.loads(f["--default-chat-template-kwargs"][0]) == {"thinking": True}
     assert "--speculative-config" not in f
@@ -123,7 +124,7 @@ def test_dry_run_overrides_replace_the_profile_and_renames_are_adapted(served: P
     assert f["--max-model-len"] == ["32768"]
     assert f["--cudagraph-capture-sizes"] == ["1", "2"] and "--cuda-graph-sizes" not in f
     assert f["--max-num-seqs"] == ["4"] and f["--enable-prefix-caching"] == []
-    assert f["--kv-cache-dtype"] == ["fp8_ds_mla"]          # untouched profile flags stay
+    assert f["--kv-cache-dtype"] == ["fp8"]                 # untouched preset flags stay
     # The override takes the profile flag's place, not the end of the line.
     assert doc["argv"].index("--max-model-len") < doc["argv"].index("--kv-cache-dtype")
     assert any("--cuda-graph-sizes is now --cudagraph-capture-sizes" in n for n in doc["notes"])
@@ -132,7 +133,7 @@ def test_dry_run_overrides_replace_the_profile_and_renames_are_adapted(served: P
 def test_dry_run_other_profile_and_human_output(served: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     f = _flags(_dry_json([str(served), "--settings", "eager-debug"], monkeypatch)["argv"])
     assert f["--enforce-eager"] == [] and "--cudagraph-capture-sizes" not in f
-    assert f["--max-model-len"] == ["32768"]
+    assert f["--max-model-len"] == ["4096"]                 # 32768, capped at the model's positions
     monkeypatch.setenv("VLLM_PLUGINS", "other_plugin")
     r = CliRunner().invoke(app, ["serve", str(served), "--dry-run"])
     assert r.exit_code == 0, r.output
@@ -155,7 +156,7 @@ def test_no_vllm_is_exit_2_with_the_install_command(served: Path, monkeypatch: p
                                                      capsys: pytest.CaptureFixture[str]) -> None:
     code, _, err = _main(["serve", str(served)], monkeypatch, capsys)
     assert code == 2
-    assert "vLLM is not installed" in err and "pip install vllm==0.34.0" in err
+    assert "vLLM is not installed" in err and "[vllm]" in err
 
 
 def test_corrupt_and_incomplete_caches_are_refused_unless_forced(cache_copy: Path, monkeypatch: pytest.MonkeyPatch,
@@ -213,11 +214,13 @@ def test_serve_execs_vllm_with_the_command_and_environment(served: Path, tmp_pat
                                                            monkeypatch: pytest.MonkeyPatch,
                                                            capsys: pytest.CaptureFixture[str]) -> None:
     fakebin, record = _fake_vllm(tmp_path)
+    site = str(vllm_cpu_env.vllm_site(tmp_path / "site"))
     monkeypatch.setenv("VLLM_PLUGINS", "x")
     monkeypatch.setenv("PATH", _env(fakebin)["PATH"])
+    monkeypatch.setenv("PYTHONPATH", site)
     assert main(["serve", "--skip-flag-check", "--dry-run", "--json", str(served), "--", "--max-num-seqs", "2"]) == 0
     expected = json.loads(capsys.readouterr().out)["argv"]
-    env = _env(fakebin) | {"VLLM_PLUGINS": "x"}
+    env = _env(fakebin) | {"VLLM_PLUGINS": "x", "PYTHONPATH": site}
     proc = subprocess.Popen([MOET, "serve", str(served), "--skip-flag-check", "--", "--max-num-seqs", "2"],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     _, err = proc.communicate(timeout=120)
@@ -233,7 +236,8 @@ def test_serve_execs_vllm_with_the_command_and_environment(served: Path, tmp_pat
 def test_a_vllm_whose_parser_cannot_load_is_an_environment_error(served: Path, tmp_path: Path,
                                                                  monkeypatch: pytest.MonkeyPatch,
                                                                  capsys: pytest.CaptureFixture[str]) -> None:
-    fakebin, record = _fake_vllm(tmp_path)  # its interpreter is ours, which has no vllm package
+    fakebin, record = _fake_vllm(tmp_path)  # its interpreter is ours, with a vllm package that does not import
+    monkeypatch.setenv("PYTHONPATH", str(vllm_cpu_env.vllm_site(tmp_path / "site", broken=True)))
     code, _, err = _main(["serve", str(served)], monkeypatch, capsys, fakebin)
     assert code == 3 and "cannot load vLLM's argument parser" in err
     assert "--skip-flag-check" in err and not record.exists()

