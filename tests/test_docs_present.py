@@ -17,16 +17,35 @@ PRESENT = [ROOT / "README.md", ROOT / "CHANGELOG.md", ROOT / "benchmarks" / "NOT
                                                "PARSERS.md", "RUNTIME.md", "SERVING.md"))]
 HISTORY = re.compile(r"\bsessions? \d+|\b(this|last|next|same) session\b|\bissue \d+|field\sreport|before\sthe\sfix"
                      r"|\bthe\sfix\sbelow\b", re.IGNORECASE)
+TEXT_SUFFIXES = {".py", ".md", ".cu", ".c", ".json", ".toml", ".txt", ".cfg", ".sh", ".yaml", ".yml"}
 
 
 def test_runtime_reference_is_short() -> None:
     assert len(RUNTIME.read_text().splitlines()) < 400
 
 
+def _tracked_text_files() -> list[Path]:
+    """Every file of the project git tracks that is text: docs, code, kernels, tests, configs, results."""
+    listed = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=False)
+    if listed.returncode:
+        pytest.skip("not a git checkout: the tracked files cannot be listed")
+    names = [n for n in listed.stdout.decode().split("\0") if n]
+    return [ROOT / n for n in names if Path(n).suffix in TEXT_SUFFIXES and (ROOT / n).is_file()]
+
+
 @pytest.mark.parametrize("path", PRESENT, ids=lambda p: p.name)
 def test_no_history_words(path: Path) -> None:
     hits = [f"{path.name}:{n}: {line.strip()[:80]}" for n, line in enumerate(path.read_text().splitlines(), 1)
             if HISTORY.search(line)]
+    assert not hits, hits
+
+
+def test_no_history_words_anywhere_in_the_project() -> None:
+    """Code comments, docstrings, tests, program output and results speak of the present too."""
+    files = _tracked_text_files()
+    assert any(f.suffix == ".py" for f in files) and any(f.suffix == ".md" for f in files)
+    hits = [f"{f.relative_to(ROOT)}:{n}: {line.strip()[:80]}" for f in files
+            for n, line in enumerate(f.read_text(errors="replace").splitlines(), 1) if HISTORY.search(line)]
     assert not hits, hits
 
 

@@ -1,6 +1,6 @@
-"""Issue 13, items 11 and 12: plan and serve agree, plan's advice is possible, serve checks vLLM's interpreter.
+"""plan and serve agree, plan's advice is possible, serve checks vLLM's interpreter.
 
-Each test failed on the main of 2026-12-03 (before this change). Real caches, real console-script processes
+Each test failed on the main of 2026-12-03. Real caches, real console-script processes
 where the environment matters (PATH, a fake nvidia-smi, a second interpreter with a stub vLLM).
 """
 

@@ -107,7 +107,7 @@ def test_a_context_past_the_positions_does_not_fit(hub_cache: Path) -> None:
     assert human.returncode == 1 and "does not fit" in human.stdout and "short by -" not in human.stdout
 
 
-# --- the served name, --config, the install line, no "field report" -------------------------------------
+# --- the served name, --config, the install line ---------------------------------------------------------
 
 def test_a_hub_snapshot_is_served_under_the_repos_name(hub_cache: Path) -> None:
     doc = json.loads(_run(["serve", str(hub_cache), "--dry-run", "--json"], _env()).stdout)
@@ -135,10 +135,6 @@ def test_the_vllm_install_line_works_from_a_clone(hub_cache: Path) -> None:
     for doc in ("README.md", "docs/SERVING.md"):
         assert "moet-cache[vllm]" not in (ROOT / doc).read_text(), doc          # not on the package index
 
-
-def test_program_output_and_docs_name_no_field_report() -> None:
-    for f in ("moet_cache/serving.py", "cli/serve.py", "cli/plan.py", "docs/SERVING.md", "README.md"):
-        assert "field report" not in (ROOT / f).read_text().lower(), f
 
 
 # --- vLLM's CPU build: its parser where it keeps it, its server module, its memory flag ----------------------

@@ -1,4 +1,4 @@
-"""Issue 13 items 6, 7, 9 (--quiet) and 13: every exit's JSON document, --quiet, help at 80 columns,
+"""The command line's contract: every exit's JSON document, --quiet, help at 80 columns,
 --version, and integers too long for Python's int() in input files."""
 
 from __future__ import annotations
