@@ -204,6 +204,6 @@ def plan(
     if out.json_mode:
         out.json({**plan_document(p), "preset": preset}, EXIT_OK if p.fits else EXIT_PROBLEM)
     else:
-        out.info(f"settings: the {preset} preset `moet-cache serve` starts, with the flags given here")
+        out.print(f"settings: the {preset} preset `moet-cache serve` starts, with the flags given here")
         show_plan(out, p)
     raise typer.Exit(EXIT_OK if p.fits else EXIT_PROBLEM)

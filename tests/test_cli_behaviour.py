@@ -343,7 +343,7 @@ def test_plan_quiet_still_says_whether_it_fits(built_cache: Path, capsys: pytest
     out = capsys.readouterr().out
     assert "fits, with" in out and "GiB to spare" in out
     assert "the free bytes would buy" not in out  # the notes stay quiet
-    assert main(["plan", str(built_cache), "--gpu", "1GiB", "--max-num-seqs", "8", "-q"]) == 1
+    assert main(["plan", str(built_cache), "--gpu", "1GiB", "--max-num-seqs", "1000", "-q"]) == 1
     assert "does not fit: short by" in capsys.readouterr().out
 
 
