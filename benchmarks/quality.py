@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import heapq
 import json
+import resource
 import sys
 import tempfile
 import time
@@ -38,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from moet_cache.build import BuildOptions, build_cache  # noqa: E402
 from moet_cache.load import open_cache  # noqa: E402
 from moet_cache.runtime import fused_moe  # noqa: E402
+from moet_cache.runtime.dequant import LayerPlanes, dequant_expert  # noqa: E402
 from moet_cache.units import parse_size  # noqa: E402
 
 from quality_model.metrics import EvalSet, Reference, evaluate, reference  # noqa: E402
@@ -67,11 +69,12 @@ class Row:
     name: str
     path: str
     bits: float                 # resident bits a routed-expert weight (planes, scales, tables, tier)
+    series: str                 # the plot's line: rows of one policy or form at several sizes
     metrics: dict[str, float] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, object]:
-        return {"name": self.name, "path": self.path, "bits_per_weight": round(self.bits, 4),
-                **{k: round(v, 6) for k, v in self.metrics.items()}}
+        return {"name": self.name, "path": self.path, "series": self.series, "bits_per_weight": round(self.bits, 4),
+                **{k: float(f"{v:.6g}") for k, v in self.metrics.items()}}
 
 
 class Ladder:
@@ -128,9 +131,11 @@ class Ladder:
                                                                                verify="hash")}
         return [loaded[i] for i in sorted(loaded)]
 
-    def measure(self, name: str, path: str, bits: float, routed: RoutedFn) -> Row:
+    def measure(self, name: str, path: str, bits: float, routed: RoutedFn, routed_gen: RoutedFn | None = None,
+                series: str | None = None) -> Row:
         t0 = time.perf_counter()
-        row = Row(name, path, bits, evaluate(self.logits(routed), self.ev, self.ref))
+        row = Row(name, path, bits, series or name, evaluate(self.logits(routed), self.ev, self.ref,
+                                             self.logits(routed_gen) if routed_gen else None))
         self.rows.append(row)
         print(f"  {name:<48} {path:<9} {bits:6.3f}  kl {row.metrics['kl']:.5f}  "
               f"({time.perf_counter() - t0:.1f} s)", file=sys.stderr, flush=True)
@@ -148,10 +153,27 @@ class Ladder:
         return experts * self.expert_weights * bits_each / self.total_weights
 
     # --- rows through the cache ----------------------------------------------------------------------
-    def cache_row(self, name: str, layers: list[dict[str, torch.Tensor]], path: str = "cache") -> Row:
+    def cache_row(self, name: str, layers: list[dict[str, torch.Tensor]], path: str = "cache",
+                  series: str | None = None) -> Row:
+        """PPL, KL and top-1 through fused_moe on the loaded planes. The greedy continuation (N more
+        forwards, each of which would dequantize every expert again in fused_moe's CPU path) runs on
+        the weights the runtime's own dequant_expert makes of the same planes, once; how far the two
+        routes' logits are apart on the scored text is recorded with the row (routes_max_abs_diff)."""
         tier = sum(int(t["delta_experts"].numel()) if "delta_experts" in t else 0 for t in layers)
         bits = 2 + self.fixed_bits(layers) + self.tier_bits(tier)
-        return self.measure(name, path, bits, lambda i, x, tw, ti: fused_moe(x, layers[i], tw, ti))
+        fns = [routed_from_weights(*dequantized(t)) for t in layers]
+
+        def by_weights(i: int, x: torch.Tensor, tw: torch.Tensor, ti: torch.Tensor) -> torch.Tensor:
+            return fns[i](x, tw, ti)
+
+        def by_fused_moe(i: int, x: torch.Tensor, tw: torch.Tensor, ti: torch.Tensor) -> torch.Tensor:
+            return fused_moe(x, layers[i], tw, ti)
+        row = self.measure(name, path, bits, by_fused_moe, by_weights, series)
+        with torch.no_grad():
+            tokens = self.ev.tokens[:1, :-1]
+            diff = (self.logits(by_fused_moe)(tokens) - self.logits(by_weights)(tokens)).abs().max()
+        row.metrics["routes_max_abs_diff"] = float(diff)
+        return row
 
     @staticmethod
     def with_tier(all_layers: list[dict[str, torch.Tensor]], chosen: list[list[int]]) -> list[dict[str, torch.Tensor]]:
@@ -190,9 +212,19 @@ class Ladder:
         return out
 
     # --- rows computed here --------------------------------------------------------------------------
-    def sim_row(self, name: str, bits: float, weights: list[tuple[torch.Tensor, torch.Tensor]]) -> Row:
+    def sim_row(self, name: str, bits: float, weights: list[tuple[torch.Tensor, torch.Tensor]],
+                series: str | None = None) -> Row:
         fns = [routed_from_weights(w13, w2) for w13, w2 in weights]
-        return self.measure(name, "sim", bits, lambda i, x, tw, ti: fns[i](x, tw, ti))
+        return self.measure(name, "sim", bits, lambda i, x, tw, ti: fns[i](x, tw, ti), series=series)
+
+
+def dequantized(tensors: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every expert's float32 weights (w13 [E, 2I, H], w2 [E, H, I]) from a loaded layer's planes, by the
+    runtime's dequant_expert: FP4 codes for the tier's experts, the table for the rest."""
+    planes = LayerPlanes.from_tensors(tensors)
+    rows = planes.tier_rows()
+    pairs = [dequant_expert(planes, e, rows.get(e)) for e in range(planes.num_experts)]
+    return torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs])
 
 
 def mix_forms(values: dict[str, torch.Tensor], units: int) -> list[list[str]]:
@@ -278,7 +310,7 @@ def ladder_for(ckpt_dir: Path, work: Path, ev: EvalSet, calib: EvalSet, preset: 
     default_cache = lad.build("default", delta_budget=budget(default_frac))
     default_layers = lad.load(default_cache, "tier")
     default_row = lad.cache_row(f"default cache: x4, tier {label('preset', default_frac)} by sq. error",
-                                default_layers)
+                                default_layers, series="tier by sq. weight error (the default)")
     if args.short:
         return {"rows": [r.to_dict() for r in lad.rows], "default_kl": default_row.metrics["kl"]}
 
@@ -290,13 +322,16 @@ def ladder_for(ckpt_dir: Path, work: Path, ev: EvalSet, calib: EvalSet, preset: 
         n = int(round(frac * n_experts))
         if tag != "preset":
             lad.cache_row(f"tier {label(tag, frac)}: sq. weight error", lad.load(lad.build(f"sq-{tag}",
-                          delta_budget=budget(frac)), "tier"))
+                          delta_budget=budget(frac)), "tier"), series="tier by sq. weight error (the default)")
         lad.cache_row(f"tier {label(tag, frac)}: sq. error x routing (--profile)",
-                      lad.load(lad.build(f"prof-{tag}", delta_budget=budget(frac), profile=str(profile)), "tier"))
+                      lad.load(lad.build(f"prof-{tag}", delta_budget=budget(frac), profile=str(profile)), "tier"),
+                      series="tier by sq. error x routing (--profile)")
         lad.cache_row(f"tier {label(tag, frac)}: routing frequency",
-                      lad.with_tier(x4_all, lad.top_experts(counts, n)), "cache+sel")
+                      lad.with_tier(x4_all, lad.top_experts(counts, n)), "cache+sel",
+                      series="tier by routing frequency")
         lad.cache_row(f"tier {label(tag, frac)}: routed output error",
-                      lad.with_tier(x4_all, lad.top_experts(out_err, n)), "cache+sel")
+                      lad.with_tier(x4_all, lad.top_experts(out_err, n)), "cache+sel",
+                      series="tier by routed output error")
 
     # nested forms computed from the planes: 3-bit, mixes, 1-bit cold
     form_cache = [{f: form_weights(lc, f) for f in ("1bit", "base", "3bit", "fp4")} for lc in codes]
@@ -319,24 +354,27 @@ def ladder_for(ckpt_dir: Path, work: Path, ev: EvalSet, calib: EvalSet, preset: 
         three = lad.top_experts(errs["base"] - errs["3bit"], 2 * n4)
         forms3 = [["3bit" if e in three[i] else "base" for e in range(s.experts)] for i in range(s.layers)]
         lad.sim_row(f"3-bit tier, {2 * n4} experts (bytes of {label(tag, frac)})", bits_of(forms3),
-                    weights_of(forms3))
+                    weights_of(forms3), "3-bit tier (sq. error x routing)")
         mix = mix_forms(errs, 2 * n4)
         n3, nf = sum(fl.count("3bit") for fl in mix), sum(fl.count("fp4") for fl in mix)
-        lad.sim_row(f"2/3/4 mix: {nf} at 4, {n3} at 3 (bytes of {label(tag, frac)})", bits_of(mix), weights_of(mix))
+        lad.sim_row(f"2/3/4 mix: {nf} at 4, {n3} at 3 (bytes of {label(tag, frac)})", bits_of(mix), weights_of(mix),
+                    "2/3/4-bit mix (sq. error x routing)")
     tier_sets = [set(t["delta_experts"].tolist()) for t in default_layers]
     for cold_frac in (0.10, 0.30):
         cold = lad.top_experts(-counts + torch.tensor([[1e9 if e in tier_sets[i] else 0.0 for e in range(s.experts)]
                                                         for i in range(s.layers)]), int(round(cold_frac * n_experts)))
         forms = [["fp4" if e in tier_sets[i] else "1bit" if e in cold[i] else "base" for e in range(s.experts)]
                  for i in range(s.layers)]
-        lad.sim_row(f"default + coldest {cold_frac:.0%} at 1 bit", bits_of(forms), weights_of(forms))
+        lad.sim_row(f"default + coldest {cold_frac:.0%} at 1 bit", bits_of(forms), weights_of(forms),
+                    "default + coldest at 1 bit")
     # the same forms as the default cache, computed here: checks the sim path against the real one
     forms = [["fp4" if e in tier_sets[i] else "base" for e in range(s.experts)] for i in range(s.layers)]
     check = lad.sim_row("default cache, computed here (check)", bits_of(forms), weights_of(forms))
     # the non-nested baseline: per-block Lloyd codebooks at 2.25 / 2.5 bits a weight
     for block in (128, 64):
         weights = [(lc.w13.lloyd(block), lc.w2.lloyd(block)) for lc in codes]
-        lad.sim_row(f"Lloyd 4-level codebook per {block} weights (not nested)", 2 + 32 / block, weights)
+        lad.sim_row(f"Lloyd 4-level codebook per {block} weights (not nested)", 2 + 32 / block, weights,
+                    "Lloyd codebooks, not nested")
     return {"rows": [r.to_dict() for r in lad.rows], "default_kl": default_row.metrics["kl"],
             "check_sim_vs_cache_kl": [default_row.metrics["kl"], check.metrics["kl"]],
             "delta_bytes_all_experts": delta_bytes}
@@ -362,18 +400,23 @@ def plot(result: dict[str, object], path: Path) -> bool:
     except ImportError:
         print("matplotlib is not installed: no plot", file=sys.stderr)
         return False
-    fig, axes = plt.subplots(1, len(result["models"]), figsize=(7 * len(result["models"]), 5), squeeze=False)
+    fig, axes = plt.subplots(1, len(result["models"]), figsize=(8 * len(result["models"]), 6), squeeze=False)
     marks = {"cache": "o", "cache+sel": "s", "sim": "^"}
     for ax, (fmt, res) in zip(axes[0], result["models"].items()):
+        series: dict[str, list[dict]] = {}
         for r in res["rows"]:
-            if r["kl"] <= 0:
-                continue
-            ax.scatter(r["bits_per_weight"], r["kl"], marker=marks[r["path"]], s=28)
-            ax.annotate(r["name"][:34], (r["bits_per_weight"], r["kl"]), fontsize=5)
+            if r["kl"] > 0 and "(check)" not in r["name"]:
+                series.setdefault(r["series"], []).append(r)
+        for name, rows in series.items():
+            rows = sorted(rows, key=lambda r: r["bits_per_weight"])
+            ax.plot([r["bits_per_weight"] for r in rows], [r["kl"] for r in rows], marker=marks[rows[0]["path"]],
+                    label=f"{name} [{rows[0]['path']}]", linewidth=1, markersize=5)
         ax.set_yscale("log")
         ax.set_xlabel("resident bits per routed-expert weight (planes, scales, tables, tier)")
         ax.set_ylabel("mean KL(FP4 || variant), nats per byte")
-        ax.set_title(f"{fmt}: o cache, s cache + tier chosen here, ^ computed here")
+        ax.set_title(f"{fmt} reference model: KL to FP4 against resident bytes")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=130)
     return True
@@ -405,6 +448,8 @@ def main() -> None:
     t0 = time.perf_counter()
     result = run(args)
     result["seconds"] = round(time.perf_counter() - t0, 1)
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    result["cpu_seconds"] = round(usage.ru_utime + usage.ru_stime, 1)   # what a machine of its own would take
     if args.json_only:
         print(json.dumps(result, indent=1))
         return
@@ -413,7 +458,7 @@ def main() -> None:
     path.write_text(json.dumps(result, indent=1) + "\n")
     print(table(result))
     plotted = plot(result, path.with_suffix(".png"))
-    print(f"\nwrote {path}" + (f" and {path.with_suffix('.png')}" if plotted else "") + f" in {result['seconds']} s")
+    print(f"\nwrote {path}" + (f" and {path.with_suffix('.png')}" if plotted else "") + f" in {result['seconds']} s ({result['cpu_seconds']} s of CPU)")
 
 
 if __name__ == "__main__":

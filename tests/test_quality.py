@@ -68,3 +68,31 @@ def test_the_2_3_4_bit_mix_is_the_best_choice_under_its_budget_on_a_small_case()
                if sum(cost[f] for f in fs) <= 3)
     assert sum(cost[f] for f in forms[0]) <= 3
     assert total(forms[0]) == best
+
+
+def test_training_is_bit_for_bit_reproducible_and_resumes_to_the_same_bytes(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    data.mkdir()
+    text = (ROOT / "benchmarks" / "quality_model" / "data" / "eval-slice.txt").read_bytes()
+    (data / "train.txt").write_bytes(text[: 1 << 15])
+    (data / "eval-slice.txt").write_bytes(text[: 1 << 13])
+    tiny = ["--steps", "4", "--qat-fraction", "0.5", "--warmup", "2", "--batch", "2", "--seq", "32",
+            "--log-every", "2", "--save-every", "10", "--layers", "1", "--experts", "4", "--top-k", "2",
+            "--expert-width", "32", "--hidden", "64", "--shared-width", "32", "--data", str(data)]
+    script = str(ROOT / "benchmarks" / "quality_model" / "train.py")
+
+    def train(out: Path, *extra: str) -> None:
+        proc = subprocess.run([sys.executable, script, *tiny, "--out", str(out), *extra],
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    train(tmp_path / "a")
+    train(tmp_path / "b", "--stop-after", "3")            # stopped inside QAT, its state saved ...
+    assert not (tmp_path / "b" / "mxfp4").exists()
+    train(tmp_path / "b")                                # ... and resumed by the same command
+    for fmt in ("mxfp4", "nvfp4"):
+        a = (tmp_path / "a" / fmt / "model-00001-of-00001.safetensors").read_bytes()
+        b = (tmp_path / "b" / fmt / "model-00001-of-00001.safetensors").read_bytes()
+        assert a == b, fmt
+    log_a = json.loads((tmp_path / "a" / "train.json").read_text())["log"]
+    log_b = json.loads((tmp_path / "b" / "train.json").read_text())["log"]
+    assert [r["train_ce"] for r in log_a] == [r["train_ce"] for r in log_b]

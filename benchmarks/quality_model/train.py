@@ -120,7 +120,7 @@ def save_state(path: Path, params: dict[str, torch.Tensor], opt: AdamW, step: in
 
 def main() -> None:
     ap = argparse.ArgumentParser(description="train the reference MoE model")
-    ap.add_argument("--steps", type=int, default=1500)
+    ap.add_argument("--steps", type=int, default=700)
     ap.add_argument("--qat-fraction", type=float, default=0.25)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=128)
@@ -131,6 +131,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--save-every", type=int, default=50)
+    ap.add_argument("--stop-after", type=int, default=None,
+                    help="leave after this many steps of this run (its state saved); the same command resumes")
     ap.add_argument("--log-every", type=int, default=50)
     ap.add_argument("--data", type=Path, default=HERE / "data")
     ap.add_argument("--out", type=Path, default=HERE / "run")
@@ -168,7 +170,8 @@ def main() -> None:
     qat_from = int(round(args.steps * (1 - args.qat_fraction)))
     pre_qat = args.out / "pre-qat.safetensors"
     t0 = time.time()
-    for step in range(start, args.steps):
+    stop = args.steps if args.stop_after is None else min(args.steps, start + args.stop_after)
+    for step in range(start, stop):
         if step == qat_from:
             save_file({n: t.detach().contiguous().cpu() for n, t in params.items()}, str(pre_qat))
         qat = step >= qat_from
@@ -183,12 +186,15 @@ def main() -> None:
                    "seconds": round(time.time() - t0, 1)}
             log.append(rec)
             print(json.dumps(rec), flush=True)
-        if (step + 1) % args.save_every == 0 or step + 1 == args.steps:
+        if (step + 1) % args.save_every == 0 or step + 1 in (args.steps, stop):
             save_state(state_path, params, opt, step + 1)
             log_path.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
                                             "spec": spec.to_dict(), "torch": torch.__version__,
                                             "threads": torch.get_num_threads(), "qat_from_step": qat_from,
                                             "log": log}, indent=1) + "\n")
+    if stop < args.steps:
+        print(f"stopped after step {stop}; run the same command to go on", flush=True)
+        return
     final = {n: t.detach().cpu() for n, t in params.items()}
     first = load_file(str(pre_qat)) if pre_qat.exists() else final
     for fmt, src in (("mxfp4", final), ("nvfp4", first)):
