@@ -304,12 +304,13 @@ def ladder_for(ckpt_dir: Path, work: Path, ev: EvalSet, calib: EvalSet, preset: 
     fracs = [("preset", preset)] if args.short else [("5%", 0.05), ("10%", 0.10), ("preset", preset), ("25%", 0.25)]
 
     def label(tag: str, frac: float) -> str:
-        return f"{frac * 100:.1f}% (V4 96 GB preset)" if tag == "preset" else tag
+        n = int(round(frac * n_experts))
+        return f"{n}/{n_experts}" + (" (V4 preset)" if tag == "preset" else f" ({tag})")
 
     # the default cache: what `moet-cache build --delta-budget` writes at the preset's fraction
     default_cache = lad.build("default", delta_budget=budget(default_frac))
     default_layers = lad.load(default_cache, "tier")
-    default_row = lad.cache_row(f"default cache: x4, tier {label('preset', default_frac)} by sq. error",
+    default_row = lad.cache_row(f"default cache: x4 tables, tier {label('preset', default_frac)} by sq. error",
                                 default_layers, series="tier by sq. weight error (the default)")
     if args.short:
         return {"rows": [r.to_dict() for r in lad.rows], "default_kl": default_row.metrics["kl"]}
@@ -353,11 +354,11 @@ def ladder_for(ckpt_dir: Path, work: Path, ev: EvalSet, calib: EvalSet, preset: 
         n4 = int(round(frac * n_experts))
         three = lad.top_experts(errs["base"] - errs["3bit"], 2 * n4)
         forms3 = [["3bit" if e in three[i] else "base" for e in range(s.experts)] for i in range(s.layers)]
-        lad.sim_row(f"3-bit tier, {2 * n4} experts (bytes of {label(tag, frac)})", bits_of(forms3),
+        lad.sim_row(f"3-bit tier, {2 * n4} experts (bytes of tier {label(tag, frac)})", bits_of(forms3),
                     weights_of(forms3), "3-bit tier (sq. error x routing)")
         mix = mix_forms(errs, 2 * n4)
         n3, nf = sum(fl.count("3bit") for fl in mix), sum(fl.count("fp4") for fl in mix)
-        lad.sim_row(f"2/3/4 mix: {nf} at 4, {n3} at 3 (bytes of {label(tag, frac)})", bits_of(mix), weights_of(mix),
+        lad.sim_row(f"2/3/4 mix: {nf} at 4, {n3} at 3 (bytes of tier {label(tag, frac)})", bits_of(mix), weights_of(mix),
                     "2/3/4-bit mix (sq. error x routing)")
     tier_sets = [set(t["delta_experts"].tolist()) for t in default_layers]
     for cold_frac in (0.10, 0.30):
@@ -429,7 +430,7 @@ def main() -> None:
     ap.add_argument("--sequences", type=int, default=None)
     ap.add_argument("--length", type=int, default=256)
     ap.add_argument("--prompts", type=int, default=None)
-    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--prompt-len", type=int, default=48)
     ap.add_argument("--new-tokens", type=int, default=None)
     ap.add_argument("--calib-sequences", type=int, default=16)
     ap.add_argument("--threads", type=int, default=2)
@@ -440,10 +441,10 @@ def main() -> None:
     args = ap.parse_args()
     short = args.short
     args.models = args.models or (["mxfp4"] if short else ["mxfp4", "nvfp4"])
-    args.sequences = args.sequences or (2 if short else 16)
+    args.sequences = args.sequences or (2 if short else 8)
     args.length = 128 if short and args.length == 256 else args.length
     args.prompts = args.prompts or (2 if short else 4)
-    args.new_tokens = args.new_tokens or (8 if short else 32)
+    args.new_tokens = args.new_tokens or (8 if short else 16)
     args.calib_sequences = 4 if short and args.calib_sequences == 16 else args.calib_sequences
     t0 = time.perf_counter()
     result = run(args)

@@ -68,15 +68,20 @@ class Proj:
         sign = torch.where((c & 8) > 0, -1.0, 1.0)
         return (sign * m).reshape(E, rows, cols) * self.scale
 
-    def lloyd(self, block: int, iters: int = 12) -> torch.Tensor:
+    def lloyd(self, block: int, iters: int = 10) -> torch.Tensor:
         """Per-block 4-level codebooks (Lloyd iterations from the block's quartile midpoints)."""
         w = self.fp4()
         E, rows, cols = w.shape
         x = w.reshape(-1, block)
         qs = torch.quantile(x, torch.tensor([0.125, 0.375, 0.625, 0.875]), dim=1).T.contiguous()  # [N, 4]
         levels = qs
+
+        def nearest(levels: torch.Tensor) -> torch.Tensor:
+            # the levels stay sorted (each is the mean of the values between its neighbours' midpoints)
+            mids = (levels[:, 1:] + levels[:, :-1]) / 2
+            return (x.unsqueeze(-1) > mids.unsqueeze(1)).sum(-1)
         for _ in range(iters):
-            idx = (x.unsqueeze(-1) - levels.unsqueeze(1)).abs().argmin(-1)
+            idx = nearest(levels)
             sums = torch.zeros_like(levels).scatter_add_(1, idx, x)
             counts = torch.zeros_like(levels).scatter_add_(1, idx, torch.ones_like(x))
             levels = torch.where(counts > 0, sums / counts.clamp_min(1), levels)
@@ -84,7 +89,7 @@ class Proj:
         s = (levels.reshape(E, -1).abs().amax(-1) / FP8_MAX).clamp_min(1e-30)
         stored = (levels.reshape(E, -1) / s[:, None]).to(torch.float8_e4m3fn).float() * s[:, None]
         levels = stored.reshape(-1, 4)
-        idx = (x.unsqueeze(-1) - levels.unsqueeze(1)).abs().argmin(-1)
+        idx = nearest(levels)
         return torch.gather(levels, 1, idx).reshape(E, rows, cols)
 
 
