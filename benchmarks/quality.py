@@ -43,7 +43,7 @@ from moet_cache.runtime.dequant import LayerPlanes, dequant_expert  # noqa: E402
 from moet_cache.units import parse_size  # noqa: E402
 
 from quality_model.metrics import EvalSet, Reference, evaluate, reference  # noqa: E402
-from quality_model.model import ModelSpec, RouterTrace, forward, routed_from_weights  # noqa: E402
+from quality_model.model import ModelSpec, forward, routed_from_weights  # noqa: E402
 from quality_model.reference import Checkpoint, read_checkpoint  # noqa: E402
 from quality_model.variants import LayerCodes, form_weights, mixed_weights, sq_errors  # noqa: E402
 

@@ -4,6 +4,7 @@ benchmarks/results/quality-ci.json. Plus the pieces the ladder's figures rest on
 
 from __future__ import annotations
 
+import itertools
 import json
 import subprocess
 import sys
@@ -63,7 +64,6 @@ def test_the_2_3_4_bit_mix_is_the_best_choice_under_its_budget_on_a_small_case()
 
     def total(fs: list[str]) -> float:
         return sum(float(errs[f][0, e]) for e, f in enumerate(fs))
-    import itertools
     best = min(total(list(fs)) for fs in itertools.product(cost, repeat=4)
                if sum(cost[f] for f in fs) <= 3)
     assert sum(cost[f] for f in forms[0]) <= 3

@@ -47,9 +47,6 @@ def mxfp4_export(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return pack_codes(quantize_to_codes(q.reshape(w.shape))), (k + 127).astype(np.uint8)
 
 
-PROJ_ROWS = {"gate_proj": "w13_gate", "up_proj": "w13_up", "down_proj": "w2"}
-
-
 def expert_weights(w13: torch.Tensor, w2: torch.Tensor, e: int) -> dict[str, np.ndarray]:
     inter = w2.shape[-1]
     return {"gate_proj": w13[e, :inter].float().numpy(), "up_proj": w13[e, inter:].float().numpy(),

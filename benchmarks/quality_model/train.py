@@ -5,7 +5,7 @@ batch a function of (seed, step) alone, and a plain AdamW written out here whose
 safetensors (no pickle), so a killed run resumes from its last state to the same bytes. It also runs on
 CUDA (--device cuda) for a bigger run; CUDA results are not bit-reproducible.
 
-Schedule: BF16-style full-precision training, then quantization-aware training of the routed experts in
+Schedule: full-precision (float32) training, then quantization-aware training of the routed experts in
 MXFP4 (block 32, e8m0 scales; straight-through estimator) for the last --qat-fraction of the steps, as
 DeepSeek-V4-Flash ships its experts. Written at the end (under --out):
   mxfp4/   the QAT model, routed experts MXFP4 (the ladder's main reference)
@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -162,7 +163,6 @@ def main() -> None:
                 params[n].copy_(saved[f"p/{n}"])
                 opt.m[n].copy_(saved[f"m/{n}"])
                 opt.v[n].copy_(saved[f"v/{n}"])
-        from safetensors import safe_open
         with safe_open(str(state_path), "pt") as f:
             start = int(f.metadata()["step"])
         log = json.loads(log_path.read_text())["log"] if log_path.exists() else []

@@ -119,11 +119,6 @@ class LayerCodes:
                    proj_from_planes(p.w2_base, p.w2_delta, p.w2_scale, p.w2_scale_2, p.w2_table, 1))
 
 
-FORMS = ("1bit", "base", "3bit", "fp4")
-#: bits a weight of each nested form's planes (block scales and tables are counted apart)
-FORM_BITS = {"1bit": 1, "base": 2, "3bit": 3, "fp4": 4}
-
-
 def form_weights(lc: LayerCodes, form: str) -> tuple[torch.Tensor, torch.Tensor]:
     def of(p: Proj) -> torch.Tensor:
         return {"fp4": p.fp4, "base": p.base, "3bit": p.three_bit, "1bit": p.one_bit}[form]()
