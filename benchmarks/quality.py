@@ -356,6 +356,10 @@ def ladder_for(ckpt_dir: Path, work: Path, ev: EvalSet, calib: EvalSet, preset: 
         forms3 = [["3bit" if e in three[i] else "base" for e in range(s.experts)] for i in range(s.layers)]
         lad.sim_row(f"3-bit tier, {2 * n4} experts (bytes of tier {label(tag, frac)})", bits_of(forms3),
                     weights_of(forms3), "3-bit tier (sq. error x routing)")
+        by_out = lad.top_experts(out_err, 2 * n4)
+        forms3o = [["3bit" if e in by_out[i] else "base" for e in range(s.experts)] for i in range(s.layers)]
+        lad.sim_row(f"3-bit tier by routed output error, {2 * n4} experts (bytes of tier {label(tag, frac)})",
+                    bits_of(forms3o), weights_of(forms3o), "3-bit tier (routed output error)")
         mix = mix_forms(errs, 2 * n4)
         n3, nf = sum(fl.count("3bit") for fl in mix), sum(fl.count("fp4") for fl in mix)
         lad.sim_row(f"2/3/4 mix: {nf} at 4, {n3} at 3 (bytes of tier {label(tag, frac)})", bits_of(mix), weights_of(mix),
