@@ -34,18 +34,16 @@ from typing import Callable
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from moet_cache.build import BuildOptions, build_cache
+from moet_cache.load import open_cache
+from moet_cache.runtime import fused_moe
+from moet_cache.runtime.dequant import LayerPlanes, dequant_expert
+from moet_cache.units import parse_size
 
-from moet_cache.build import BuildOptions, build_cache  # noqa: E402
-from moet_cache.load import open_cache  # noqa: E402
-from moet_cache.runtime import fused_moe  # noqa: E402
-from moet_cache.runtime.dequant import LayerPlanes, dequant_expert  # noqa: E402
-from moet_cache.units import parse_size  # noqa: E402
-
-from quality_model.metrics import EvalSet, Reference, evaluate, reference  # noqa: E402
-from quality_model.model import ModelSpec, forward, routed_from_weights  # noqa: E402
-from quality_model.reference import Checkpoint, read_checkpoint  # noqa: E402
-from quality_model.variants import LayerCodes, form_weights, mixed_weights, sq_errors  # noqa: E402
+from quality_model.metrics import EvalSet, Reference, evaluate, reference
+from quality_model.model import ModelSpec, forward, routed_from_weights
+from quality_model.reference import Checkpoint, read_checkpoint
+from quality_model.variants import LayerCodes, form_weights, mixed_weights, sq_errors
 
 HERE = Path(__file__).resolve().parent
 MODEL_DIR = HERE / "quality_model"

@@ -14,7 +14,8 @@ import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
+# appended, not prepended: benchmarks/ has modules (faults.py, run.py) named like the tests' own
+sys.path.append(str(ROOT / "benchmarks"))
 
 from quality_model.fp4export import mxfp4_export, mxfp4_fake  # noqa: E402
 from quality_model.reference import unpack_nibbles  # noqa: E402
