@@ -1,0 +1,468 @@
+"""The quality ladder: what each way of storing the routed experts does to a real trained model's output.
+
+On a CPU, one command, from the committed reference model (benchmarks/quality_model/: a small
+DeepSeek-V3-style MoE trained on Python's documentation, MXFP4 by quantization-aware training, and an
+NVFP4 post-training export):
+
+    python benchmarks/quality.py                       # the full ladder: table, results/quality.json, .png
+    python benchmarks/quality.py --short --json-only   # the CI version (tests/test_quality.py)
+
+Each row is one variant of the routed experts; everything else (attention, norms, router, shared
+expert, embeddings) is the model's own torch forward with the dense tensors the cache holds. The
+`path` column says how the routed experts were computed:
+  cache       `moet-cache build` of the checkpoint, the loader (open_cache ... Cache.load) and
+              moet_cache.runtime.fused_moe for every routed expert: the real path
+  cache+sel   the same, with the tier's experts chosen here (a policy the build does not offer) by
+              taking their delta planes from a lossless cache's load
+  sim         weights computed here from the cache's planes (forms the format does not hold: 3-bit,
+              1-bit, per-block Lloyd codebooks), run by the same torch MoE sum
+The metrics are against the FP4 model, decoded straight from the checkpoint (quality_model/metrics.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import json
+import resource
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from moet_cache.build import BuildOptions, build_cache
+from moet_cache.load import open_cache
+from moet_cache.runtime import fused_moe
+from moet_cache.runtime.dequant import LayerPlanes, dequant_expert
+from moet_cache.units import parse_size
+
+from quality_model.metrics import EvalSet, Reference, evaluate, reference
+from quality_model.model import ModelSpec, forward, routed_from_weights
+from quality_model.reference import Checkpoint, read_checkpoint
+from quality_model.variants import LayerCodes, form_weights, mixed_weights, sq_errors
+
+HERE = Path(__file__).resolve().parent
+MODEL_DIR = HERE / "quality_model"
+RESULTS = HERE / "results"
+
+# DeepSeek-V4-Flash on the 96 GB preset: a 4.5 GB delta budget over 43 layers x 256 routed experts of
+# hidden 4096 and expert width 2048, 2 bits a weight of delta plane per expert (3 projections).
+V4_LAYERS, V4_EXPERTS, V4_HIDDEN, V4_WIDTH, V4_BUDGET = 43, 256, 4096, 2048, "4.5GB"
+
+
+def v4_preset_fraction() -> float:
+    per_expert = 3 * V4_HIDDEN * V4_WIDTH // 4
+    return (parse_size(V4_BUDGET) // per_expert) / (V4_LAYERS * V4_EXPERTS)
+
+
+RoutedFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class Row:
+    name: str
+    path: str
+    bits: float                 # resident bits a routed-expert weight (planes, scales, tables, tier)
+    series: str                 # the plot's line: rows of one policy or form at several sizes
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, object]:
+        return {"name": self.name, "path": self.path, "series": self.series, "bits_per_weight": round(self.bits, 4),
+                **{k: float(f"{v:.6g}") for k, v in self.metrics.items()}}
+
+
+class Ladder:
+    def __init__(self, ckpt_dir: Path, work: Path, ev: EvalSet, calib: EvalSet) -> None:
+        self.ckpt_dir, self.work, self.ev = ckpt_dir, work, ev
+        self.ckpt: Checkpoint = read_checkpoint(ckpt_dir)
+        self.spec: ModelSpec = self.ckpt.spec
+        s = self.spec
+        self.expert_weights = 3 * s.hidden * s.expert_width           # weights of one expert
+        self.total_weights = s.layers * s.experts * self.expert_weights
+        self.rows: list[Row] = []
+        ref_fns = [routed_from_weights(w13, w2) for w13, w2 in self.ckpt.experts]
+        self.dense = self.ckpt.dense
+        self.ref: Reference = reference(self.logits(lambda i, x, tw, ti: ref_fns[i](x, tw, ti)), ev)
+        self.calib_trace = self._calibrate(ref_fns, calib)
+
+    # --- plumbing ------------------------------------------------------------------------------------
+    def logits(self, routed: RoutedFn) -> Callable[[torch.Tensor], torch.Tensor]:
+        return lambda tokens: forward(self.dense, self.spec, tokens, routed)
+
+    def _calibrate(self, ref_fns: list, calib: EvalSet) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """Per layer: the calibration tokens' MoE inputs, top-k weights and ids under the FP4 model."""
+        seen: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+
+        def routed(i: int, x: torch.Tensor, tw: torch.Tensor, ti: torch.Tensor) -> torch.Tensor:
+            seen.append((x, tw, ti))
+            return ref_fns[i](x, tw, ti)
+        with torch.no_grad():
+            forward(self.dense, self.spec, calib.tokens[:, :-1], routed, [])
+        return seen
+
+    def routing_counts(self) -> torch.Tensor:
+        """[L, E] top-k slots each expert took on the calibration text."""
+        return torch.stack([torch.bincount(ti.reshape(-1), minlength=self.spec.experts).float()
+                            for _, _, ti in self.calib_trace])
+
+    def write_profile(self) -> Path:
+        counts = self.routing_counts()
+        path = self.work / "routing.json"
+        path.write_text(json.dumps({"format": "moet-cache-routing-profile", "format_version": 1,
+                                    "layers": [{"layer": i, "counts": [int(c) for c in counts[i].tolist()]}
+                                               for i in range(self.spec.layers)]}) + "\n")
+        return path
+
+    def build(self, name: str, **options: object) -> Path:
+        out = self.work / name
+        build_cache(self.ckpt_dir, out, BuildOptions(**options))
+        return out
+
+    @staticmethod
+    def load(cache: Path, delta: str) -> list[dict[str, torch.Tensor]]:
+        # layers come as they complete, in any order
+        loaded = {layer.index: layer.tensors for layer in open_cache(cache).load(device="cpu", delta=delta,
+                                                                               verify="hash")}
+        return [loaded[i] for i in sorted(loaded)]
+
+    def measure(self, name: str, path: str, bits: float, routed: RoutedFn, routed_gen: RoutedFn | None = None,
+                series: str | None = None) -> Row:
+        t0 = time.perf_counter()
+        row = Row(name, path, bits, series or name, evaluate(self.logits(routed), self.ev, self.ref,
+                                             self.logits(routed_gen) if routed_gen else None))
+        self.rows.append(row)
+        print(f"  {name:<48} {path:<9} {bits:6.3f}  kl {row.metrics['kl']:.5f}  "
+              f"({time.perf_counter() - t0:.1f} s)", file=sys.stderr, flush=True)
+        return row
+
+    # --- bytes ---------------------------------------------------------------------------------------
+    def fixed_bits(self, layers: list[dict[str, torch.Tensor]]) -> float:
+        """Block scales, tables and global scales, per weight (the same for every nested form)."""
+        names = ("w13_weight_scale", "w2_weight_scale", "w13_table", "w2_table", "w13_weight_scale_2",
+                 "w2_weight_scale_2")
+        nbytes = sum(t[n].numel() * t[n].element_size() for t in layers for n in names)
+        return nbytes * 8 / self.total_weights
+
+    def tier_bits(self, experts: int, bits_each: int = 2) -> float:
+        return experts * self.expert_weights * bits_each / self.total_weights
+
+    # --- rows through the cache ----------------------------------------------------------------------
+    def cache_row(self, name: str, layers: list[dict[str, torch.Tensor]], path: str = "cache",
+                  series: str | None = None) -> Row:
+        """PPL, KL and top-1 through fused_moe on the loaded planes. The greedy continuation (N more
+        forwards, each of which would dequantize every expert again in fused_moe's CPU path) runs on
+        the weights the runtime's own dequant_expert makes of the same planes, once; how far the two
+        routes' logits are apart on the scored text is recorded with the row (routes_max_abs_diff)."""
+        tier = sum(int(t["delta_experts"].numel()) if "delta_experts" in t else 0 for t in layers)
+        bits = 2 + self.fixed_bits(layers) + self.tier_bits(tier)
+        fns = [routed_from_weights(*dequantized(t)) for t in layers]
+
+        def by_weights(i: int, x: torch.Tensor, tw: torch.Tensor, ti: torch.Tensor) -> torch.Tensor:
+            return fns[i](x, tw, ti)
+
+        def by_fused_moe(i: int, x: torch.Tensor, tw: torch.Tensor, ti: torch.Tensor) -> torch.Tensor:
+            return fused_moe(x, layers[i], tw, ti)
+        row = self.measure(name, path, bits, by_fused_moe, by_weights, series)
+        with torch.no_grad():
+            tokens = self.ev.tokens[:1, :-1]
+            diff = (self.logits(by_fused_moe)(tokens) - self.logits(by_weights)(tokens)).abs().max()
+        row.metrics["routes_max_abs_diff"] = float(diff)
+        return row
+
+    @staticmethod
+    def with_tier(all_layers: list[dict[str, torch.Tensor]], chosen: list[list[int]]) -> list[dict[str, torch.Tensor]]:
+        """A delta="all" load cut down to the chosen experts' delta planes (the loader's delta="tier" form)."""
+        out = []
+        for t, ex in zip(all_layers, chosen):
+            idx = torch.tensor(sorted(ex), dtype=torch.int64)
+            cut = dict(t)
+            cut["w13_delta"], cut["w2_delta"], cut["delta_experts"] = t["w13_delta"][idx], t["w2_delta"][idx], idx
+            out.append(cut)
+        return out
+
+    def top_experts(self, value: torch.Tensor, n: int) -> list[list[int]]:
+        """The n experts of highest value [L, E], across layers (every expert costs the same)."""
+        order = torch.argsort(value.reshape(-1), descending=True, stable=True)[:n].tolist()
+        E = self.spec.experts
+        return [[k % E for k in order if k // E == i] for i in range(self.spec.layers)]
+
+    def output_errors(self, codes: list[LayerCodes]) -> torch.Tensor:
+        """[L, E] routing-weighted output error of each expert's base-only form on the calibration text:
+        sum over its tokens of (top-k weight)^2 * ||y_FP4(x) - y_base(x)||^2."""
+        out = torch.zeros(self.spec.layers, self.spec.experts)
+        for i, (x, tw, ti) in enumerate(self.calib_trace):
+            (f13, f2), (b13, b2) = form_weights(codes[i], "fp4"), form_weights(codes[i], "base")
+            inter = self.spec.expert_width
+            for e in range(self.spec.experts):
+                tok, k = (ti == e).nonzero(as_tuple=True)
+                if tok.numel() == 0:
+                    continue
+                xs = x[tok]
+
+                def y(w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+                    gu = xs @ w13[e].T
+                    return (torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:]) @ w2[e].T
+                out[i, e] = ((tw[tok, k].unsqueeze(1) ** 2) * (y(f13, f2) - y(b13, b2)) ** 2).sum()
+        return out
+
+    # --- rows computed here --------------------------------------------------------------------------
+    def sim_row(self, name: str, bits: float, weights: list[tuple[torch.Tensor, torch.Tensor]],
+                series: str | None = None) -> Row:
+        fns = [routed_from_weights(w13, w2) for w13, w2 in weights]
+        return self.measure(name, "sim", bits, lambda i, x, tw, ti: fns[i](x, tw, ti), series=series)
+
+
+def dequantized(tensors: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every expert's float32 weights (w13 [E, 2I, H], w2 [E, H, I]) from a loaded layer's planes, by the
+    runtime's dequant_expert: FP4 codes for the tier's experts, the table for the rest."""
+    planes = LayerPlanes.from_tensors(tensors)
+    rows = planes.tier_rows()
+    pairs = [dequant_expert(planes, e, rows.get(e)) for e in range(planes.num_experts)]
+    return torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs])
+
+
+def mix_forms(values: dict[str, torch.Tensor], units: int) -> list[list[str]]:
+    """Greedy 2/3/4-bit mix under `units` extra bit-planes (one unit: one more bit a weight of one expert):
+    each step takes the largest error drop per unit (values: form -> [L, E] weighted squared error); an
+    expert's 2-to-4 jump is weighed as its two units together, so a larger second step is not missed."""
+    L, E = values["base"].shape
+    forms = [["base"] * E for _ in range(L)]
+    left = units
+    heap: list[tuple[float, int, int, int]] = []
+
+    def push(i: int, e: int) -> None:
+        cur = forms[i][e]
+        if cur == "base":
+            g1 = float(values["base"][i, e] - values["3bit"][i, e])
+            g2 = float(values["base"][i, e] - values["fp4"][i, e]) / 2
+            heapq.heappush(heap, (-max(g1, g2), i, e, 1 if g1 >= g2 else 2))
+        elif cur == "3bit":
+            heapq.heappush(heap, (-float(values["3bit"][i, e] - values["fp4"][i, e]), i, e, 1))
+    for i in range(L):
+        for e in range(E):
+            push(i, e)
+    while heap and left > 0:
+        gain, i, e, step = heapq.heappop(heap)
+        if gain >= 0 or step > left:
+            if step > left:   # a two-unit jump that no longer fits: take its first unit instead
+                g1 = float(values["base"][i, e] - values["3bit"][i, e])
+                if g1 > 0:
+                    heapq.heappush(heap, (-g1, i, e, 1))
+            continue
+        forms[i][e] = {("base", 1): "3bit", ("base", 2): "fp4", ("3bit", 1): "fp4"}[(forms[i][e], step)]
+        left -= step
+        push(i, e)
+    return forms
+
+
+def run(args: argparse.Namespace) -> dict[str, object]:
+    torch.set_num_threads(args.threads)
+    text = (MODEL_DIR / "data" / "eval-slice.txt").read_bytes()
+    calib_text = (MODEL_DIR / "data" / "calib-slice.txt").read_bytes()
+    ev = EvalSet.from_bytes(text, args.sequences, args.length, args.prompts, args.prompt_len, args.new_tokens)
+    calib = EvalSet.from_bytes(calib_text, args.calib_sequences, args.length, 0, 1, 0)
+    preset = v4_preset_fraction()
+    out: dict[str, object] = {"v4_preset_tier_fraction": round(preset, 6),
+                              "eval": {"sequences": args.sequences, "length": args.length, "prompts": args.prompts,
+                                       "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
+                                       "calib_sequences": args.calib_sequences},
+                              "models": {}}
+    for fmt in args.models:
+        with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
+            print(f"{fmt}:", file=sys.stderr, flush=True)
+            out["models"][fmt] = ladder_for(args.checkpoints / fmt, Path(tmp), ev, calib, preset, args)
+    return out
+
+
+def ladder_for(ckpt_dir: Path, work: Path, ev: EvalSet, calib: EvalSet, preset: float,
+               args: argparse.Namespace) -> dict[str, object]:
+    lad = Ladder(ckpt_dir, work, ev, calib)
+    s = lad.spec
+    n_experts = s.layers * s.experts
+    delta_bytes = n_experts * lad.expert_weights // 4
+
+    def budget(frac: float) -> str:
+        return str(int(round(frac * n_experts)) * (lad.expert_weights // 4))
+
+    x4_all = lad.load(lad.build("lossless-x4", lossless=True, base_table="x4"), "all")
+    fitted = lad.build("lossless-fitted", lossless=True, base_table="fitted")
+    codes = [LayerCodes.from_tensors(i, t) for i, t in enumerate(x4_all)]
+    # The cache's planes hold the checkpoint's FP4 values exactly (checked on the bytes loaded here).
+    for (w13, w2), lc in zip(lad.ckpt.experts, codes):
+        if not (torch.equal(lc.w13.fp4(), w13) and torch.equal(lc.w2.fp4(), w2)):
+            raise SystemExit("the cache's planes do not decode to the checkpoint's FP4 values")
+    fixed = lad.fixed_bits(x4_all)
+    profile = lad.write_profile()
+    counts = lad.routing_counts()
+    default_frac = preset
+    fracs = [("preset", preset)] if args.short else [("5%", 0.05), ("10%", 0.10), ("preset", preset), ("25%", 0.25)]
+
+    def label(tag: str, frac: float) -> str:
+        n = int(round(frac * n_experts))
+        return f"{n}/{n_experts}" + (" (V4 preset)" if tag == "preset" else f" ({tag})")
+
+    # the default cache: what `moet-cache build --delta-budget` writes at the preset's fraction
+    default_cache = lad.build("default", delta_budget=budget(default_frac))
+    default_layers = lad.load(default_cache, "tier")
+    default_row = lad.cache_row(f"default cache: x4 tables, tier {label('preset', default_frac)} by sq. error",
+                                default_layers, series="tier by sq. weight error (the default)")
+    if args.short:
+        return {"rows": [r.to_dict() for r in lad.rows], "default_kl": default_row.metrics["kl"]}
+
+    lad.cache_row("FP4 (every delta plane)", lad.load(fitted, "all"))
+    lad.cache_row("base only, fitted tables", lad.load(fitted, "none"))
+    lad.cache_row("base only, x4 tables", lad.load(lad.work / "lossless-x4", "none"))
+    out_err = lad.output_errors(codes)
+    for tag, frac in fracs:
+        n = int(round(frac * n_experts))
+        if tag != "preset":
+            lad.cache_row(f"tier {label(tag, frac)}: sq. weight error", lad.load(lad.build(f"sq-{tag}",
+                          delta_budget=budget(frac)), "tier"), series="tier by sq. weight error (the default)")
+        lad.cache_row(f"tier {label(tag, frac)}: sq. error x routing (--profile)",
+                      lad.load(lad.build(f"prof-{tag}", delta_budget=budget(frac), profile=str(profile)), "tier"),
+                      series="tier by sq. error x routing (--profile)")
+        lad.cache_row(f"tier {label(tag, frac)}: routing frequency",
+                      lad.with_tier(x4_all, lad.top_experts(counts, n)), "cache+sel",
+                      series="tier by routing frequency")
+        lad.cache_row(f"tier {label(tag, frac)}: routed output error",
+                      lad.with_tier(x4_all, lad.top_experts(out_err, n)), "cache+sel",
+                      series="tier by routed output error")
+
+    # nested forms computed from the planes: 3-bit, mixes, 1-bit cold
+    form_cache = [{f: form_weights(lc, f) for f in ("1bit", "base", "3bit", "fp4")} for lc in codes]
+    weight = counts / counts.sum(1, keepdim=True) * s.experts        # the build's --profile weights
+    errs = {f: torch.stack([sq_errors(lc, fc)[f] for lc, fc in zip(codes, form_cache)]) * weight
+            for f in ("base", "3bit", "fp4", "1bit")}
+
+    def weights_of(forms: list[list[str]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [mixed_weights(lc, f, fc) for lc, f, fc in zip(codes, forms, form_cache)]
+
+    def bits_of(forms: list[list[str]]) -> float:
+        extra = sum({"1bit": -1, "base": 0, "3bit": 1, "fp4": 2}[f] for fl in forms for f in fl)
+        tables3 = sum(1 for fl in forms for f in fl if f == "3bit") * 3 * 4 * 4   # 4 more table entries
+        return 2 + fixed + lad.tier_bits(extra, 1) + tables3 * 8 / lad.total_weights
+
+    lad.sim_row("3-bit, every expert", 3 + fixed + 3 * s.experts * s.layers * 16 * 8 / lad.total_weights,
+                weights_of([["3bit"] * s.experts for _ in range(s.layers)]))
+    for tag, frac in fracs:
+        n4 = int(round(frac * n_experts))
+        three = lad.top_experts(errs["base"] - errs["3bit"], 2 * n4)
+        forms3 = [["3bit" if e in three[i] else "base" for e in range(s.experts)] for i in range(s.layers)]
+        lad.sim_row(f"3-bit tier, {2 * n4} experts (bytes of tier {label(tag, frac)})", bits_of(forms3),
+                    weights_of(forms3), "3-bit tier (sq. error x routing)")
+        by_out = lad.top_experts(out_err, 2 * n4)
+        forms3o = [["3bit" if e in by_out[i] else "base" for e in range(s.experts)] for i in range(s.layers)]
+        lad.sim_row(f"3-bit tier by routed output error, {2 * n4} experts (bytes of tier {label(tag, frac)})",
+                    bits_of(forms3o), weights_of(forms3o), "3-bit tier (routed output error)")
+        mix = mix_forms(errs, 2 * n4)
+        n3, nf = sum(fl.count("3bit") for fl in mix), sum(fl.count("fp4") for fl in mix)
+        lad.sim_row(f"2/3/4 mix: {nf} at 4, {n3} at 3 (bytes of tier {label(tag, frac)})", bits_of(mix), weights_of(mix),
+                    "2/3/4-bit mix (sq. error x routing)")
+    tier_sets = [set(t["delta_experts"].tolist()) for t in default_layers]
+    for cold_frac in (0.10, 0.30):
+        cold = lad.top_experts(-counts + torch.tensor([[1e9 if e in tier_sets[i] else 0.0 for e in range(s.experts)]
+                                                        for i in range(s.layers)]), int(round(cold_frac * n_experts)))
+        forms = [["fp4" if e in tier_sets[i] else "1bit" if e in cold[i] else "base" for e in range(s.experts)]
+                 for i in range(s.layers)]
+        lad.sim_row(f"default + coldest {cold_frac:.0%} at 1 bit", bits_of(forms), weights_of(forms),
+                    "default + coldest at 1 bit")
+    # the same forms as the default cache, computed here: checks the sim path against the real one
+    forms = [["fp4" if e in tier_sets[i] else "base" for e in range(s.experts)] for i in range(s.layers)]
+    check = lad.sim_row("default cache, computed here (check)", bits_of(forms), weights_of(forms))
+    # the non-nested baseline: per-block Lloyd codebooks at 2.25 / 2.5 bits a weight
+    for block in (128, 64):
+        weights = [(lc.w13.lloyd(block), lc.w2.lloyd(block)) for lc in codes]
+        lad.sim_row(f"Lloyd 4-level codebook per {block} weights (not nested)", 2 + 32 / block, weights,
+                    "Lloyd codebooks, not nested")
+    return {"rows": [r.to_dict() for r in lad.rows], "default_kl": default_row.metrics["kl"],
+            "check_sim_vs_cache_kl": [default_row.metrics["kl"], check.metrics["kl"]],
+            "delta_bytes_all_experts": delta_bytes}
+
+
+def table(result: dict[str, object]) -> str:
+    lines = []
+    for fmt, res in result["models"].items():
+        lines.append(f"\n{fmt} reference model (KL, top-1 and greedy against its FP4 model)\n")
+        lines.append(f"| variant | path | bits/weight | PPL | KL | top-1 | greedy |")
+        lines.append("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
+        for r in res["rows"]:
+            lines.append(f"| {r['name']} | {r['path']} | {r['bits_per_weight']:.3f} | {r['ppl']:.4f} | "
+                         f"{r['kl']:.5f} | {r['top1']:.4f} | {r['greedy']:.3f} |")
+    return "\n".join(lines)
+
+
+def plot(result: dict[str, object], path: Path) -> bool:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot", file=sys.stderr)
+        return False
+    fig, axes = plt.subplots(1, len(result["models"]), figsize=(8 * len(result["models"]), 6), squeeze=False)
+    marks = {"cache": "o", "cache+sel": "s", "sim": "^"}
+    for ax, (fmt, res) in zip(axes[0], result["models"].items()):
+        series: dict[str, list[dict]] = {}
+        for r in res["rows"]:
+            if r["kl"] > 0 and "(check)" not in r["name"]:
+                series.setdefault(r["series"], []).append(r)
+        for name, rows in series.items():
+            rows = sorted(rows, key=lambda r: r["bits_per_weight"])
+            ax.plot([r["bits_per_weight"] for r in rows], [r["kl"] for r in rows], marker=marks[rows[0]["path"]],
+                    label=f"{name} [{rows[0]['path']}]", linewidth=1, markersize=5)
+        ax.set_yscale("log")
+        ax.set_xlabel("resident bits per routed-expert weight (planes, scales, tables, tier)")
+        ax.set_ylabel("mean KL(FP4 || variant), nats per byte")
+        ax.set_title(f"{fmt} reference model: KL to FP4 against resident bytes")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+    return True
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--short", action="store_true", help="the CI version: the default cache only, few tokens")
+    ap.add_argument("--models", nargs="+", default=None, help="mxfp4 and/or nvfp4 (default: both; --short: mxfp4)")
+    ap.add_argument("--sequences", type=int, default=None)
+    ap.add_argument("--length", type=int, default=256)
+    ap.add_argument("--prompts", type=int, default=None)
+    ap.add_argument("--prompt-len", type=int, default=48)
+    ap.add_argument("--new-tokens", type=int, default=None)
+    ap.add_argument("--calib-sequences", type=int, default=16)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--checkpoints", type=Path, default=MODEL_DIR / "run", help="the folder holding mxfp4/ and nvfp4/")
+    ap.add_argument("--workdir", default=None, help="where the caches are built (a temporary folder in it)")
+    ap.add_argument("--json", type=Path, default=None, help="where to write the result (default results/quality.json)")
+    ap.add_argument("--json-only", action="store_true", help="print the JSON result, no table or plot")
+    args = ap.parse_args()
+    short = args.short
+    args.models = args.models or (["mxfp4"] if short else ["mxfp4", "nvfp4"])
+    args.sequences = args.sequences or (2 if short else 8)
+    args.length = 128 if short and args.length == 256 else args.length
+    args.prompts = args.prompts or (2 if short else 4)
+    args.new_tokens = args.new_tokens or (8 if short else 16)
+    args.calib_sequences = 4 if short and args.calib_sequences == 16 else args.calib_sequences
+    t0 = time.perf_counter()
+    result = run(args)
+    result["seconds"] = round(time.perf_counter() - t0, 1)
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    result["cpu_seconds"] = round(usage.ru_utime + usage.ru_stime, 1)   # what a machine of its own would take
+    if args.json_only:
+        print(json.dumps(result, indent=1))
+        return
+    RESULTS.mkdir(exist_ok=True)
+    path = args.json or RESULTS / "quality.json"
+    path.write_text(json.dumps(result, indent=1) + "\n")
+    print(table(result))
+    plotted = plot(result, path.with_suffix(".png"))
+    print(f"\nwrote {path}" + (f" and {path.with_suffix('.png')}" if plotted else "") + f" in {result['seconds']} s ({result['cpu_seconds']} s of CPU)")
+
+
+if __name__ == "__main__":
+    main()
