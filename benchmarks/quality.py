@@ -24,7 +24,9 @@ from __future__ import annotations
 import argparse
 import heapq
 import json
+import re
 import resource
+import subprocess
 import sys
 import tempfile
 import time
@@ -36,6 +38,7 @@ import torch
 
 from moet_cache.build import BuildOptions, build_cache
 from moet_cache.load import open_cache
+from moet_cache.quality_curve import CURVE_FILE, REFERENCE_MODELS, curve_from_dict
 from moet_cache.runtime import fused_moe
 from moet_cache.runtime.dequant import LayerPlanes, dequant_expert
 from moet_cache.units import parse_size
@@ -48,6 +51,7 @@ from quality_model.variants import LayerCodes, form_weights, mixed_weights, sq_e
 HERE = Path(__file__).resolve().parent
 MODEL_DIR = HERE / "quality_model"
 RESULTS = HERE / "results"
+CURVE_PATH = HERE.parent / "moet_cache" / CURVE_FILE
 
 # DeepSeek-V4-Flash on the 96 GB preset: a 4.5 GB delta budget over 43 layers x 256 routed experts of
 # hidden 4096 and expert width 2048, 2 bits a weight of delta plane per expert (3 projections).
@@ -425,6 +429,58 @@ def plot(result: dict[str, object], path: Path) -> bool:
     return True
 
 
+# --- the curve `moet-cache plan` and `inspect` read (moet_cache/quality_curve.py) ---------------------------
+
+DEFAULT_SERIES = "tier by sq. weight error (the default)"   # x4 tables, tier by squared weight error
+TIER_OF_ROW = re.compile(r"tier (\d+)/(\d+)")
+
+
+def curve_from_results(result: dict, results: str, commit: str, command: str) -> dict[str, object]:
+    """The quality curve of the default build from a full ladder's results: per reference model, the KL at
+    tier 0 (base only, x4 tables), at each tier size chosen by squared weight error (the fraction read from
+    the row's "tier N/M"), and at 1 (every delta plane: the FP4 model, whose measured KL is float rounding
+    of an exact 0 and is written as 0)."""
+    curves: dict[str, list[dict[str, object]]] = {}
+    for ref in REFERENCE_MODELS:
+        rows = result["models"][ref]["rows"]
+        by_name = {r["name"]: r for r in rows}
+        fp4 = by_name["FP4 (every delta plane)"]
+        if abs(fp4["kl"]) > 1e-6:
+            raise SystemExit(f"{ref}: the FP4 row's KL is {fp4['kl']}, not 0: the results are not the FP4 model's")
+        pts = {0.0: {"fraction": 0.0, "kl": by_name["base only, x4 tables"]["kl"], "row": "base only, x4 tables"},
+               1.0: {"fraction": 1.0, "kl": 0.0, "row": fp4["name"]}}
+        for r in rows:
+            if r["series"] == DEFAULT_SERIES and r["path"] == "cache":
+                m = TIER_OF_ROW.search(r["name"])
+                if m is None:
+                    raise SystemExit(f"{ref}: row {r['name']!r} does not say its tier as N/M")
+                frac = int(m.group(1)) / int(m.group(2))
+                pts[frac] = {"fraction": frac, "kl": r["kl"], "row": r["name"]}
+        curves[ref] = [pts[f] for f in sorted(pts)]
+    doc = {"format": "moet-cache-quality-curve", "format_version": 1, "table_form": "x4",
+           "tier_policy": "squared weight error (moet-cache build --delta-budget, no --profile)",
+           "measure": "mean KL(FP4 || cache) of the next-byte distributions, nats a byte, "
+                      f"{result['eval']['sequences']} held-out windows of {result['eval']['length']} bytes",
+           "model": "the quality ladder's reference models (benchmarks/quality_model: a 4-layer DeepSeek-V3-style "
+                    "MoE over bytes, 32 routed experts a layer, MXFP4 by QAT and an NVFP4 export; docs/QUALITY.md)",
+           "results": results, "results_commit": commit, "command": command, "curves": curves}
+    curve_from_dict(doc, "the curve written")   # refuses what the loader would refuse
+    return doc
+
+
+def write_curve(results: Path, out: Path) -> None:
+    """Write the curve from a results file, naming the commit that last recorded it."""
+    rel = results.resolve().relative_to(HERE.parent).as_posix()
+    commit = subprocess.run(["git", "log", "-1", "--format=%H", "--", rel], cwd=HERE.parent, capture_output=True,
+                            text=True, check=True).stdout.strip()
+    dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", rel], cwd=HERE.parent).returncode != 0
+    if not commit or dirty:
+        raise SystemExit(f"{rel} differs from its last commit: commit the results before writing the curve")
+    doc = curve_from_results(json.loads(results.read_text()), rel, commit, "python benchmarks/quality.py")
+    out.write_text(json.dumps(doc, indent=1) + "\n")
+    print(f"wrote {out} from {rel} at {commit[:12]}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--short", action="store_true", help="the CI version: the default cache only, few tokens")
@@ -440,7 +496,13 @@ def main() -> None:
     ap.add_argument("--workdir", default=None, help="where the caches are built (a temporary folder in it)")
     ap.add_argument("--json", type=Path, default=None, help="where to write the result (default results/quality.json)")
     ap.add_argument("--json-only", action="store_true", help="print the JSON result, no table or plot")
+    ap.add_argument("--write-curve", action="store_true",
+                    help="run nothing: write moet_cache/quality_curve.json from the results (--json, default "
+                         "results/quality.json) as last committed")
     args = ap.parse_args()
+    if args.write_curve:
+        write_curve(args.json or RESULTS / "quality.json", CURVE_PATH)
+        return
     short = args.short
     args.models = args.models or (["mxfp4"] if short else ["mxfp4", "nvfp4"])
     args.sequences = args.sequences or (2 if short else 8)
