@@ -8,6 +8,7 @@ from typing import Annotated
 import typer
 
 from moet_cache.inspection import inspect_view
+from moet_cache.quality_curve import QUALITY_DOC
 from moet_cache.units import fmt_bytes
 
 from ._boot import checked_view
@@ -50,3 +51,7 @@ def inspect(
     out.print(f"totals: base {fmt_bytes(info.base_bytes)}, delta tier {fmt_bytes(info.delta_tier_bytes)} "
               f"({info.tier_experts}/{info.total_experts} experts), lossless deltas {fmt_bytes(info.delta_all_bytes)}, "
               f"dense {fmt_bytes(info.dense_bytes)}, all files {fmt_bytes(info.total_bytes)}")
+    r = info.reference_kl
+    if r is not None:
+        out.print(f"tier {r.fraction:.1%} of the main layers' experts: on the {r.reference.upper()} reference model "
+                  f"a default build's tier of that fraction gives KL to FP4 {r.kl:.4f} nats a byte ({QUALITY_DOC})")

@@ -12,6 +12,7 @@ import typer
 from moet_cache import serving, vram
 from moet_cache.errors import InputError
 from moet_cache.folders import FolderKind, folder_kind
+from moet_cache.quality_curve import QUALITY_DOC, QualityCurve, TierChange, packaged_curve, tier_change
 from moet_cache.units import GIB, parse_size, parse_tokens
 
 from ._boot import checked_view
@@ -25,9 +26,28 @@ def _g(n: float) -> str:
     return f"{n / GIB:.2f}" if abs(n) >= GIB / 100 or n == 0 else f"{n / GIB:.5f}"
 
 
-def plan_document(p: vram.Plan) -> dict:
+def tier_gain(p: vram.Plan, curve: QualityCurve) -> TierChange | None:
+    """What the free bytes' extra tier experts do to the reference model's KL (quality_curve.py)."""
+    fp = p.footprint
+    return tier_change(curve, fp.tier_experts, p.extra_delta_experts, fp.total_experts, fp.source_format)
+
+
+def tier_gain_document(p: vram.Plan, curve: QualityCurve) -> dict | None:
+    gain = tier_gain(p, curve)
+    if gain is None:
+        return None
+    return {"reference_model": gain.reference, "tier_fraction": gain.fraction,
+            "tier_fraction_after": gain.fraction_after, "tier_bytes_added": p.extra_delta_experts
+            * p.footprint.expert_delta_bytes, "kl_to_fp4": gain.kl, "kl_to_fp4_after": gain.kl_after,
+            "kl_change_percent": gain.change_percent, "table_form": curve.table_form,
+            "tier_policy": curve.tier_policy, "measured_by": curve.command, "results": curve.results,
+            "results_commit": curve.results_commit, "doc": QUALITY_DOC}
+
+
+def plan_document(p: vram.Plan, curve: QualityCurve | None = None) -> dict:
     """The plan as one JSON document: every figure in bytes and in GiB."""
     fp, s = p.footprint, p.settings
+    curve = curve or packaged_curve()
     terms = {"base_planes": p.base, "delta_tier": p.delta, "dense": p.dense, "mtp_weights": p.mtp_weights,
              "cudagraph_reserve": p.cudagraph, "activation_reserve": p.activations, "kv_cache": p.kv}
     v4 = p.v4_kv
@@ -57,6 +77,7 @@ def plan_document(p: vram.Plan) -> dict:
         "longest_context": p.context_limit, "longest_context_kv": p.longest_context,
         "buys": {"extra_full_length_sequences": p.extra_full_seqs, "extra_delta_experts": p.extra_delta_experts,
                  "delta_experts": [fp.tier_experts, fp.total_experts],
+                 "delta_experts_reference_kl": tier_gain_document(p, curve),
                  "mtp_bytes": p.mtp_need, "mtp_fits": p.mtp_fits},
         "suggestions": [{"change": x.change, "setting": x.setting, "margin_bytes": x.margin, "where": x.where,
                          "advice": x.advice(), "thin_margin": x.thin(p.budget)} for x in p.suggestions],
@@ -77,8 +98,9 @@ def _kv_row(p: vram.Plan) -> list[str]:
             f"layers, {s.kv_cache_dtype if s.kv_bytes_per_token is None else 'given'})"]
 
 
-def show_plan(out: Output, p: vram.Plan) -> None:
+def show_plan(out: Output, p: vram.Plan, curve: QualityCurve | None = None) -> None:
     fp, s = p.footprint, p.settings
+    curve = curve or packaged_curve()
     how = "exact bytes from the cache's manifests" if fp.exact else "computed from config.json and the shard headers"
     out.print(f"{fp.path}: {fp.served_layers} served MoE layers ({how})")
     out.print(f"GPU {s.gpu.name} ({s.gpu.note}): {_g(s.gpu.total_bytes)} GiB x {s.utilization} = {_g(p.budget)} GiB "
@@ -110,6 +132,12 @@ def show_plan(out: Output, p: vram.Plan) -> None:
         out.print(f"  a context of {p.context_limit} tokens for {s.max_num_seqs} sequence(s)")
         out.print(f"  {p.extra_delta_experts} more delta-tier experts "
                   f"({fp.tier_experts + p.extra_delta_experts} of {fp.total_experts}): moet-cache retier")
+        gain = tier_gain(p, curve)
+        if gain is not None:
+            out.print(f"    +{_g(p.extra_delta_experts * fp.expert_delta_bytes)} GiB of tier, "
+                      f"{gain.fraction:.1%} -> {gain.fraction_after:.1%} of experts: KL to FP4 "
+                      f"{gain.change_percent:+.1f}% on the {gain.reference.upper()} reference model "
+                      f"({gain.kl:.4f} -> {gain.kl_after:.4f} nats a byte; {QUALITY_DOC})")
     else:
         short = f"short by {_g(-p.margin)} GiB. " if p.margin < 0 else ""
         out.result(styled("does not fit", "red", f": {short}Deciding term: {p.deciding}"))
@@ -201,9 +229,10 @@ def plan(
         cudagraph_reserve=parse_size(cudagraph_reserve, what="--cudagraph-reserve") if cudagraph_reserve else None,
         activation_reserve=parse_size(activation_reserve, what="--activation-reserve") if activation_reserve else None)
     p = vram.make_plan(fp, settings)
+    curve = packaged_curve()
     if out.json_mode:
-        out.json({**plan_document(p), "preset": preset}, EXIT_OK if p.fits else EXIT_PROBLEM)
+        out.json({**plan_document(p, curve), "preset": preset}, EXIT_OK if p.fits else EXIT_PROBLEM)
     else:
         out.print(f"settings: the {preset} preset `moet-cache serve` starts, with the flags given here")
-        show_plan(out, p)
+        show_plan(out, p, curve)
     raise typer.Exit(EXIT_OK if p.fits else EXIT_PROBLEM)

@@ -9,7 +9,8 @@ from dataclasses import dataclass
 from . import layout as L
 from .cacheview import CacheView, open_view
 from .families import Family
-from .manifest import BuildParams
+from .manifest import BuildParams, LayerKind
+from .quality_curve import TierKl, packaged_curve, tier_kl
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,7 @@ class CacheInfo:
     total_experts: int
     family: str = ""
     served_blocks: str = ""     # how the served layers relate to the model's blocks (main, drafters)
+    reference_kl: TierKl | None = None  # the quality ladder's reference model at the main layers' tier fraction
 
 
 def inspect_cache(root: str | os.PathLike[str]) -> CacheInfo:
@@ -72,11 +74,14 @@ def inspect_view(cf: CacheView) -> CacheInfo:
             sum(r for e, r in enumerate(rel) if e not in tier) / len(rel),
             lm.source_format or m.source_layout, f"{geo.w13_form}/{geo.w2_form}", base / geo.weights))
     fam = cf.family
+    main = [i for i in infos if i.kind != LayerKind.MTP]
+    ref_kl = tier_kl(packaged_curve(), sum(i.delta_experts for i in main), sum(i.experts for i in main),
+                     main[0].source_format) if main else None
     return CacheInfo(
         str(root), m.source_path, m.source_layout, m.tool_version, m.created, m.build, tuple(infos),
         cf.bytes_of(L.Role.BASE), sum(i.delta_bytes for i in infos), cf.bytes_of(L.Role.DELTA_ALL),
         cf.bytes_of(L.Role.DENSE), cf.bytes_of(), sum(i.delta_experts for i in infos), sum(i.experts for i in infos),
-        fam.name, served_blocks(fam, m.build.layers))
+        fam.name, served_blocks(fam, m.build.layers), ref_kl)
 
 
 def served_blocks(fam: Family, served: tuple[int, ...]) -> str:

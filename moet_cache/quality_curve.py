@@ -18,7 +18,7 @@ from importlib import resources
 from pathlib import Path
 
 from .errors import InputError
-from .formats import FORMATS, MXFP4
+from .formats import FORMATS, LAYOUT_FORMAT, MXFP4
 
 CURVE_FILE = "quality_curve.json"
 CURVE_FORMAT = "moet-cache-quality-curve"
@@ -83,9 +83,10 @@ class TierKl:
 
 
 def reference_for(source_format: str) -> str | None:
-    """The reference model for a cache's expert format: MXFP4 sources get the MXFP4 model's curve, NVFP4
-    sources (ModelOpt or compressed-tensors) the NVFP4 one; None for a format the ladder has no model of."""
-    fmt = FORMATS.get(source_format)
+    """The reference model for an expert format (formats.FORMATS) or a source layout (enums.SourceLayout):
+    MXFP4 gets the MXFP4 model's curve, NVFP4 (ModelOpt or compressed-tensors) the NVFP4 one; None for
+    anything else."""
+    fmt = FORMATS.get(source_format) or LAYOUT_FORMAT.get(source_format)
     if fmt is None:
         return None
     return "mxfp4" if fmt is MXFP4 else "nvfp4"
@@ -150,3 +151,29 @@ def tier_kl(curve: QualityCurve, tier_experts: int, total_experts: int, source_f
         return None
     fraction = min(tier_experts, total_experts) / total_experts
     return TierKl(ref, fraction, curve.kl_at(fraction, ref))
+
+
+@dataclass(frozen=True)
+class TierChange:
+    """The reference model's KL before and after a tier grows (or shrinks) by some experts."""
+
+    reference: str
+    fraction: float
+    fraction_after: float
+    kl: float
+    kl_after: float
+
+    @property
+    def change_percent(self) -> float:
+        """The KL's relative change in percent (negative: closer to FP4); 0 when the tier is already FP4."""
+        return (self.kl_after - self.kl) / self.kl * 100 if self.kl else 0.0
+
+
+def tier_change(curve: QualityCurve, tier_experts: int, added: int, total_experts: int,
+                source_format: str) -> TierChange | None:
+    """What `added` more tier experts do on the reference model for this source format (None: no model)."""
+    now = tier_kl(curve, tier_experts, total_experts, source_format)
+    after = tier_kl(curve, tier_experts + added, total_experts, source_format)
+    if now is None or after is None:
+        return None
+    return TierChange(now.reference, now.fraction, after.fraction, now.kl, after.kl)

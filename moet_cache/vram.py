@@ -178,6 +178,7 @@ class Footprint:
     mtp_exact: bool
     attention: Attention
     model: dict[str, Any] = field(default_factory=dict)
+    source_format: str = ""       # the first served layer's expert format (formats.FORMATS) or source layout
 
     def with_tier(self, budget_bytes: int) -> Footprint:
         """The same cache with the tier a budget would choose (whole experts, at most every expert)."""
@@ -246,11 +247,12 @@ def footprint_from_checkpoint(path: str | os.PathLike[str], delta_budget: str | 
             else:
                 dense += n
         cfg = dict(ck.config)
+        source_format = ck.layer_format(served[0]).name
     edb = expert_delta_bytes(m)
     total_experts = len(served) * m.n_routed_experts
     budget = parse_budget(delta_budget or DEFAULT_DELTA_BUDGET, total_experts * edb, what="delta budget")
     fp = Footprint("checkpoint", str(path), False, base, 0, dense, edb, 0, total_experts, len(served), mtp_dense,
-                   mtp_dense > 0, attention_from_config(cfg), cfg)
+                   mtp_dense > 0, attention_from_config(cfg), cfg, source_format)
     return fp.with_tier(budget)
 
 
@@ -299,10 +301,16 @@ def footprint_of_view(cf: CacheView, delta_budget: str | None = None) -> Footpri
     if not mtp_exact and m.num_nextn_predict_layers:
         mtp = _mtp_estimate(m, dense // max(1, m.num_hidden_layers))
     fp = Footprint("cache", str(cf.root), True, base, tier_experts * edb, dense, edb, tier_experts,
-                   total_experts, len(main_layers), mtp, mtp_exact, attention_from_config(cfg), cfg)
+                   total_experts, len(main_layers), mtp, mtp_exact, attention_from_config(cfg), cfg,
+                   _source_format(cf, main_layers))
     if delta_budget is not None:
         fp = fp.with_tier(parse_budget(delta_budget, total_experts * edb, what="delta budget"))
     return fp
+
+
+def _source_format(cf: CacheView, main_layers: list[int]) -> str:
+    """The first served main layer's expert format, or the source layout where its manifest names none."""
+    return (cf.layers[main_layers[0]].source_format if main_layers else "") or str(cf.manifest.source_layout)
 
 
 def read_footprint(path: str | os.PathLike[str], delta_budget: str | None = None) -> Footprint:
