@@ -1,0 +1,211 @@
+"""The quality curve plan and inspect read: its figures are the ladder's results, it interpolates between
+them and nothing beyond, a malformed file is refused, and plan and inspect print and emit its figures for
+real caches (a synthetic NVFP4 one, and the MXFP4 reference model itself built as the default build does)."""
+
+from __future__ import annotations
+
+import copy
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from moet_cache import BuildOptions, build_cache, make_checkpoint, small_spec
+from moet_cache.cli.app import app
+from moet_cache.errors import InputError
+from moet_cache.quality_curve import CURVE_FILE, REFERENCE_MODELS, packaged_curve, read_curve, reference_for, \
+    tier_change
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "benchmarks" / "results" / "quality.json"
+CURVE_JSON = REPO / "moet_cache" / CURVE_FILE
+MXFP4_CKPT = REPO / "benchmarks" / "quality_model" / "run" / "mxfp4"
+sys.path.append(str(REPO / "benchmarks"))   # appended: benchmarks/faults.py must not shadow tests/faults
+
+from quality import curve_from_results  # noqa: E402  (benchmarks/quality.py, after the path above)
+
+
+def test_the_packaged_curve_is_the_ladders_results() -> None:
+    """Every point is a row of results/quality.json with its KL as recorded and its fraction the row's N/M;
+    the points are base only (x4), every default-build tier and FP4 (KL 0, measured as float rounding of 0)."""
+    results = json.loads(RESULTS.read_text())
+    curve = packaged_curve()
+    assert curve.results == "benchmarks/results/quality.json" and curve.table_form == "x4"
+    for ref in REFERENCE_MODELS:
+        rows = {r["name"]: r for r in results["models"][ref]["rows"]}
+        default_tiers = sorted(r["name"] for r in rows.values()
+                               if r["series"] == "tier by sq. weight error (the default)")
+        pts = curve.points(ref)
+        assert sorted(p.row for p in pts[1:-1]) == default_tiers
+        assert pts[0].row == "base only, x4 tables" and pts[-1].row == "FP4 (every delta plane)"
+        assert len(pts) == 6   # 0, 5%, the preset's 8/128, 10%, 25%, 100%
+        for p in pts[:-1]:
+            assert p.kl == rows[p.row]["kl"]
+        assert abs(rows[pts[-1].row]["kl"]) < 1e-6 and pts[-1].kl == 0.0
+        for p in pts[1:-1]:
+            n, m = p.row.split("tier ")[1].split(" ")[0].split("/")
+            assert p.fraction == int(n) / int(m)
+
+
+def test_the_curve_is_what_its_writer_makes_of_the_results_at_its_commit() -> None:
+    """Writing the curve again from results/quality.json gives the packaged file; the commit it names holds
+    that results file as it is now."""
+    doc = json.loads(CURVE_JSON.read_text())
+    results = json.loads(RESULTS.read_text())
+    assert curve_from_results(results, doc["results"], doc["results_commit"], doc["command"]) == doc
+    at_commit = subprocess.run(["git", "show", f"{doc['results_commit']}:{doc['results']}"], cwd=REPO,
+                               capture_output=True, check=True).stdout
+    assert json.loads(at_commit) == results
+
+
+def test_kl_at_is_exact_at_measured_points_and_linear_between() -> None:
+    curve = packaged_curve()
+    for ref in REFERENCE_MODELS:
+        pts = curve.points(ref)
+        for p in pts:
+            assert curve.kl_at(p.fraction, ref) == p.kl
+        for lo, hi in zip(pts, pts[1:]):
+            mid = (lo.fraction + hi.fraction) / 2
+            assert curve.kl_at(mid, ref) == pytest.approx((lo.kl + hi.kl) / 2, rel=1e-12)
+    with pytest.raises(InputError):
+        curve.kl_at(1.01, "mxfp4")
+    with pytest.raises(InputError):
+        curve.kl_at(-0.01, "nvfp4")
+
+
+def test_kl_at_is_monotone_where_the_data_are() -> None:
+    """Within each pair of neighbouring measured points the curve moves one way, the way the data do, and
+    stays between them (the MXFP4 data rise from 5% to 10%: the curve rises there too)."""
+    curve = packaged_curve()
+    for ref in REFERENCE_MODELS:
+        pts = curve.points(ref)
+        for lo, hi in zip(pts, pts[1:]):
+            grid = [lo.fraction + (hi.fraction - lo.fraction) * k / 20 for k in range(21)]
+            kls = [curve.kl_at(f, ref) for f in grid]
+            steps = [b - a for a, b in zip(kls, kls[1:])]
+            assert all(s <= 1e-15 for s in steps) if hi.kl <= lo.kl else all(s >= -1e-15 for s in steps)
+            assert min(lo.kl, hi.kl) - 1e-15 <= min(kls) and max(kls) <= max(lo.kl, hi.kl) + 1e-15
+
+
+def test_reference_model_by_expert_format() -> None:
+    assert reference_for("mxfp4") == "mxfp4"
+    assert reference_for("modelopt-nvfp4") == reference_for("ct-nvfp4") == "nvfp4"
+    assert reference_for("modelopt") == reference_for("compressed-tensors") == "nvfp4"   # source layouts
+    assert reference_for("fp8") is None and reference_for("") is None
+
+
+def _mutations() -> list[tuple[str, object]]:
+    good = json.loads(CURVE_JSON.read_text())
+
+    def changed(fn) -> dict:
+        d = copy.deepcopy(good)
+        fn(d)
+        return d
+    return [
+        ("not an object", [1, 2]),
+        ("other format", changed(lambda d: d.update(format="moet-cache"))),
+        ("no commit", changed(lambda d: d.pop("results_commit"))),
+        ("a model missing", changed(lambda d: d["curves"].pop("nvfp4"))),
+        ("points out of order", changed(lambda d: d["curves"]["mxfp4"].reverse())),
+        ("no point at 0", changed(lambda d: d["curves"]["mxfp4"].pop(0))),
+        ("KL at 1 not 0", changed(lambda d: d["curves"]["nvfp4"][-1].update(kl=0.01))),
+        ("negative KL", changed(lambda d: d["curves"]["mxfp4"][2].update(kl=-0.1))),
+        ("KL not a number", changed(lambda d: d["curves"]["mxfp4"][2].update(kl="0.07"))),
+        ("KL NaN", changed(lambda d: d["curves"]["mxfp4"][2].update(kl=float("nan")))),
+        ("a point without its row", changed(lambda d: d["curves"]["mxfp4"][1].pop("row"))),
+    ]
+
+
+@pytest.mark.parametrize("what, doc", _mutations(), ids=[m[0] for m in _mutations()])
+def test_a_malformed_curve_is_refused(tmp_path: Path, what: str, doc: object) -> None:
+    path = tmp_path / CURVE_FILE
+    path.write_text(json.dumps(doc))
+    with pytest.raises(InputError, match="is not a quality curve"):
+        read_curve(path)
+
+
+def test_a_curve_that_is_not_json_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / CURVE_FILE
+    path.write_bytes(CURVE_JSON.read_bytes()[:-40])
+    with pytest.raises(InputError, match="is not a quality curve"):
+        read_curve(path)
+    assert read_curve(CURVE_JSON) == packaged_curve()
+
+
+@pytest.fixture(scope="module")
+def nvfp4_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    d = tmp_path_factory.mktemp("curve")
+    src = make_checkpoint(d / "src", small_spec(seed=7, n_routed_experts=8, num_hidden_layers=3))
+    build_cache(src, d / "cache", BuildOptions(delta_budget="25%"))
+    return d / "cache"
+
+
+@pytest.fixture(scope="module")
+def reference_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The MXFP4 reference model built as the ladder's default cache row was: x4 tables, 8 of its 128
+    experts (24,576 bytes of delta planes each) by squared weight error."""
+    out = tmp_path_factory.mktemp("curve-ref") / "cache"
+    build_cache(MXFP4_CKPT, out, BuildOptions(delta_budget=str(8 * 24576)))
+    return out
+
+
+def test_plan_says_what_the_free_bytes_tier_does_to_the_reference_kl(nvfp4_cache: Path) -> None:
+    args = ["plan", str(nvfp4_cache), "--gpu", "h100-80g", "--max-model-len", "4096"]
+    r = CliRunner().invoke(app, [*args, "--json"])
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    tier, total = doc["buys"]["delta_experts"]
+    extra = doc["buys"]["extra_delta_experts"]
+    assert (tier, total) == (4, 16) and extra == 12
+    gain = doc["buys"]["delta_experts_reference_kl"]
+    curve = packaged_curve()
+    assert gain["reference_model"] == "nvfp4"   # a ModelOpt NVFP4 source
+    assert gain["tier_fraction"] == 0.25 and gain["tier_fraction_after"] == 1.0
+    assert gain["kl_to_fp4"] == curve.kl_at(0.25, "nvfp4") == 0.0753221   # the ladder's 32/128 row
+    assert gain["kl_to_fp4_after"] == 0.0 and gain["kl_change_percent"] == -100.0
+    assert gain["tier_bytes_added"] == 12 * (doc["terms_bytes"]["delta_tier"] // 4)
+    assert gain["results_commit"] == curve.results_commit and gain["doc"] == "docs/QUALITY.md"
+    text = CliRunner().invoke(app, args)
+    assert text.exit_code == 0
+    assert ("25.0% -> 100.0% of experts: KL to FP4 -100.0% on the NVFP4 reference model "
+            "(0.0753 -> 0.0000 nats a byte; docs/QUALITY.md)") in " ".join(text.stdout.split())
+
+
+def test_plan_of_a_retiered_budget_interpolates_between_measured_tiers(nvfp4_cache: Path) -> None:
+    """--delta-budget 1 expert's bytes: 1 of 16 (6.25%) now, 16 of 16 after; both figures from the curve."""
+    r = CliRunner().invoke(app, ["plan", str(nvfp4_cache), "--json", "--gpu", "h100-80g", "--max-model-len",
+                                 "4096", "--delta-budget", "6.25%"])
+    gain = json.loads(r.stdout)["buys"]["delta_experts_reference_kl"]
+    want = tier_change(packaged_curve(), 1, 15, 16, "modelopt-nvfp4")
+    assert gain["tier_fraction"] == 1 / 16 and gain["kl_to_fp4"] == want.kl == 0.0883397   # the preset row
+    assert gain["kl_change_percent"] == want.change_percent == -100.0
+
+
+def test_plan_of_the_mxfp4_reference_checkpoint_uses_the_mxfp4_curve() -> None:
+    r = CliRunner().invoke(app, ["plan", str(MXFP4_CKPT), "--json", "--gpu", "1GiB", "--kv-bytes-per-token",
+                                 "1024", "--max-model-len", "256", "--delta-budget", str(8 * 24576)])
+    assert r.exit_code == 0, r.output
+    buys = json.loads(r.stdout)["buys"]
+    gain = buys["delta_experts_reference_kl"]
+    assert buys["delta_experts"] == [8, 128] and gain["reference_model"] == "mxfp4"
+    assert gain["kl_to_fp4"] == 0.0768577   # the ladder's default cache row: this very build
+    n = 8 + buys["extra_delta_experts"]
+    assert gain["kl_to_fp4_after"] == packaged_curve().kl_at(n / 128, "mxfp4")
+
+
+def test_inspect_says_the_reference_kl_at_the_caches_tier(reference_cache: Path) -> None:
+    r = CliRunner().invoke(app, ["inspect", str(reference_cache), "--json"])
+    assert r.exit_code == 0, r.output
+    ref = json.loads(r.stdout)["reference_kl"]
+    assert ref == {"reference": "mxfp4", "fraction": 8 / 128, "kl": 0.0768577}
+    text = " ".join(CliRunner().invoke(app, ["inspect", str(reference_cache)]).stdout.split())
+    assert ("tier 6.2% of the main layers' experts: on the MXFP4 reference model a default build's tier of "
+            "that fraction gives KL to FP4 0.0769 nats a byte (docs/QUALITY.md)") in text
+
+
+def test_inspect_of_an_nvfp4_cache_uses_the_nvfp4_curve(nvfp4_cache: Path) -> None:
+    ref = json.loads(CliRunner().invoke(app, ["inspect", str(nvfp4_cache), "--json"]).stdout)["reference_kl"]
+    assert ref == {"reference": "nvfp4", "fraction": 0.25, "kl": 0.0753221}
