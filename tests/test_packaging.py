@@ -57,6 +57,11 @@ def test_wheel_carries_every_schema_byte_for_byte(wheel: zipfile.ZipFile) -> Non
         assert wheel.read(f"moet_cache/manifests/{p.name}") == p.read_bytes(), p.name
 
 
+def test_wheel_carries_the_quality_curve(wheel: zipfile.ZipFile) -> None:
+    """plan and inspect read moet_cache/quality_curve.json (moet_cache.quality_curve.packaged_curve)."""
+    assert wheel.read("moet_cache/quality_curve.json") == (REPO / "moet_cache" / "quality_curve.json").read_bytes()
+
+
 def test_wheel_carries_every_module(wheel: zipfile.ZipFile) -> None:
     """Every .py (and .cu) of moet_cache/, cli/ and manifests/ lands where pyproject maps it; no top-level
     `cli`."""
