@@ -473,7 +473,8 @@ def write_curve(results: Path, out: Path) -> None:
     rel = results.resolve().relative_to(HERE.parent).as_posix()
     commit = subprocess.run(["git", "log", "-1", "--format=%H", "--", rel], cwd=HERE.parent, capture_output=True,
                             text=True, check=True).stdout.strip()
-    dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", rel], cwd=HERE.parent).returncode != 0
+    dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", rel], cwd=HERE.parent,
+                           check=False).returncode != 0
     if not commit or dirty:
         raise SystemExit(f"{rel} differs from its last commit: commit the results before writing the curve")
     doc = curve_from_results(json.loads(results.read_text()), rel, commit, "python benchmarks/quality.py")

@@ -11,6 +11,7 @@ size means on the reference model: the figures rank tier sizes, they are not the
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from dataclasses import dataclass
@@ -57,7 +58,7 @@ class QualityCurve:
         if not 0.0 <= fraction <= 1.0:
             raise InputError(f"a tier fraction must be within 0 and 1, got {fraction}")
         pts = self.points(reference)
-        for lo, hi in zip(pts, pts[1:]):
+        for lo, hi in itertools.pairwise(pts):
             if lo.fraction <= fraction <= hi.fraction:
                 if hi.fraction == lo.fraction:
                     return lo.kl

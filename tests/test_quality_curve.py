@@ -5,6 +5,7 @@ real caches (a synthetic NVFP4 one, and the MXFP4 reference model itself built a
 from __future__ import annotations
 
 import copy
+import itertools
 import json
 import subprocess
 import sys
@@ -16,8 +17,8 @@ from typer.testing import CliRunner
 from moet_cache import BuildOptions, build_cache, make_checkpoint, small_spec
 from moet_cache.cli.app import app
 from moet_cache.errors import InputError
-from moet_cache.quality_curve import CURVE_FILE, REFERENCE_MODELS, packaged_curve, read_curve, reference_for, \
-    tier_change
+from moet_cache.quality_curve import (CURVE_FILE, REFERENCE_MODELS, packaged_curve, read_curve, reference_for,
+                                      tier_change)
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results" / "quality.json"
@@ -67,7 +68,7 @@ def test_kl_at_is_exact_at_measured_points_and_linear_between() -> None:
         pts = curve.points(ref)
         for p in pts:
             assert curve.kl_at(p.fraction, ref) == p.kl
-        for lo, hi in zip(pts, pts[1:]):
+        for lo, hi in itertools.pairwise(pts):
             mid = (lo.fraction + hi.fraction) / 2
             assert curve.kl_at(mid, ref) == pytest.approx((lo.kl + hi.kl) / 2, rel=1e-12)
     with pytest.raises(InputError):
@@ -82,10 +83,10 @@ def test_kl_at_is_monotone_where_the_data_are() -> None:
     curve = packaged_curve()
     for ref in REFERENCE_MODELS:
         pts = curve.points(ref)
-        for lo, hi in zip(pts, pts[1:]):
+        for lo, hi in itertools.pairwise(pts):
             grid = [lo.fraction + (hi.fraction - lo.fraction) * k / 20 for k in range(21)]
             kls = [curve.kl_at(f, ref) for f in grid]
-            steps = [b - a for a, b in zip(kls, kls[1:])]
+            steps = [b - a for a, b in itertools.pairwise(kls)]
             assert all(s <= 1e-15 for s in steps) if hi.kl <= lo.kl else all(s >= -1e-15 for s in steps)
             assert min(lo.kl, hi.kl) - 1e-15 <= min(kls) and max(kls) <= max(lo.kl, hi.kl) + 1e-15
 
