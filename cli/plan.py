@@ -32,16 +32,34 @@ def tier_gain(p: vram.Plan, curve: QualityCurve) -> TierChange | None:
     return tier_change(curve, fp.tier_experts, p.extra_delta_experts, fp.total_experts, fp.source_format)
 
 
-def tier_gain_document(p: vram.Plan, curve: QualityCurve) -> dict | None:
-    gain = tier_gain(p, curve)
-    if gain is None:
+def suggestion_tier_change(p: vram.Plan, x: vram.Suggestion, curve: QualityCurve) -> TierChange | None:
+    """What a suggestion's smaller tier costs on the reference model (None: it keeps the tier)."""
+    fp = p.footprint
+    if x.tier_experts is None:
         return None
-    return {"reference_model": gain.reference, "tier_fraction": gain.fraction,
-            "tier_fraction_after": gain.fraction_after, "tier_bytes_added": p.extra_delta_experts
-            * p.footprint.expert_delta_bytes, "kl_to_fp4": gain.kl, "kl_to_fp4_after": gain.kl_after,
-            "kl_change_percent": gain.change_percent, "table_form": curve.table_form,
+    return tier_change(curve, fp.tier_experts, x.tier_experts - fp.tier_experts, fp.total_experts,
+                       fp.source_format)
+
+
+def _change_document(change: TierChange | None, curve: QualityCurve, added_bytes: int) -> dict | None:
+    if change is None:
+        return None
+    return {"reference_model": change.reference, "tier_fraction": change.fraction,
+            "tier_fraction_after": change.fraction_after, "tier_bytes_added": added_bytes,
+            "kl_to_fp4": change.kl, "kl_to_fp4_after": change.kl_after,
+            "kl_change_percent": change.change_percent, "table_form": curve.table_form,
             "tier_policy": curve.tier_policy, "measured_by": curve.command, "results": curve.results,
             "results_commit": curve.results_commit, "doc": QUALITY_DOC}
+
+
+def _change_words(change: TierChange) -> str:
+    return (f"{change.fraction:.1%} -> {change.fraction_after:.1%} of experts: KL to FP4 "
+            f"{change.change_percent:+.1f}% on the {change.reference.upper()} reference model "
+            f"({change.kl:.4f} -> {change.kl_after:.4f} nats a byte; {QUALITY_DOC})")
+
+
+def tier_gain_document(p: vram.Plan, curve: QualityCurve) -> dict | None:
+    return _change_document(tier_gain(p, curve), curve, p.extra_delta_experts * p.footprint.expert_delta_bytes)
 
 
 def plan_document(p: vram.Plan, curve: QualityCurve | None = None) -> dict:
@@ -80,7 +98,11 @@ def plan_document(p: vram.Plan, curve: QualityCurve | None = None) -> dict:
                  "delta_experts_reference_kl": tier_gain_document(p, curve),
                  "mtp_bytes": p.mtp_need, "mtp_fits": p.mtp_fits},
         "suggestions": [{"change": x.change, "setting": x.setting, "margin_bytes": x.margin, "where": x.where,
-                         "advice": x.advice(), "thin_margin": x.thin(p.budget)} for x in p.suggestions],
+                         "advice": x.advice(), "thin_margin": x.thin(p.budget),
+                         "reference_kl": None if x.tier_experts is None else _change_document(
+                             suggestion_tier_change(p, x, curve), curve,
+                             (x.tier_experts - fp.tier_experts) * fp.expert_delta_bytes)}
+                        for x in p.suggestions],
         "warnings": list(p.warnings),
         "notes": list(p.notes),
     }
@@ -134,10 +156,7 @@ def show_plan(out: Output, p: vram.Plan, curve: QualityCurve | None = None) -> N
                   f"({fp.tier_experts + p.extra_delta_experts} of {fp.total_experts}): moet-cache retier")
         gain = tier_gain(p, curve)
         if gain is not None:
-            out.print(f"    +{_g(p.extra_delta_experts * fp.expert_delta_bytes)} GiB of tier, "
-                      f"{gain.fraction:.1%} -> {gain.fraction_after:.1%} of experts: KL to FP4 "
-                      f"{gain.change_percent:+.1f}% on the {gain.reference.upper()} reference model "
-                      f"({gain.kl:.4f} -> {gain.kl_after:.4f} nats a byte; {QUALITY_DOC})")
+            out.print(f"    +{_g(p.extra_delta_experts * fp.expert_delta_bytes)} GiB of tier, {_change_words(gain)}")
     else:
         short = f"short by {_g(-p.margin)} GiB. " if p.margin < 0 else ""
         out.result(styled("does not fit", "red", f": {short}Deciding term: {p.deciding}"))
@@ -145,6 +164,9 @@ def show_plan(out: Output, p: vram.Plan, curve: QualityCurve | None = None) -> N
         for x in p.suggestions:
             thin = ": the edge, within the estimates' error" if x.thin(p.budget) else ""
             out.print(f"  {x.change}: {x.advice()} (leaves {_g(x.margin)} GiB{thin})")
+            cost = suggestion_tier_change(p, x, curve)
+            if cost is not None:
+                out.print(f"    tier {_change_words(cost)}")
     if p.mtp_need:
         verdict = "fits" if p.mtp_fits else "does not fit"
         out.print(f"speculative decoding (drafter weights + its KV, {_g(p.mtp_need)} GiB): {verdict}")

@@ -405,6 +405,7 @@ class Suggestion:
     setting: str       # the flag that gets there, e.g. "--max-model-len 131072"
     margin: int        # bytes left over with that change
     where: Where = SERVE  # SERVE: a serve (vLLM) flag; CACHE: `moet-cache retier` / `build` with that option; CARD
+    tier_experts: int | None = None   # the tier's experts after the change; None: the tier stays as it is
 
     def thin(self, budget: int) -> bool:
         """The change fits by less than the estimates' error."""
@@ -675,14 +676,15 @@ def _suggestions(fp: Footprint, s: PlanSettings, kvm: _Kv, budget: int, static: 
             # Exact bytes: a rounded GiB figure could round up past what fits.
             out.append(Suggestion("tier", f"--delta-budget {keep} ({keep // fp.expert_delta_bytes} experts, "
                                           f"{keep / GIB:.3f} GiB)",
-                                  budget - (static - fp.delta_tier_bytes + keep + kv), CACHE))
-        out.append(Suggestion("base-only", "--delta-budget 0", budget - (static - fp.delta_tier_bytes + kv), CACHE))
+                                  budget - (static - fp.delta_tier_bytes + keep + kv), CACHE,
+                                  keep // fp.expert_delta_bytes))
+        out.append(Suggestion("base-only", "--delta-budget 0", budget - (static - fp.delta_tier_bytes + kv), CACHE, 0))
     elif fp.delta_tier_bytes:  # dropping the tier is not enough alone: base-only and a shorter context
         room0 = room + fp.delta_tier_bytes
         longest = context(room0)
         if longest >= min(s.block_size, L):
             out.append(Suggestion("base-only+context", f"--delta-budget 0 --max-model-len {longest}",
-                                  room0 - kvm.bytes(n, longest), CACHE))
+                                  room0 - kvm.bytes(n, longest), CACHE, 0))
     if s.kv_bytes_per_token is None and fp.attention.kind == AttentionKind.MLA:
         for dtype in ("fp8_ds_mla", "fp8"):
             if dtype not in fp.attention.kv_dtypes:

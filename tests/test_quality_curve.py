@@ -210,3 +210,32 @@ def test_inspect_says_the_reference_kl_at_the_caches_tier(reference_cache: Path)
 def test_inspect_of_an_nvfp4_cache_uses_the_nvfp4_curve(nvfp4_cache: Path) -> None:
     ref = json.loads(CliRunner().invoke(app, ["inspect", str(nvfp4_cache), "--json"]).stdout)["reference_kl"]
     assert ref == {"reference": "nvfp4", "fraction": 0.25, "kl": 0.0753221}
+
+
+def test_plan_says_what_a_smaller_tier_costs_when_it_does_not_fit(nvfp4_cache: Path) -> None:
+    """A KV size per token that leaves the plan short by two to three experts' delta bytes: the tier and
+    base-only suggestions say the reference model's KL at their tier sizes; the context one says none."""
+    fixed = ["plan", str(nvfp4_cache), "--gpu", "1GiB", "--max-model-len", "4096", "--gpu-memory-utilization",
+             "1.0", "--cudagraph-capture-sizes", "none", "--activation-reserve", "0", "--json"]
+    first = json.loads(CliRunner().invoke(app, [*fixed, "--kv-bytes-per-token", "1"]).stdout)
+    per_unit = 4096 * first["kv_layers"]          # KV bytes one more byte a token a layer costs
+    expert = first["terms_bytes"]["delta_tier"] // 4
+    args = [*fixed[:-1], "--kv-bytes-per-token", str(1 + (first["margin_bytes"] + 2 * expert) // per_unit + 1)]
+    r = CliRunner().invoke(app, [*args, "--json"])
+    assert r.exit_code == 1, r.output
+    doc = json.loads(r.stdout)
+    by_change = {s["change"]: s for s in doc["suggestions"]}
+    assert by_change["context"]["reference_kl"] is None
+    tier = by_change["tier"]
+    keep = int(tier["setting"].split("(")[1].split(" experts")[0])
+    assert keep == 1 and tier["reference_kl"]["tier_fraction_after"] == keep / 16
+    curve = packaged_curve()
+    assert tier["reference_kl"]["kl_to_fp4_after"] == curve.kl_at(1 / 16, "nvfp4") == 0.0883397
+    assert tier["reference_kl"]["tier_bytes_added"] == -3 * expert
+    base = by_change["base-only"]["reference_kl"]
+    assert base["kl_to_fp4_after"] == 0.0905491 and base["tier_fraction_after"] == 0.0   # "base only, x4 tables"
+    assert base["kl_change_percent"] == pytest.approx((0.0905491 - 0.0753221) / 0.0753221 * 100)
+    text = " ".join(CliRunner().invoke(app, args).stdout.split())
+    assert ("tier 25.0% -> 6.2% of experts: KL to FP4 +17.3% on the NVFP4 reference model (0.0753 -> 0.0883 "
+            "nats a byte; docs/QUALITY.md)") in text
+    assert "tier 25.0% -> 0.0% of experts: KL to FP4 +20.2% on the NVFP4 reference model" in text
