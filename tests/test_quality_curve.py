@@ -239,3 +239,17 @@ def test_plan_says_what_a_smaller_tier_costs_when_it_does_not_fit(nvfp4_cache: P
     assert ("tier 25.0% -> 6.2% of experts: KL to FP4 +17.3% on the NVFP4 reference model (0.0753 -> 0.0883 "
             "nats a byte; docs/QUALITY.md)") in text
     assert "tier 25.0% -> 0.0% of experts: KL to FP4 +20.2% on the NVFP4 reference model" in text
+
+
+def test_the_curve_writer_refuses_results_that_are_not_the_ladders() -> None:
+    """An FP4 row whose KL is not 0 (not the FP4 model's figures) and a default-series row that does not say
+    its tier are refused; nothing is written from them."""
+    results = json.loads(RESULTS.read_text())
+    fp4_off = copy.deepcopy(results)
+    next(r for r in fp4_off["models"]["nvfp4"]["rows"] if r["name"] == "FP4 (every delta plane)")["kl"] = 0.01
+    with pytest.raises(SystemExit, match="not 0"):
+        curve_from_results(fp4_off, "r.json", "0" * 40, "python benchmarks/quality.py")
+    unnamed = copy.deepcopy(results)
+    next(r for r in unnamed["models"]["mxfp4"]["rows"] if r["name"].startswith("tier 6/128"))["name"] = "six"
+    with pytest.raises(SystemExit, match="does not say its tier"):
+        curve_from_results(unnamed, "r.json", "0" * 40, "python benchmarks/quality.py")
