@@ -43,6 +43,7 @@ from moet_cache.runtime import fused_moe
 from moet_cache.runtime.dequant import LayerPlanes, dequant_expert
 from moet_cache.units import parse_size
 
+import record
 from quality_model.metrics import EvalSet, Reference, evaluate, reference
 from quality_model.model import ModelSpec, forward, routed_from_weights
 from quality_model.reference import Checkpoint, read_checkpoint
@@ -477,7 +478,7 @@ def write_curve(results: Path, out: Path) -> None:
                            check=False).returncode != 0
     if not commit or dirty:
         raise SystemExit(f"{rel} differs from its last commit: commit the results before writing the curve")
-    doc = curve_from_results(json.loads(results.read_text()), rel, commit, "python benchmarks/quality.py")
+    doc = curve_from_results(json.loads(results.read_text())["result"], rel, commit, "python benchmarks/quality.py")
     out.write_text(json.dumps(doc, indent=1) + "\n")
     print(f"wrote {out} from {rel} at {commit[:12]}")
 
@@ -519,9 +520,8 @@ def main() -> None:
     if args.json_only:
         print(json.dumps(result, indent=1))
         return
-    RESULTS.mkdir(exist_ok=True)
     path = args.json or RESULTS / "quality.json"
-    path.write_text(json.dumps(result, indent=1) + "\n")
+    record.write(path, record.envelope(["benchmarks/quality.py", *sys.argv[1:]], result))
     print(table(result))
     plotted = plot(result, path.with_suffix(".png"))
     print(f"\nwrote {path}" + (f" and {path.with_suffix('.png')}" if plotted else "") + f" in {result['seconds']} s ({result['cpu_seconds']} s of CPU)")

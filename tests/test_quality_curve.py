@@ -32,7 +32,7 @@ from quality import curve_from_results  # noqa: E402  (benchmarks/quality.py, af
 def test_the_packaged_curve_is_the_ladders_results() -> None:
     """Every point is a row of results/quality.json with its KL as recorded and its fraction the row's N/M;
     the points are base only (x4), every default-build tier and FP4 (KL 0, measured as float rounding of 0)."""
-    results = json.loads(RESULTS.read_text())
+    results = json.loads(RESULTS.read_text())["result"]
     curve = packaged_curve()
     assert curve.results == "benchmarks/results/quality.json" and curve.table_form == "x4"
     for ref in REFERENCE_MODELS:
@@ -55,11 +55,11 @@ def test_the_curve_is_what_its_writer_makes_of_the_results_at_its_commit() -> No
     """Writing the curve again from results/quality.json gives the packaged file; the commit it names holds
     that results file as it is now."""
     doc = json.loads(CURVE_JSON.read_text())
-    results = json.loads(RESULTS.read_text())
+    results = json.loads(RESULTS.read_text())["result"]
     assert curve_from_results(results, doc["results"], doc["results_commit"], doc["command"]) == doc
     at_commit = subprocess.run(["git", "show", f"{doc['results_commit']}:{doc['results']}"], cwd=REPO,
                                capture_output=True, check=True).stdout
-    assert json.loads(at_commit) == results
+    assert json.loads(at_commit)["result"] == results
 
 
 def test_kl_at_is_exact_at_measured_points_and_linear_between() -> None:
@@ -244,7 +244,7 @@ def test_plan_says_what_a_smaller_tier_costs_when_it_does_not_fit(nvfp4_cache: P
 def test_the_curve_writer_refuses_results_that_are_not_the_ladders() -> None:
     """An FP4 row whose KL is not 0 (not the FP4 model's figures) and a default-series row that does not say
     its tier are refused; nothing is written from them."""
-    results = json.loads(RESULTS.read_text())
+    results = json.loads(RESULTS.read_text())["result"]
     fp4_off = copy.deepcopy(results)
     next(r for r in fp4_off["models"]["nvfp4"]["rows"] if r["name"] == "FP4 (every delta plane)")["kl"] = 0.01
     with pytest.raises(SystemExit, match="not 0"):
