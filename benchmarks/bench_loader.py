@@ -1,4 +1,4 @@
-"""Benchmark of the runtime loader (moet_cache.loader) against its baselines, all in the same run.
+"""Benchmark of the runtime loader (moet_cache.load) against its baselines, all in the same run.
 
 Figures (throughputs over the same bytes, page cache warm; ratio > 1 means the loader is faster):
   load_vs_read     loader into host memory / a plain read of the same files        (goal >= 0.85)
@@ -32,9 +32,9 @@ import torch
 from safetensors import safe_open
 
 from moet_cache import layout as L
-from moet_cache.builder import BuildOptions, build_cache
+from moet_cache.build import BuildOptions, build_cache
 from moet_cache.checkpoint import PROJECTIONS, open_checkpoint
-from moet_cache.loader import Tuning, open_cache
+from moet_cache.load import Tuning, open_cache
 from moet_cache.planes import split_planes
 from moet_cache.synthetic import make_checkpoint, spec_for_size
 from moet_cache.units import parse_size
