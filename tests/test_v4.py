@@ -29,6 +29,8 @@ from moet_cache.stheader import read_header
 from moet_cache.synthetic import make_v4_checkpoint, small_v4_spec, v4_config_for, vllm_v4_spec
 from moet_cache.verifier import VERIFIED, boot_check, full_verify, verify_against
 
+from faults.campaign import recommit, rewrite_json
+
 VARIANTS = ("hybrid", "mxfp4", "nvfp4", "ct-nvfp4")
 
 
@@ -217,7 +219,6 @@ def test_hub_snapshot_links_are_followed_and_config_is_required(v4_sources: dict
         "quantization_config"]
     assert boot_check(cache).state == VERIFIED
     # a cache whose manifest lists no config never verifies as complete
-    from tests.faults.campaign import recommit, rewrite_json
     doc = json.loads((cache / "cache.json").read_bytes())
     doc["files"] = [f for f in doc["files"] if f["path"] != "model/config.json"]
     rewrite_json(cache / "cache.json", doc)

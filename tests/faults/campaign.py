@@ -1,4 +1,4 @@
-"""The fault and bad-input campaign: the machinery shared by tests/faults/ and benchmarks/faults.py.
+"""The fault and bad-input campaign: the machinery shared by tests/faults/ and benchmarks/fault_campaign.py.
 
 Every round works on real files: real SIGKILLs of real processes (forked from a warm server so a
 kill costs milliseconds, not a torch import), real bytes flipped, real commands run through
