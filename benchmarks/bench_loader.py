@@ -25,6 +25,7 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -181,16 +182,19 @@ def diagnose(cache: Any, device: str, workers: int) -> dict[str, float]:
     return {"wall_s": wall, "GBps": nb / wall / 1e9, **{f"{k}_s_all_workers": v for k, v in sums.items()}}
 
 
+def _copy_and_sync(dev: torch.Tensor, host: torch.Tensor) -> None:
+    dev.copy_(host, non_blocking=True)
+    torch.cuda.synchronize()
+
+
 def _h2d(nbytes: int, device: str, reps: int) -> float:
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     host.fill_(1)
     dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    def go() -> None:
-        dev.copy_(host, non_blocking=True)
-        torch.cuda.synchronize()
+    go = partial(_copy_and_sync, dev, host)
     go()
     t = _best(go, reps)
-    del host, dev
+    del go, host, dev
     torch.cuda.empty_cache()
     return nbytes / t
 

@@ -1,12 +1,18 @@
-"""House rules a linter checks: no test changes sys.path (pyproject's pytest `pythonpath` puts tests/
-and benchmarks/ on it, so helpers import by name)."""
+"""The project's Python passes ruff with the rules of pyproject's [tool.ruff.lint]; no test changes sys.path
+(pyproject's pytest `pythonpath` puts tests/ and benchmarks/ on it, so helpers import by name)."""
 
 from __future__ import annotations
 
 import ast
+import importlib.util
+import subprocess
+import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
+LINTED = ["moet_cache", "cli", "tests", "benchmarks", "manifests"]
 PATH_CHANGES = {"insert", "append", "extend", "remove", "clear", "pop"}
 
 
@@ -37,3 +43,10 @@ def test_no_test_changes_sys_path() -> None:
     found = [f"{p.relative_to(ROOT)}:{line}" for p in sorted((ROOT / "tests").rglob("*.py"))
              for line in sys_path_changes(p.read_text())]
     assert not found, f"tests change sys.path (use pytest's pythonpath in pyproject.toml): {found}"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("ruff") is None, reason="ruff is not installed (pip install -e '.[test]')")
+def test_ruff_finds_nothing() -> None:
+    proc = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", "--output-format", "concise", *LINTED],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"ruff check {' '.join(LINTED)}:\n{proc.stdout}{proc.stderr}"
