@@ -1,4 +1,4 @@
-"""Benchmark of the runtime loader (moet_cache.loader) against its baselines, all in the same run.
+"""Benchmark of the runtime loader (moet_cache.load) against its baselines, all in the same run.
 
 Figures (throughputs over the same bytes, page cache warm; ratio > 1 means the loader is faster):
   load_vs_read     loader into host memory / a plain read of the same files        (goal >= 0.85)
@@ -25,6 +25,7 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -32,9 +33,9 @@ import torch
 from safetensors import safe_open
 
 from moet_cache import layout as L
-from moet_cache.builder import BuildOptions, build_cache
+from moet_cache.build import BuildOptions, build_cache
 from moet_cache.checkpoint import PROJECTIONS, open_checkpoint
-from moet_cache.loader import Tuning, open_cache
+from moet_cache.load import Tuning, open_cache
 from moet_cache.planes import split_planes
 from moet_cache.synthetic import make_checkpoint, spec_for_size
 from moet_cache.units import parse_size
@@ -181,16 +182,19 @@ def diagnose(cache: Any, device: str, workers: int) -> dict[str, float]:
     return {"wall_s": wall, "GBps": nb / wall / 1e9, **{f"{k}_s_all_workers": v for k, v in sums.items()}}
 
 
+def _copy_and_sync(dev: torch.Tensor, host: torch.Tensor) -> None:
+    dev.copy_(host, non_blocking=True)
+    torch.cuda.synchronize()
+
+
 def _h2d(nbytes: int, device: str, reps: int) -> float:
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     host.fill_(1)
     dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    def go() -> None:
-        dev.copy_(host, non_blocking=True)
-        torch.cuda.synchronize()
+    go = partial(_copy_and_sync, dev, host)
     go()
     t = _best(go, reps)
-    del host, dev
+    del go, host, dev
     torch.cuda.empty_cache()
     return nbytes / t
 

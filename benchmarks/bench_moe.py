@@ -639,7 +639,7 @@ def fidelity(args: argparse.Namespace) -> list[dict]:
     import numpy as np
 
     from moet_cache import BuildOptions, build_cache, make_checkpoint, small_spec
-    from moet_cache.loader import open_cache
+    from moet_cache.load import open_cache
     from moet_cache.runtime import fused_moe
 
     e, k = 64, 6

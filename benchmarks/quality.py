@@ -392,7 +392,7 @@ def table(result: dict[str, object]) -> str:
     lines = []
     for fmt, res in result["models"].items():
         lines.append(f"\n{fmt} reference model (KL, top-1 and greedy against its FP4 model)\n")
-        lines.append(f"| variant | path | bits/weight | PPL | KL | top-1 | greedy |")
+        lines.append("| variant | path | bits/weight | PPL | KL | top-1 | greedy |")
         lines.append("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
         for r in res["rows"]:
             lines.append(f"| {r['name']} | {r['path']} | {r['bits_per_weight']:.3f} | {r['ppl']:.4f} | "

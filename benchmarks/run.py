@@ -393,10 +393,10 @@ def run(size: int, work: Path, boot_layers: int = 44, boot_experts: int = 256,
         rss_small_size: int | None = None, gpu: bool = True, skip: frozenset[str] = frozenset(),
         family: str = "v3") -> dict[str, Any]:
     from moet_cache import full_verify
-    from moet_cache.builder import _plane_workers
+    from moet_cache.build.options import plane_workers
     res: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "host": platform.node(),
-        "cpu": platform.processor() or platform.machine(), "cores": _plane_workers(),
+        "cpu": platform.processor() or platform.machine(), "cores": plane_workers(),
         "size_requested": size, "family": family,
     }
     small_size = rss_small_size or max(size // 4, 1)

@@ -120,8 +120,8 @@ def _dispatch(args: list[str], debug: bool, command: str | None, json_mode: bool
             code = EXIT_USAGE if e.exit_code == 2 else e.exit_code
             _settle(code)
             if json_mode:
-                _last_json(envelope(command, code, getattr(e, "format_message", lambda: str(e))(),
-                                    "see `moet-cache --help`", "UsageError"))
+                usage = e.format_message() if hasattr(e, "format_message") else str(e)
+                _last_json(envelope(command, code, usage, "see `moet-cache --help`", "UsageError"))
             return code
         _settle(70 if code is None else code)  # from here a signal cannot interrupt the report or change its code
         if debug:

@@ -9,19 +9,19 @@ from typing import Annotated, Optional
 
 import typer
 
-# moet_cache.checkpoint's names for the two layouts, spelled here so that loading the CLI does not
-# import it (and torch, seconds); tests/test_bench.py checks they stay equal.
-MODELOPT, COMPRESSED_TENSORS = "modelopt", "compressed-tensors"
-# The embedded default is DeepSeek-V4-Flash as shipped (-0731-NVFP4: NVFP4 main experts cast from MXFP4,
-# MXFP4 drafter); the other V4 forms, and the V3 family in both NVFP4 layouts, on request.
-V4_LAYOUTS = {"v4": "hybrid", "v4-mxfp4": "mxfp4", "v4-nvfp4": "nvfp4", "v4-ct": "ct-nvfp4"}
-
 from moet_cache.errors import InputError
 
 from ._common import JsonOpt, QuietOpt
 from ._errors import EXIT_OK, EXIT_PROBLEM
 from ._output import Output, styled
 from ._progress import progress_for
+
+# moet_cache.checkpoint's names for the two layouts, spelled here so that loading the CLI does not
+# import it (and torch, seconds); tests/test_bench.py checks they stay equal.
+MODELOPT, COMPRESSED_TENSORS = "modelopt", "compressed-tensors"
+# The embedded default is DeepSeek-V4-Flash as shipped (-0731-NVFP4: NVFP4 main experts cast from MXFP4,
+# MXFP4 drafter); the other V4 forms, and the V3 family in both NVFP4 layouts, on request.
+V4_LAYOUTS = {"v4": "hybrid", "v4-mxfp4": "mxfp4", "v4-nvfp4": "nvfp4", "v4-ct": "ct-nvfp4"}
 
 
 def demo(

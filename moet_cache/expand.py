@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from .formats import e4m3_shift, e8m0_to_e4m3
 from .planes import join_planes, nearest_code_for_table
 
 
@@ -80,7 +81,6 @@ def expand_scales(scale: torch.Tensor, scale_2: torch.Tensor, parts: int) -> tup
     MXFP4->NVFP4 cast's, which come back as the source's exact e4m3 bytes); otherwise a power of two
     moves from the block scales into scale_2 (MXFP4 sources, whose scale_2 is 1.0).
     """
-    from .formats import e4m3_shift, e8m0_to_e4m3
     dev = scale.device
     raw = scale.view(torch.uint8).cpu().numpy()
     s2 = scale_2.to(torch.float32).cpu().numpy().reshape(raw.shape[0], parts).copy()

@@ -23,7 +23,7 @@ from .cacheview import CacheView, ListedFileError, open_view
 from .fsutil import (atomic_write_bytes, atomic_write_json, fsync_dir, open_regular, pread_into, read_json_file,
                      refuse_overlap, resolve_inside)
 from .hashing import xxh3_file_hex, xxh3_hex
-from .manifest import TensorEntry
+from .manifest import DTYPES, MAX_INT, TensorEntry
 from .planes import join_planes
 from .cancel import CancelToken, check as check_cancel
 from .progress import NullProgress, Progress
@@ -63,7 +63,6 @@ def _checked_name(name: Any) -> str:
 
 def _shard_specs(shard: Any) -> list[TensorSpec]:
     """The tensors of one shard of the source map, checked (the map is as untrusted as any manifest)."""
-    from .manifest import DTYPES, MAX_INT
     tensors = shard.get("tensors") if isinstance(shard, dict) else None
     meta = shard.get("metadata") if isinstance(shard, dict) else None
     ok = isinstance(tensors, list) and (meta is None or isinstance(meta, dict) and all(

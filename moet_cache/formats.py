@@ -24,6 +24,7 @@ import numpy as np
 
 from .enums import ScaleForm, SourceLayout, TensorKind
 from .errors import InputError
+from .planes import E4M3_VALUES
 
 # The short names the code and tests use.
 E4M3_16, E8M0_32 = ScaleForm.E4M3_16, ScaleForm.E8M0_32
@@ -198,7 +199,6 @@ def scale_values(stored: np.ndarray, form: str) -> np.ndarray:
     s = np.asarray(stored, dtype=np.uint8)
     if form == E8M0_32:
         return np.ldexp(np.float32(1.0), s.astype(np.int32) - 127).astype(np.float32)
-    from .planes import E4M3_VALUES
     return E4M3_VALUES[s]
 
 

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .enums import BaseTable, StrEnum
-from .fp4 import BLOCK, E2M1_VALUES
+from .fp4 import BLOCK, E2M1_VALUES, unpack_codes
 
 if TYPE_CHECKING:
     import torch
@@ -162,7 +162,6 @@ def code_histogram(packed: np.ndarray, *, small: int = SMALL_BYTES, chunk: int =
 
 def code_histogram_reference(packed: np.ndarray) -> np.ndarray:
     """The plain histogram of the unpacked codes, kept as the reference for code_histogram."""
-    from .fp4 import unpack_codes
     return np.bincount(unpack_codes(packed).reshape(-1), minlength=16).astype(np.int64)
 
 

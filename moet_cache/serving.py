@@ -27,8 +27,9 @@ from . import layout as L
 from .errors import EnvironmentProblem, InputError, MissingDependencyError, VerificationError
 from .kv_v4 import REASONING_MAX_CONTEXT
 from .units import parse_tokens
-from .vram import (GpuPreset, PlanSettings, Speculative, attention_from_config, max_position_embeddings,
-                   parse_sizes_list)
+from .version import __version__
+from .vram import (DEFAULT_GPU, GPU_PRESETS, GpuPreset, PlanSettings, Speculative, attention_from_config, detect_gpu,
+                   footprint_from_cache, footprint_of_view, make_plan, max_position_embeddings, parse_sizes_list)
 
 if TYPE_CHECKING:
     from .cacheview import CacheView
@@ -679,7 +680,6 @@ def _checkout() -> Path | None:
 
 def install_hint(python: str) -> str:
     """How to install this moet-cache into another interpreter (vLLM's)."""
-    from .version import __version__
     here = _checkout()
     src = shlex.quote(str(here)) if here is not None else f"moet-cache=={__version__}"
     return f"install it there: {shlex.quote(python)} -m pip install {src}"
@@ -862,7 +862,6 @@ class PreflightPlan:
 
 def preflight_plan(cmd: ServeCommand) -> PreflightPlan:
     """Plan the command's settings on the GPU nvidia-smi sees (else the default preset: warnings only)."""
-    from .vram import DEFAULT_GPU, GPU_PRESETS, detect_gpu, footprint_from_cache, footprint_of_view, make_plan
     seen = detect_gpu(cmd.environment().get("CUDA_VISIBLE_DEVICES", ""))  # the GPU vLLM will see
     gpu = seen or GPU_PRESETS[DEFAULT_GPU]
     fp = footprint_of_view(cmd.view) if cmd.view is not None else footprint_from_cache(cmd.cache)

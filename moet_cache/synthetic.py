@@ -17,7 +17,10 @@ import torch
 from safetensors.torch import save_file
 
 from .checkpoint import COMPRESSED_TENSORS, INDEX_NAME, MODELOPT, TENSOR_SUFFIXES
+from .formats import e8m0_to_e4m3
 from .fp4 import BLOCK, pack_codes, quantize_to_codes
+from .fsutil import atomic_write_bytes
+from .stwriter import SafetensorsWriter, TensorSpec
 
 FP8_MAX = 448.0
 
@@ -353,7 +356,6 @@ def _mx_expert(rng: np.random.Generator, out_dim: int, in_dim: int, fast: _FastC
 def _v4_expert(rng: np.random.Generator, prefix: str, codes: np.ndarray, e8: np.ndarray, m: int,
                fmt: str) -> dict[str, _Tensor]:
     """One projection in `fmt` from its MXFP4 codes and e8m0 scales; NVFP4 as the cast makes it (scale_2 2^m)."""
-    from .formats import e8m0_to_e4m3
     if fmt == "mxfp4":
         return {f"{prefix}.weight": ("I8", codes.reshape(-1), codes.shape),
                 f"{prefix}.scale": ("F8_E8M0", e8.reshape(-1), e8.shape)}
@@ -506,8 +508,6 @@ _TOKENIZER_SPECIALS = ("<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence
 
 
 def _write_v4_aux(root: Path, spec: V4Spec) -> None:
-    from .fsutil import atomic_write_bytes
-
     def put(rel: str, obj: Any) -> None:
         data = obj if isinstance(obj, bytes) else (json.dumps(obj, indent=1, ensure_ascii=False) + "\n").encode()
         atomic_write_bytes(root / rel, data)
@@ -543,7 +543,6 @@ def _write_v4_aux(root: Path, spec: V4Spec) -> None:
 
 def make_v4_checkpoint(path: str | Path, spec: V4Spec | None = None) -> Path:
     """Write a sharded V4 checkpoint (index, config.json, tokenizer stub, encoding/, shards) at `path`."""
-    from .stwriter import SafetensorsWriter, TensorSpec
     spec = spec or small_v4_spec()
     root = Path(path)
     root.mkdir(parents=True, exist_ok=True)

@@ -11,7 +11,7 @@ from safetensors import safe_open
 from typer.testing import CliRunner
 
 from moet_cache import BuildOptions, build_cache, full_verify, inspect_cache, open_cache, retier_cache, verify_against
-from moet_cache.builder import tier_candidates
+from moet_cache.build.tier import tier_candidates
 from moet_cache.checkpoint import PROJECTIONS, open_checkpoint
 from moet_cache.cli.app import app
 from moet_cache.enums import BaseTable

@@ -18,7 +18,7 @@ from moet_cache import layout as L
 from moet_cache.errors import Interrupted
 from moet_cache.verifier import VERIFIED, boot_check, full_verify
 
-from tests.faults.campaign import run_main
+from faults.campaign import exported_equals_source, link_copy, run_console, run_main
 
 
 def snapshot(folder: Path) -> dict[str, tuple[bytes | str, int]]:
@@ -237,7 +237,6 @@ def test_a_config_one_layer_short_of_the_tensors_is_refused(tmp_path: Path, fami
 # --- export: OUT apart from the cache, and every interrupt resumable -----------------------------------
 
 def test_export_into_or_around_the_cache_is_refused(lossless: tuple[Path, Path], tmp_path: Path) -> None:
-    from tests.faults.campaign import link_copy
     cache = link_copy(lossless[1], tmp_path / "work" / "cache")
     before = snapshot(tmp_path)
     for out in (cache / "model" / "export", cache, tmp_path / "work"):
@@ -265,7 +264,6 @@ def test_export_killed_before_a_progress_record_resumes(lossless: tuple[Path, Pa
     import subprocess
     import sys
 
-    from tests.faults.campaign import exported_equals_source
     src, cache = lossless
     out = tmp_path / "out"
     p = subprocess.run([sys.executable, "-c", _KILLING_EXPORT, str(cache), str(out), str(kth)], capture_output=True,
@@ -279,7 +277,6 @@ def test_export_killed_before_a_progress_record_resumes(lossless: tuple[Path, Pa
 def test_sigterm_after_the_export_index_stops_and_the_rerun_finishes(lossless: tuple[Path, Path], tmp_path: Path,
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     from moet_cache.commit import KILL_ENV
-    from tests.faults.campaign import exported_equals_source, run_console
     src, cache = lossless
     out = tmp_path / "out"
     monkeypatch.setenv(KILL_ENV, "export-index-written:TERM")  # the console script signals itself there

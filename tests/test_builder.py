@@ -10,8 +10,12 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from moet_cache import BuildOptions, build_cache, export_checkpoint, full_verify, retier_cache, verify_against
-from moet_cache.builder import tier_candidates
-from moet_cache.checkpoint import PROJECTIONS, open_checkpoint
+from moet_cache.build.dense import chunks
+from moet_cache.build.layers import multiply_convention
+from moet_cache.build.options import read_window
+from moet_cache.build.plan import make_plan
+from moet_cache.build.tier import tier_candidates
+from moet_cache.checkpoint import PROJECTIONS, SourceReader, open_checkpoint
 from moet_cache.errors import DiskFullError, InputError, LockHeldError
 from moet_cache.fsutil import CacheLock
 from moet_cache.planes import join_planes
@@ -237,10 +241,9 @@ def test_aux_files_and_scales(built_cache: Path, ckpt_modelopt: Path) -> None:
 
 def test_source_reader_reads_what_safetensors_reads(ckpt: Path) -> None:
     # the build reads experts and dense tensors with pread at the header offsets: the same bytes as safe_open
-    from moet_cache import builder as B
     rng = np.random.default_rng(7)
     with open_checkpoint(ckpt) as ck:
-        reader = B.SourceReader(ck)
+        reader = SourceReader(ck)
         try:
             layers = ck.model.main_moe_layers()
             for _ in range(12):
@@ -255,7 +258,7 @@ def test_source_reader_reads_what_safetensors_reads(ckpt: Path) -> None:
                     if a is not None:
                         assert b.dtype == np.float32 and tuple(a.shape) == b.shape
                         assert np.array_equal(_raw(a), b.reshape(-1).view(np.uint8))
-                        assert B.multiply_convention(ck.layout, b) == ck.multiply_global_scale(a)
+                        assert multiply_convention(ck.layout, b) == ck.multiply_global_scale(a)
             for name in rng.choice(sorted(ck.tensors), 20, replace=False):
                 assert np.array_equal(reader.read(str(name)), ck.get_raw(str(name)).reshape(-1))
         finally:
@@ -265,7 +268,6 @@ def test_source_reader_reads_what_safetensors_reads(ckpt: Path) -> None:
 @pytest.mark.parametrize("layout", ["modelopt", "compressed-tensors"])
 def test_multiply_convention_is_the_checkpoints(layout: str) -> None:
     # the build's torch-free copy of Checkpoint.multiply_global_scale, on awkward float32 values
-    from moet_cache import builder as B
     from moet_cache.checkpoint import COMPRESSED_TENSORS, MODELOPT, Checkpoint
     ck = Checkpoint.__new__(Checkpoint)
     ck.layout = MODELOPT if layout == "modelopt" else COMPRESSED_TENSORS
@@ -275,20 +277,19 @@ def test_multiply_convention_is_the_checkpoints(layout: str) -> None:
     with np.errstate(over="ignore"):  # 1 / 1e-45 overflows float32 on both sides
         for v in vals:
             want = ck.multiply_global_scale(torch.tensor([v]))
-            got = B.multiply_convention(ck.layout, np.array([v], dtype=np.float32))
+            got = multiply_convention(ck.layout, np.array([v], dtype=np.float32))
             assert (np.isnan(want) and np.isnan(got)) or got == want, v
 
 
 def test_dense_chunks_reassemble_the_tensors(ckpt_modelopt: Path) -> None:
     # tiny chunks: many reads in flight through the three reused buffers, tensors split across chunks
-    from moet_cache import builder as B
     with open_checkpoint(ckpt_modelopt) as ck:
-        plan = B.make_plan(ck, B.BuildOptions())
-        reader = B.SourceReader(ck)
+        plan = make_plan(ck, BuildOptions())
+        reader = SourceReader(ck)
         try:
             names = sorted(n for ns in plan.dense_by_shard.values() for n in ns)
             got: dict[str, list[bytes]] = {}
-            for n, chunk in B.chunks(plan, reader, names, 4096 + 8):
+            for n, chunk in chunks(plan, reader, names, 4096 + 8):
                 got.setdefault(n, []).append(chunk.tobytes())
             assert list(got) == names
             for n in names:
@@ -298,10 +299,9 @@ def test_dense_chunks_reassemble_the_tensors(ckpt_modelopt: Path) -> None:
 
 
 def test_truncated_shard_is_bad_input_not_a_crash(src_copy: Path) -> None:
-    from moet_cache import builder as B
     shard = max(src_copy.glob("*.safetensors"), key=lambda p: p.stat().st_size)
     with open_checkpoint(src_copy) as ck:
-        reader = B.SourceReader(ck)
+        reader = SourceReader(ck)
         try:
             os.truncate(shard, shard.stat().st_size - 1)  # the last tensor of the shard loses a byte
             with pytest.raises(InputError, match="ends early"):
@@ -313,11 +313,10 @@ def test_truncated_shard_is_bad_input_not_a_crash(src_copy: Path) -> None:
 
 
 def test_read_window_is_bounded_by_bytes_and_workers() -> None:
-    from moet_cache import builder as B
-    assert B._read_window(2, 3 << 20) == 8                       # small experts: 4 a worker
-    assert B._read_window(8, 64 << 20) == 4                      # 256 MiB of big experts
-    assert B._read_window(2, 1 << 30) == 2                       # never fewer than two in flight
-    assert B._read_window(1, 0) == 4
+    assert read_window(2, 3 << 20) == 8                       # small experts: 4 a worker
+    assert read_window(8, 64 << 20) == 4                      # 256 MiB of big experts
+    assert read_window(2, 1 << 30) == 2                       # never fewer than two in flight
+    assert read_window(1, 0) == 4
 
 
 @pytest.mark.parametrize("read_threads", [1, 3])

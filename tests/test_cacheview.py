@@ -19,7 +19,7 @@ from moet_cache.cacheview import (CacheView, ListedFileError, entry_digest, file
 from moet_cache.cli.app import main
 from moet_cache.errors import VerificationError
 from moet_cache.inspection import inspect_cache
-from moet_cache.loader import open_cache
+from moet_cache.load import open_cache
 from moet_cache.manifest import DeltaIndex, FileEntry, ManifestError, PartManifest
 from moet_cache.serving import build_serve_command
 from moet_cache.verifier import CORRUPT, boot_check, full_verify, load_cache_files

@@ -177,7 +177,7 @@ def test_an_os_error_is_reported_by_its_errno_with_its_path(tmp_path: Path) -> N
     assert "No such file" not in message_for(eio) and "check the disk" in hint_for(eio)
     full = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp_path / "cache/layers/x.tmp"))
     assert exit_code_for(full) == 3
-    assert message_for(full, with_hint=False).endswith(f"bytes free there)")  # the file system of the path
+    assert message_for(full, with_hint=False).endswith("bytes free there)")  # the file system of the path
     free = int(message_for(full, with_hint=False).rsplit("(", 1)[1].split()[0])
     assert abs(free - shutil.disk_usage(tmp_path).free) < 1 << 30
     assert exit_code_for(NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), "a/b")) == 2
@@ -216,7 +216,7 @@ def test_an_io_error_on_a_cache_file_is_not_called_missing(tmp_path: Path, built
 def test_disk_full_in_a_build_says_the_bytes_needed_and_free(tmp_path: Path, ckpt_modelopt: Path,
                                                               monkeypatch: pytest.MonkeyPatch,
                                                               capsys: pytest.CaptureFixture) -> None:
-    real_pwrite, real_mkstemp = os.pwrite, tempfile.mkstemp
+    real_pwrite = os.pwrite
 
     def full_pwrite(fd: int, data, pos: int) -> int:  # the disk fills under the plane writer
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
@@ -383,3 +383,10 @@ def test_export_of_a_checkpoint_or_a_typo_names_it(tmp_path: Path, ckpt_modelopt
     assert "is a checkpoint, not a cache" in one_error_line(capsys.readouterr().err)
     assert main(["export", str(tmp_path / "typo"), str(tmp_path / "out")]) == 2
     assert "no such folder" in one_error_line(capsys.readouterr().err)
+
+
+def test_a_usage_error_with_json_is_one_envelope_with_the_message(capsys: pytest.CaptureFixture) -> None:
+    assert main(["verify", "--no-such-opt", "--json"]) == 2
+    doc = json.loads(capsys.readouterr().out)
+    assert (doc["exit_code"], doc["error_type"], doc["ok"]) == (2, "UsageError", False)
+    assert doc["error"] == "No such option: --no-such-opt" and doc["hint"] == "see `moet-cache --help`"

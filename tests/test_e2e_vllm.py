@@ -43,7 +43,7 @@ from safetensors.torch import save_file
 
 import vllm_cpu_env
 from moet_cache import BuildOptions, build_cache
-from moet_cache.loader import open_cache
+from moet_cache.load import open_cache
 
 pytestmark = pytest.mark.vllm
 

@@ -25,9 +25,10 @@ from moet_cache.enums import DeltaMode
 from moet_cache.errors import InputError, VerificationError
 from moet_cache.expand import expand_projection, join_planes_torch, nearest_delta_lut
 from moet_cache.fp4 import unpack_codes
-from moet_cache.load.plan import Read, dense_jobs, layer_job
+from moet_cache.load import DELTA_EXPERTS, Cache, LoadOptions, Tuning, default_workers, open_cache
+from moet_cache.load.engine import Pipeline
+from moet_cache.load.plan import Read, dense_jobs, layer_job, read_cache_header
 from moet_cache.load.reads import mismatch
-from moet_cache.loader import DELTA_EXPERTS, Cache, LoadOptions, Tuning, _Pipeline, open_cache, parse_header
 from moet_cache.planes import join_planes, nearest_code_for_table, split_planes
 
 
@@ -226,7 +227,7 @@ def test_hash_names_the_flipped_tensor_and_stops_workers(lossless, tmp_path) -> 
 
 def test_hash_catches_a_flipped_pack_byte(tiered, tmp_path) -> None:
     root = _copy(tiered[1], tmp_path)
-    begin = next(iter(parse_header(root / L.PACK, L.PACK).tensors.values())).begin
+    begin = next(iter(read_cache_header(root / L.PACK, L.PACK).tensors.values())).begin
     _flip(root, L.PACK, begin + 1)
     with pytest.raises(VerificationError, match="tier.safetensors does not match"):
         list(open_cache(root).load(verify="hash"))
@@ -237,10 +238,10 @@ def test_parse_header_refuses_garbage(tmp_path) -> None:
     p = tmp_path / "x.safetensors"
     p.write_bytes((10**9).to_bytes(8, "little") + b"{}")
     with pytest.raises(VerificationError, match="not a valid safetensors"):
-        parse_header(p, "x")
+        read_cache_header(p, "x")
     p.write_bytes((4).to_bytes(8, "little") + b"nope")
     with pytest.raises(VerificationError, match="not valid JSON"):
-        parse_header(p, "x")
+        read_cache_header(p, "x")
 
 
 def test_manifest_offsets_checked_against_file(tiered, tmp_path, monkeypatch) -> None:
@@ -261,14 +262,14 @@ def test_inflight_bytes_stay_bounded(lossless, monkeypatch) -> None:
     cache = open_cache(lossless[1])
     events: list[tuple[str, int]] = []
     lock = threading.Lock()
-    orig = _Pipeline.run_job
+    orig = Pipeline.run_job
 
     def spy(self, job):  # type: ignore[no-untyped-def]
         with lock:
             events.append(("start", job.nbytes))
         time.sleep(0.02)
         return orig(self, job)
-    monkeypatch.setattr(_Pipeline, "run_job", spy)
+    monkeypatch.setattr(Pipeline, "run_job", spy)
     one = max(sum(r.end - r.begin for r in j.reads) for j in [layer_job(cache.files.layers[x], DeltaMode.NONE, (), None)
                                                               for x in cache.layers])
     budget = int(one * 1.5)  # room for one layer and a half: never two at once
@@ -371,7 +372,7 @@ def test_ctrl_c_stops_a_real_load(lossless) -> None:
         # started in the background of a shell without job control hands every child SIGINT ignored
         signal.signal(signal.SIGINT, signal.default_int_handler)
         faulthandler.register(signal.SIGUSR1)  # every thread's stack on stderr, asked for below
-        from moet_cache.loader import open_cache
+        from moet_cache.load import open_cache
         cache = open_cache({str(lossless[1])!r})
         try:
             while True:
@@ -411,7 +412,6 @@ def test_open_cache_is_exported() -> None:
 
 
 def test_default_workers() -> None:
-    from moet_cache.loader import default_workers
     assert default_workers(torch.device("cpu")) == 4
     n = default_workers(torch.device("cuda", 0))  # a device object needs no GPU
     assert 1 <= n <= min(12, len(os.sched_getaffinity(0)))

@@ -7,7 +7,7 @@ import torch
 
 from moet_cache import BuildOptions, build_cache, make_checkpoint, small_spec
 from moet_cache.errors import VerificationError
-from moet_cache.loader import open_cache
+from moet_cache.load import open_cache
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -76,7 +76,7 @@ def test_gpu_abandoned_load_stops_its_workers(built) -> None:
 
 def test_gpu_staging_shape_from_the_tuning(built) -> None:
     """Another staging shape (small slots, three a worker) through the options gives the same tensors."""
-    from moet_cache.loader import Tuning
+    from moet_cache.load import Tuning
     cache = open_cache(built[1])
     cpu = {x.index: x.tensors for x in cache.load(device="cpu")}
     small = Tuning(gpu_slot=1 << 20, gpu_slots_per_worker=3, gpu_jobs_in_flight=1)

@@ -17,12 +17,10 @@ from pathlib import Path
 
 import pytest
 import vllm_cpu_env
+from v4flash import write_v4_flash
 
 from moet_cache.units import GIB
 from moet_cache.vram import GPU_PRESETS, PlanSettings, footprint_from_checkpoint, make_plan
-
-sys.path.insert(0, str(Path(__file__).parent))
-from v4flash import write_v4_flash  # noqa: E402
 
 BIN = Path(sys.executable).parent
 MOET = shutil.which("moet-cache", path=str(BIN)) or str(BIN / "moet-cache")

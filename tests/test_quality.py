@@ -13,15 +13,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from quality import mix_forms  # benchmarks/ is on the path: pyproject's [tool.pytest.ini_options] pythonpath
+from quality_model.fp4export import mxfp4_export, mxfp4_fake
+from quality_model.reference import unpack_nibbles
+
+from moet_cache.fp4 import E2M1_VALUES
+
 ROOT = Path(__file__).resolve().parents[1]
-# appended, not prepended: benchmarks/ has modules (faults.py, run.py) named like the tests' own
-sys.path.append(str(ROOT / "benchmarks"))
-
-from quality_model.fp4export import mxfp4_export, mxfp4_fake  # noqa: E402
-from quality_model.reference import unpack_nibbles  # noqa: E402
-from quality import mix_forms  # noqa: E402
-
-from moet_cache.fp4 import E2M1_VALUES  # noqa: E402
 
 RECORDED = ROOT / "benchmarks" / "results" / "quality-ci.json"
 

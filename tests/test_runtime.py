@@ -15,7 +15,7 @@ from safetensors import safe_open
 
 from moet_cache.errors import InputError
 from moet_cache.fp4 import E2M1_VALUES, unpack_codes
-from moet_cache.loader import open_cache
+from moet_cache.load import open_cache
 from moet_cache.runtime import fused_moe
 
 PROJ = ("gate_proj", "up_proj", "down_proj")

@@ -7,6 +7,7 @@ tokenizer maps each DeepSeek marker to one token id, as the real ones do.
 from __future__ import annotations
 
 import pytest
+from hypothesis import HealthCheck, assume, given, settings
 
 pytest.importorskip("vllm")
 
@@ -199,8 +200,6 @@ def _props():
 
 
 _PROPS = _props()
-
-from hypothesis import HealthCheck, assume, given, settings
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))

@@ -15,7 +15,7 @@ from torch import nn
 
 from moet_cache.checkpoint import open_checkpoint
 from moet_cache.errors import InputError
-from moet_cache.loader import open_cache
+from moet_cache.load import open_cache
 from moet_cache.vllm_plugin import LOAD_FORMAT, PluginOptions, load_into_model, register
 
 E, H, I = 16, 256, 128  # small_spec

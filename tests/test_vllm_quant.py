@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from moet_cache.errors import InputError
-from moet_cache.loader import open_cache
+from moet_cache.load import open_cache
 from moet_cache.vllm_plugin import PluginOptions, load_into_model, register
 
 pytestmark = pytest.mark.vllm

@@ -25,7 +25,7 @@ from ..manifest import BuildParams, CacheManifest, CacheModel, FileEntry, LayerR
 from ..progress import NullProgress, Progress
 from ..tiering import RoutingProfile, check_profile, load_profile
 from ..units import parse_budget
-from ..verifier import speed_sample
+from ..verifier import boot_check, speed_sample
 from ..version import __version__
 from .dense import aux_files, copy_aux, copy_dense, planned_paths, served_config, source_map
 from .layers import LayerResults, build_layers
@@ -133,7 +133,6 @@ def _manifest(plan: BuildPlan, params: BuildParams, layers: LayerResults, files:
 
 def _already_complete(root: Path, plan: BuildPlan, params: BuildParams) -> CacheManifest | None:
     """The committed manifest if it is this very build (settings and source) and the boot check passes."""
-    from ..verifier import boot_check
     try:
         manifest = read_committed_manifest(root)
     except (ManifestError, InputError):

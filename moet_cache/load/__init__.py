@@ -6,8 +6,6 @@
 - engine.py    the I/O engine: worker threads, bounded bytes in flight, host reads, stop on error
 - staging.py   CUDA staging: pinned slots, per-worker streams, one device buffer a job
 - assemble.py  a read layer -> the tensors handed out (delta_experts, expand=True)
-
-`moet_cache.loader` re-exports the names users and tests name.
 """
 
 from .api import Cache, LoadedLayer, open_cache

@@ -41,6 +41,11 @@ from .staging import PinnedPool
 DENSE_MIN_INFLIGHT = 1 << 20     # load_dense's floor for the in-flight bytes (its jobs are ~64 MiB groups)
 
 
+def _as_read(job: Job, tensors: dict[str, torch.Tensor], stream: object) -> dict[str, torch.Tensor]:
+    """load_dense's Finish: dense tensors are handed out as read."""
+    return tensors
+
+
 @dataclass(frozen=True)
 class LoadedLayer:
     """One served MoE layer in memory: `index` is the model's layer number (docs/LOADER.md names)."""
@@ -219,9 +224,8 @@ class Cache:
         if opts.verify == VerifyMode.BOOT:
             _boot_gate(self.root)
         jobs = dense_jobs(self.dense_entries(), opts.tuning.dense_job)
-        keep: Finish = lambda j, t, s: t  # dense tensors are handed out as read
         pipe = Pipeline(self.root, dataclasses.replace(opts, max_inflight=max(opts.max_inflight, DENSE_MIN_INFLIGHT)),
-                        keep, self._pinned, self.opened)
+                        _as_read, self._pinned, self.opened)
         for _, tensors in pipe.run(jobs, progress or NullProgress(), "load dense", cancel=cancel):
             yield from tensors.items()
 

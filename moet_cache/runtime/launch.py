@@ -8,7 +8,7 @@ from functools import cache
 
 import torch
 
-from . import launch_config
+from . import launch_config, mma_moe, mma_prefill
 from .align import align_pairs
 from .dequant import LayerPlanes
 from .launch_config import DECODE_LADDERS, PrefillLater
@@ -180,8 +180,7 @@ def fused_moe_cuda(x: torch.Tensor, planes: LayerPlanes, topk_weights: torch.Ten
                    swiglu_limit: float | None, config: Config | None = None) -> torch.Tensor:
     """[T, H] in x's dtype; works on CUDA tensors (and CPU ones under TRITON_INTERPRET=1); `config`: the
     device's (config_for) unless given."""
-    from . import mma_moe, mma_prefill
-    from . import triton_moe as k
+    from . import triton_moe as k  # triton is optional: only where its kernels run
 
     T, H, I, E = x.shape[0], planes.hidden, planes.inter, planes.num_experts
     top_k = topk_ids.shape[1] if topk_ids.dim() == 2 else 0

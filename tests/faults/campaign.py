@@ -1,4 +1,4 @@
-"""The fault and bad-input campaign: the machinery shared by tests/faults/ and benchmarks/faults.py.
+"""The fault and bad-input campaign: the machinery shared by tests/faults/ and benchmarks/fault_campaign.py.
 
 Every round works on real files: real SIGKILLs of real processes (forked from a warm server so a
 kill costs milliseconds, not a torch import), real bytes flipped, real commands run through
@@ -518,7 +518,7 @@ def run_library(argv: list[Any]) -> tuple[int, str, str]:
     import traceback
 
     from moet_cache import BuildOptions, boot_check, build_cache, full_verify, inspect_cache, verify_against
-    from moet_cache.builder import retier_cache
+    from moet_cache.build import retier_cache
     from moet_cache.cli._errors import exit_code_for
     from moet_cache.exporter import export_checkpoint
     a = [str(x) for x in argv if str(x) not in ("--quiet", "--json")]

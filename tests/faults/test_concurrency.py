@@ -91,7 +91,7 @@ def test_boot_check_during_build_never_says_complete(work: Path) -> None:
 
 
 def test_two_loaders_at_once(built: Path) -> None:
-    loader = pytest.importorskip("moet_cache.loader")
+    loader = pytest.importorskip("moet_cache.load")
     out: list[dict[int, dict[str, np.ndarray]]] = [{}, {}]
     errors: list[BaseException] = []
 

@@ -16,7 +16,7 @@ from moet_cache.manifest import COMMIT_RECORD
 
 from .campaign import crash_campaign, leftover_temps, make_tiny, run_console, run_main
 
-CI_KILLS = 20  # the long form (benchmarks/faults.py) runs 200 and more
+CI_KILLS = 20  # the long form (benchmarks/fault_campaign.py) runs 200 and more
 
 
 @pytest.mark.slow  # ~11 s: 20 SIGKILLed builds

@@ -18,6 +18,7 @@ import pytest
 
 from moet_cache import boot_check, full_verify
 from moet_cache import fsutil
+from moet_cache.load import open_cache
 from moet_cache.manifest import VERIFIED_STATE
 
 from .campaign import link_copy, make_tiny, private, run_main
@@ -141,7 +142,6 @@ def test_a_fifo_in_the_cache_never_blocks(lossless: tuple[Path, Path], work: Pat
     if what == "lock":
         r = _run_bounded(_console("retier", cache, "--delta-budget", "10%"))
         assert r.returncode == 2 and "not a plain file" in r.stderr, r.stderr
-    from moet_cache.loader import open_cache
     if what in ("cache-file", "manifest"):
         with pytest.raises(Exception) as e:
             open_cache(cache)

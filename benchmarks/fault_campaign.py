@@ -1,8 +1,8 @@
 """The long form of the fault and bad-input campaign (tests/faults/ runs the CI sizes).
 
-    python benchmarks/faults.py --rounds 10            # 200 kills, 2000 corruptions, 20000 fuzz cases
-    python benchmarks/faults.py --kills 200 --corruptions 5000 --fuzz 50000
-    python benchmarks/faults.py --only fuzz --kinds config,index --fuzz 20000 --seed 3
+    python benchmarks/fault_campaign.py --rounds 10            # 200 kills, 2000 corruptions, 20000 fuzz cases
+    python benchmarks/fault_campaign.py --kills 200 --corruptions 5000 --fuzz 50000
+    python benchmarks/fault_campaign.py --only fuzz --kinds config,index --fuzz 20000 --seed 3
 
 Prints the counts of each campaign as it finishes (one JSON line each, then a table) and exits 1
 when a count that must be zero is not. The baseline of every rate is the CI run of the same
@@ -21,7 +21,7 @@ from collections import Counter
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))  # before benchmarks/, so `faults` is the tests package, not this file
+sys.path.insert(0, str(ROOT / "tests"))  # the campaign's machinery is the tests package `faults` (CI runs it too)
 
 from faults.campaign import (FUZZ_CASES, FUZZ_CI_EXAMPLES, FuzzEnv, corruption_campaign,  # noqa: E402
                              crash_campaign, fuzz, window_campaign)

@@ -1,0 +1,250 @@
+"""The layers of docs/ARCHITECTURE.md, checked: every module of moet_cache imports cold (no import cycle),
+and a module imports only modules of its own layer or below. LAYERS below is the source of truth; the
+architecture page's table says the same. The project's own modules are imported at the top of a module;
+an import inside a function is allowed only where LAZY lists it with its reason."""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+# where each package's files are (pyproject's [tool.setuptools.package-dir])
+PACKAGE_DIRS = {"moet_cache": ROOT / "moet_cache", "moet_cache.cli": ROOT / "cli",
+                "moet_cache.manifests": ROOT / "manifests"}
+
+SEAMS, FORMATS, CACHE, COMMANDS, CLI = range(5)
+LAYER_NAMES = ("seams", "formats", "the cache", "commands", "cli")
+# a module's layer: its own entry, else its package's (the root package `moet_cache` counts only for itself)
+LAYERS = {
+    # seams: no knowledge of models or caches
+    **dict.fromkeys(["errors", "fsutil", "hashing", "stheader", "stwriter", "window", "cancel", "progress", "units",
+                     "machine", "version", "enums"], SEAMS),
+    # formats: what a checkpoint's bytes and names mean (the split included)
+    **dict.fromkeys(["families", "formats", "modelconfig", "fp4", "planes", "_kernels"], FORMATS),
+    # the cache: its records and files, the commit, and the source reader (its fingerprint is a manifest record)
+    **dict.fromkeys(["manifest", "layout", "geometry", "cacheview", "commit", "folders", "stread", "tiering",
+                     "checkpoint", "manifests"], CACHE),
+    # commands: what the CLI and vLLM call (the package's API loads them lazily)
+    **dict.fromkeys(["", "build", "load", "runtime", "parsers", "verifier", "exporter", "inspection", "vram",
+                     "kv_v4", "serving", "synthetic", "expand", "vllm_config", "vllm_plugin", "vllm_quant",
+                     "vllm_parsers"], COMMANDS),
+    "cli": CLI,
+}
+LAYERS = {("moet_cache." + k).rstrip("."): v for k, v in LAYERS.items()}
+
+# upward imports, each with its reason
+UPWARD = {
+    ("moet_cache.commit", "moet_cache.verifier"):
+        "a commit records the verified state, and a restore is proven by the boot check",
+}
+
+# the project's modules imported inside functions: importer -> (imported, reason)
+_LIGHT_CLI = "numpy, torch and safetensors stay out of the CLI's start (`moet-cache verify`, `--help`)"
+_CUDA = "loaded where a CUDA launch happens"
+LAZY: dict[str, tuple[frozenset[str], str]] = {
+    "moet_cache.manifest": (frozenset({"moet_cache.geometry", "moet_cache.formats"}), _LIGHT_CLI),
+    "moet_cache.verifier": (frozenset({"moet_cache.checkpoint", "moet_cache.formats", "moet_cache.stread",
+                                       "moet_cache.geometry", "moet_cache.planes"}),
+                            "--full, --against: " + _LIGHT_CLI),
+    "moet_cache.vram": (frozenset({"moet_cache.stwriter", "moet_cache.geometry", "moet_cache.checkpoint",
+                                   "moet_cache.families", "moet_cache.tiering"}),
+                        "a plan from a checkpoint: " + _LIGHT_CLI),
+    "moet_cache.serving": (frozenset({"moet_cache.cacheview", "moet_cache.verifier"}), _LIGHT_CLI),
+    "moet_cache.commit": (frozenset({"moet_cache.verifier"}), "see UPWARD"),
+    "moet_cache.vllm_plugin": (frozenset({"moet_cache.vllm_quant"}), "registered in vLLM's process only"),
+    "moet_cache.vllm_quant": (frozenset({"moet_cache.runtime", "moet_cache.runtime.layout",
+                                         "moet_cache.runtime.dequant", "moet_cache.runtime.warm_up"}),
+                              "the kernels at weight load, inside vLLM"),
+    "moet_cache.runtime.api": (frozenset({"moet_cache.runtime.launch"}), _CUDA),
+    "moet_cache.runtime.launch": (frozenset({"moet_cache.runtime.triton_moe"}), "triton is optional: " + _CUDA),
+    "moet_cache.runtime.tiles": (frozenset({"moet_cache.runtime.dequant", "moet_cache.runtime.launch",
+                                            "moet_cache.runtime.mma_moe"}),
+                                "the cycle dequant -> layout -> tiles -> dequant is broken here and in dequant"),
+    "moet_cache.runtime.dequant": (frozenset({"moet_cache.runtime.layout"}), "tiled layers only; see tiles"),
+    "moet_cache.cli._common": (frozenset({"moet_cache.commit", "moet_cache.version"}), _LIGHT_CLI),
+    "moet_cache.cli.build": (frozenset({"moet_cache", "moet_cache.build.options", "moet_cache.planes"}), _LIGHT_CLI),
+    "moet_cache.cli.demo": (frozenset({"moet_cache", "moet_cache.synthetic", "moet_cache.serving",
+                                       "moet_cache.vram", "moet_cache.cli.plan", "moet_cache.cli.inspect_cmd"}),
+                            _LIGHT_CLI),
+    "moet_cache.cli.export": (frozenset({"moet_cache"}), _LIGHT_CLI),
+    "moet_cache.cli.reference": (frozenset({"moet_cache.cli.app"}), "app imports every command"),
+}
+# third-party packages a module may lack: a cold import that fails on one of them is not a failure here
+OPTIONAL = {"vllm", "triton", "matplotlib", "cuda"}
+
+
+@dataclass(frozen=True)
+class Edge:
+    importer: str
+    imported: str
+    line: int
+    in_function: bool
+
+
+def project_modules() -> dict[str, Path]:
+    found = {}
+    for package, folder in PACKAGE_DIRS.items():
+        for path in sorted(folder.rglob("*.py")):
+            parts = list(path.relative_to(folder).with_suffix("").parts)
+            if package == "moet_cache" and parts[0] in ("cli", "manifests"):
+                continue
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            found[".".join([package, *parts])] = path
+    return found
+
+
+def layer_of(module: str) -> int:
+    name = module
+    while name:
+        if name in LAYERS and (name != "moet_cache" or module == "moet_cache"):
+            return LAYERS[name]
+        name = name.rpartition(".")[0]
+    raise KeyError(f"{module} has no layer in LAYERS")
+
+
+class _Imports(ast.NodeVisitor):
+    def __init__(self, module: str, is_package: bool, known: set[str]) -> None:
+        self.module, self.is_package, self.known = module, is_package, known
+        self.depth, self.edges = 0, []
+
+    def _function(self, node: ast.AST) -> None:
+        self.depth += 1
+        self.generic_visit(node)
+        self.depth -= 1
+
+    visit_FunctionDef = visit_AsyncFunctionDef = visit_Lambda = _function
+
+    def _add(self, target: str, line: int) -> None:
+        if target == "moet_cache" or target.startswith("moet_cache."):
+            self.edges.append(Edge(self.module, target, line, self.depth > 0))
+
+    def visit_Import(self, node: ast.Import) -> None:
+        for alias in node.names:
+            self._add(alias.name, node.lineno)
+
+    def visit_ImportFrom(self, node: ast.ImportFrom) -> None:
+        base = node.module or ""
+        if node.level:
+            package = self.module.split(".")
+            if not self.is_package:
+                package = package[:-1]
+            base = ".".join(package[:len(package) - node.level + 1] + ([node.module] if node.module else []))
+        for alias in node.names:  # `from . import layout` depends on the module layout, not on the package
+            sub = f"{base}.{alias.name}"
+            self._add(sub if sub in self.known or sub == "moet_cache._kernels" else base, node.lineno)
+
+
+def import_edges() -> list[Edge]:
+    modules = project_modules()
+    edges = []
+    for module, path in modules.items():
+        visitor = _Imports(module, path.name == "__init__.py", set(modules))
+        visitor.visit(ast.parse(path.read_text()))
+        edges += visitor.edges
+    return edges
+
+
+def test_every_module_has_a_layer_and_the_edges_are_seen() -> None:
+    modules = project_modules()
+    for module in modules:
+        layer_of(module)
+    edges = import_edges()
+    assert len(modules) > 90 and len(edges) > 300
+    # the forms the visitor must resolve: a relative submodule, a parent package's name, an in-function import
+    assert Edge("moet_cache.commit", "moet_cache.layout", 29, False) in edges
+    assert any(e.importer == "moet_cache.load.api" and e.imported == "moet_cache.verifier" for e in edges)
+    assert any(e.importer == "moet_cache.commit" and e.imported == "moet_cache.verifier" and e.in_function
+               for e in edges)
+
+
+def test_imports_go_down_the_layers() -> None:
+    upward = sorted({f"{e.importer}:{e.line} ({LAYER_NAMES[layer_of(e.importer)]}) imports {e.imported} "
+                     f"({LAYER_NAMES[layer_of(e.imported)]})" for e in import_edges()
+                     if layer_of(e.imported) > layer_of(e.importer) and (e.importer, e.imported) not in UPWARD})
+    assert not upward, "\n".join(upward)
+
+
+def test_the_projects_modules_are_imported_at_the_top_unless_listed() -> None:
+    unlisted = sorted({f"{e.importer}:{e.line} imports {e.imported} inside a function" for e in import_edges()
+                       if e.in_function and e.imported not in LAZY.get(e.importer, (frozenset(),))[0]})
+    assert not unlisted, "move the import to the top, or list it in LAZY with the reason:\n" + "\n".join(unlisted)
+
+
+def test_the_lists_name_only_what_is_there() -> None:
+    edges = {(e.importer, e.imported) for e in import_edges()}
+    lazy = {(e.importer, e.imported) for e in import_edges() if e.in_function}
+    assert set(UPWARD) <= edges
+    stale = [(importer, imported) for importer, (names, _) in LAZY.items() for imported in names
+             if (importer, imported) not in lazy]
+    assert not stale, stale
+
+
+
+def test_the_architecture_page_names_each_module_in_its_layer() -> None:
+    page = (ROOT / "docs" / "ARCHITECTURE.md").read_text()
+    table = page[page.index("## Layers"):].split("```")[1]
+    rows = table.split("---+")  # cli, commands, the cache, formats, seams: top to bottom
+    assert len(rows) == len(LAYER_NAMES)
+    text_of = {layer: rows[len(LAYER_NAMES) - 1 - layer] for layer in range(len(LAYER_NAMES))}
+    for layer, name in enumerate(LAYER_NAMES):
+        assert f" {name} " in text_of[layer] or f" {name}/ " in text_of[layer], (name, text_of[layer][:80])
+    missing = []
+    for module, layer in LAYERS.items():
+        short = module.removeprefix("moet_cache.") if module != "moet_cache" else "moet_cache"
+        if not re.search(rf"(?<![\w.]){re.escape(short)}(?![\w])", text_of[layer]):
+            missing.append(f"{short} ({LAYER_NAMES[layer]})")
+    assert not missing, f"docs/ARCHITECTURE.md's layer table does not name: {missing}"
+
+# Each module imported first in a fresh process (forked after the third-party packages are loaded, so
+# that only the project's modules are cold): an import cycle fails wherever it is entered first.
+_COLD = """
+import importlib, json, os, sys, traceback
+for heavy in ("numpy", "torch", "safetensors", "xxhash", "typer", "rich"):
+    try:
+        importlib.import_module(heavy)
+    except ImportError:
+        pass
+optional, failed, imported = set(sys.argv[2].split(",")), {}, 0
+for module in sys.argv[1].split(","):
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(read)
+        try:
+            importlib.import_module(module)
+            code, text = 0, ""
+        except ModuleNotFoundError as e:
+            missing = (e.name or "").split(".")[0]
+            code, text = (2, "") if missing in optional else (1, traceback.format_exc())
+        except BaseException:
+            code, text = 1, traceback.format_exc()
+        os.write(write, text.encode()[-4000:])
+        os._exit(code)
+    os.close(write)
+    with os.fdopen(read, "rb") as f:
+        text = f.read().decode()
+    _, status = os.waitpid(pid, 0)
+    code = os.waitstatus_to_exitcode(status)
+    if code == 0:
+        imported += 1
+    elif code != 2:
+        failed[module] = text or f"exit {code}"
+print(json.dumps({"imported": imported, "failed": failed}))
+"""
+
+
+def test_every_module_imports_cold() -> None:
+    modules = sorted(project_modules())
+    proc = subprocess.run([sys.executable, "-c", _COLD, ",".join(modules), ",".join(sorted(OPTIONAL))],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.splitlines()[-1])
+    assert not result["failed"], "\n".join(f"{m}:\n{t}" for m, t in result["failed"].items())
+    assert result["imported"] >= len(modules) - 5, result  # only the few that need an optional package skip
