@@ -29,7 +29,7 @@ LAYERS = {
     **dict.fromkeys(["families", "formats", "modelconfig", "fp4", "planes", "_kernels"], FORMATS),
     # the cache: its records and files, the commit, and the source reader (its fingerprint is a manifest record)
     **dict.fromkeys(["manifest", "layout", "geometry", "cacheview", "commit", "folders", "stread", "tiering",
-                     "checkpoint", "manifests"], CACHE),
+                     "checkpoint", "manifests", "quality_curve"], CACHE),
     # commands: what the CLI and vLLM call (the package's API loads them lazily)
     **dict.fromkeys(["", "build", "load", "runtime", "parsers", "verifier", "exporter", "inspection", "vram",
                      "kv_v4", "serving", "synthetic", "expand", "vllm_config", "vllm_plugin", "vllm_quant",

@@ -8,7 +8,6 @@ import copy
 import itertools
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,14 +18,12 @@ from moet_cache.cli.app import app
 from moet_cache.errors import InputError
 from moet_cache.quality_curve import (CURVE_FILE, REFERENCE_MODELS, packaged_curve, read_curve, reference_for,
                                       tier_change)
+from quality import curve_from_results  # benchmarks/quality.py (pytest's pythonpath)
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results" / "quality.json"
 CURVE_JSON = REPO / "moet_cache" / CURVE_FILE
 MXFP4_CKPT = REPO / "benchmarks" / "quality_model" / "run" / "mxfp4"
-sys.path.append(str(REPO / "benchmarks"))   # appended: benchmarks/faults.py must not shadow tests/faults
-
-from quality import curve_from_results  # noqa: E402  (benchmarks/quality.py, after the path above)
 
 
 def test_the_packaged_curve_is_the_ladders_results() -> None:
