@@ -19,7 +19,6 @@ from importlib import resources
 from pathlib import Path
 
 from .errors import InputError
-from .formats import FORMATS, LAYOUT_FORMAT, MXFP4
 
 CURVE_FILE = "quality_curve.json"
 CURVE_FORMAT = "moet-cache-quality-curve"
@@ -83,14 +82,18 @@ class TierKl:
     kl: float
 
 
+#: expert formats (formats.FORMATS) and source layouts (enums.SourceLayout) by name -> the reference model; names,
+#: not the records, so that the CLI's start does not import formats (numpy); tests/test_quality_curve.py checks
+#: it against formats.FORMATS and LAYOUT_FORMAT
+_REFERENCE_OF = {"mxfp4": "mxfp4", "modelopt-nvfp4": "nvfp4", "ct-nvfp4": "nvfp4", "modelopt": "nvfp4",
+                 "compressed-tensors": "nvfp4"}
+
+
 def reference_for(source_format: str) -> str | None:
     """The reference model for an expert format (formats.FORMATS) or a source layout (enums.SourceLayout):
     MXFP4 gets the MXFP4 model's curve, NVFP4 (ModelOpt or compressed-tensors) the NVFP4 one; None for
     anything else."""
-    fmt = FORMATS.get(source_format) or LAYOUT_FORMAT.get(source_format)
-    if fmt is None:
-        return None
-    return "mxfp4" if fmt is MXFP4 else "nvfp4"
+    return _REFERENCE_OF.get(source_format)
 
 
 def _bad(path: str, what: str) -> InputError:

@@ -16,6 +16,7 @@ from typer.testing import CliRunner
 from moet_cache import BuildOptions, build_cache, make_checkpoint, small_spec
 from moet_cache.cli.app import app
 from moet_cache.errors import InputError
+from moet_cache.formats import FORMATS, LAYOUT_FORMAT, MXFP4
 from moet_cache.quality_curve import (CURVE_FILE, REFERENCE_MODELS, packaged_curve, read_curve, reference_for,
                                       tier_change)
 from quality import curve_from_results  # benchmarks/quality.py (pytest's pythonpath)
@@ -93,6 +94,9 @@ def test_reference_model_by_expert_format() -> None:
     assert reference_for("modelopt-nvfp4") == reference_for("ct-nvfp4") == "nvfp4"
     assert reference_for("modelopt") == reference_for("compressed-tensors") == "nvfp4"   # source layouts
     assert reference_for("fp8") is None and reference_for("") is None
+    # every expert format and source layout the project reads has its curve, MXFP4's the MXFP4 model's
+    for name, fmt in [*FORMATS.items(), *LAYOUT_FORMAT.items()]:
+        assert reference_for(str(name)) == ("mxfp4" if fmt is MXFP4 else "nvfp4"), name
 
 
 def _mutations() -> list[tuple[str, object]]:
