@@ -181,7 +181,7 @@ def _split_positionals(path: Path, extra: list[str] | None, sizes: str | None) -
     """vLLM's spelling of the capture sizes, `--cudagraph-capture-sizes 1 2 4 8`: the numbers after the first
     arrive as extra positionals and are folded back into the option (the folder is the one non-number)."""
     words = [str(path), *(extra or [])]
-    ints = [w for w in words if w.isdigit() and not Path(w).is_dir()]
+    ints = [w for w in words if w.isascii() and w.isdigit() and not Path(w).is_dir()]
     rest = [w for w in words if w not in ints]
     if len(rest) != 1:
         raise InputError(f"plan takes one cache or checkpoint folder, got {rest or 'none'}")

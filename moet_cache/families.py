@@ -55,7 +55,7 @@ class Family:
         if not name.startswith(head):
             return None
         parts = name[len(head):].split(".")
-        if len(parts) != 3 or not parts[0].isdigit() or str(int(parts[0])) != parts[0]:
+        if len(parts) != 3 or not (parts[0].isascii() and parts[0].isdigit()) or str(int(parts[0])) != parts[0]:
             return None
         proj = {self.proj_name(p): p for p in PROJECTIONS}.get(parts[1])
         return (layer, int(parts[0]), proj, parts[2]) if proj else None
@@ -67,9 +67,9 @@ class Family:
         return {"name": self.name, "moe_layers": list(self.moe_layers), "mtp_layers": list(self.mtp_layers)}
 
 
-_V3_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
-_V4_LAYER = re.compile(r"^layers\.(\d+)\.")
-_V4_MTP = re.compile(r"^mtp\.(\d+)\.")
+_V3_LAYER = re.compile(r"^model\.layers\.([0-9]+)\.")
+_V4_LAYER = re.compile(r"^layers\.([0-9]+)\.")
+_V4_MTP = re.compile(r"^mtp\.([0-9]+)\.")
 
 
 @dataclass(frozen=True)

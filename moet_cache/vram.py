@@ -196,7 +196,7 @@ def _layer_of(name: str, family: Family | None = None) -> int | None:
     if family is not None:
         return family.layer_of(name)
     parts = name.split(".")
-    if len(parts) >= 3 and parts[0] == "model" and parts[1] == "layers" and parts[2].isdigit():
+    if len(parts) >= 3 and parts[0] == "model" and parts[1] == "layers" and parts[2].isascii() and parts[2].isdigit():
         return int(parts[2])
     return None
 
