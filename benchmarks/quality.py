@@ -51,6 +51,7 @@ from quality_model.variants import LayerCodes, form_weights, mixed_weights, sq_e
 
 HERE = Path(__file__).resolve().parent
 MODEL_DIR = HERE / "quality_model"
+CHECKPOINTS = HERE / "data" / "quality_model"   # the committed reference checkpoints
 RESULTS = HERE / "results"
 CURVE_PATH = HERE.parent / "moet_cache" / CURVE_FILE
 
@@ -494,7 +495,7 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=None)
     ap.add_argument("--calib-sequences", type=int, default=16)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--checkpoints", type=Path, default=MODEL_DIR / "run", help="the folder holding mxfp4/ and nvfp4/")
+    ap.add_argument("--checkpoints", type=Path, default=CHECKPOINTS, help="the folder holding mxfp4/ and nvfp4/")
     ap.add_argument("--workdir", default=None, help="where the caches are built (a temporary folder in it)")
     ap.add_argument("--json", type=Path, default=None, help="where to write the result (default results/quality.json)")
     ap.add_argument("--json-only", action="store_true", help="print the JSON result, no table or plot")

@@ -24,7 +24,7 @@ from quality import curve_from_results  # benchmarks/quality.py (pytest's python
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results" / "quality.json"
 CURVE_JSON = REPO / "moet_cache" / CURVE_FILE
-MXFP4_CKPT = REPO / "benchmarks" / "quality_model" / "run" / "mxfp4"
+MXFP4_CKPT = REPO / "benchmarks" / "data" / "quality_model" / "mxfp4"
 
 
 def test_the_packaged_curve_is_the_ladders_results() -> None:

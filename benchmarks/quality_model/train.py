@@ -13,7 +13,7 @@ DeepSeek-V4-Flash ships its experts. Written at the end (under --out):
            full-precision model as it stood when QAT began, as the V3/R1 NVFP4 releases are made
   train.json  the arguments, the seed, the thread count and each logged step's losses
 
-    python benchmarks/quality_model/train.py --out benchmarks/quality_model/run
+    python benchmarks/quality_model/train.py --out benchmarks/data/quality_model
 """
 
 from __future__ import annotations
@@ -136,7 +136,7 @@ def main() -> None:
                     help="leave after this many steps of this run (its state saved); the same command resumes")
     ap.add_argument("--log-every", type=int, default=50)
     ap.add_argument("--data", type=Path, default=HERE / "data")
-    ap.add_argument("--out", type=Path, default=HERE / "run")
+    ap.add_argument("--out", type=Path, default=HERE.parent / "data" / "quality_model")
     for field in ("layers", "experts", "top_k", "expert_width", "hidden", "shared_width"):
         ap.add_argument(f"--{field.replace('_', '-')}", type=int, default=getattr(ModelSpec(), field))
     args = ap.parse_args()
