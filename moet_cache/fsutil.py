@@ -61,6 +61,15 @@ def open_regular(path: str | os.PathLike[str], flags: int = os.O_RDONLY, mode: i
     return fd
 
 
+FileId = tuple[int, int, int]
+
+
+def file_id(st: os.stat_result) -> FileId:
+    """A file's identity for "is it still the file that was checked": (size, mtime_ns, inode). Every write of
+    the cache is a rename, so a file replaced or rewritten since has another one."""
+    return (st.st_size, st.st_mtime_ns, st.st_ino)
+
+
 def pread_into(fd: int, buf: memoryview, offset: int) -> int:
     """Fill `buf` from `offset`; returns the bytes read (fewer only at the end of the file)."""
     done = 0

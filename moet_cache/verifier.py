@@ -19,7 +19,7 @@ from .enums import StrEnum, TensorKind
 from .cacheview import CacheView, ListedFileError, entry_digest, open_view, read_committed_manifest
 from .errors import InputError, VerificationError
 from .folders import EMPTY_DETAIL, FolderKind, require_cache_folder
-from .fsutil import atomic_write_json, lock_is_held, open_regular, pread_into, read_json_file, refuse_links
+from .fsutil import atomic_write_json, file_id, lock_is_held, open_regular, pread_into, read_json_file, refuse_links
 from .hashing import xxh3_file_hex, xxh3_hex
 from .machine import usable_cores
 from .manifest import CACHE_MANIFEST, COMMIT_RECORD, VERIFIED_STATE, CacheManifest, FileEntry, ManifestError, TensorEntry
@@ -128,7 +128,7 @@ load_cache_files = open_view
 
 
 def _stat_key(st: os.stat_result) -> list[int]:
-    return [st.st_size, st.st_mtime_ns, st.st_ino]
+    return list(file_id(st))  # as JSON keeps it
 
 
 def record_verified_state(root: Path, manifest: CacheManifest, manifest_xxh3: str, by: VerifiedBy,

@@ -28,6 +28,7 @@ from ..cacheview import CacheView, ListedFileError, entry_digest, read_commit
 from ..cancel import CancelToken
 from ..enums import BaseTable, DeltaMode, VerifyMode
 from ..errors import InputError, VerificationError
+from ..fsutil import FileId, file_id
 from ..manifest import DeltaIndex, FileEntry, ManifestError, TensorEntry
 from ..progress import NullProgress, Progress
 from ..verifier import (CORRUPT, INCOMPLETE, STALE, VERIFIED, Problem, ProblemKind, VerifyReport, boot_check,
@@ -35,7 +36,7 @@ from ..verifier import (CORRUPT, INCOMPLETE, STALE, VERIFIED, Problem, ProblemKi
 from .assemble import assemble_layer
 from .engine import Finish, Pipeline
 from .options import LoadOptions, Tuning
-from .plan import FileId, Job, dense_jobs, file_id, layer_job, read_pack_header
+from .plan import Job, dense_jobs, layer_job, read_pack_header
 from .staging import PinnedPool
 
 DENSE_MIN_INFLIGHT = 1 << 20     # load_dense's floor for the in-flight bytes (its jobs are ~64 MiB groups)
@@ -230,6 +231,9 @@ class Cache:
             yield from tensors.items()
 
 
+OPEN_TRIES = 3  # a commit that lands while the cache is opened: open again, this many times at most
+
+
 def open_cache(path: str | os.PathLike[str], check_source: bool = True) -> Cache:
     """Open a cache for loading: manifests read and checked; incomplete, stale or corrupt is refused.
 
@@ -246,9 +250,6 @@ def open_cache(path: str | os.PathLike[str], check_source: bool = True) -> Cache
             return Cache(view, report, opened)  # the boot check read the delta index through the view
     raise VerificationError(f"the cache at {root} was committed again while it was opened, {OPEN_TRIES} times",
                             "wait for the build or retier that is changing it, then open it again")
-
-
-OPEN_TRIES = 3
 
 
 def _file_ids(view: CacheView) -> dict[str, FileId]:

@@ -16,9 +16,10 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 import torch
 
 from ..cancel import CancelToken, check as check_cancel
+from ..fsutil import FileId
 from ..progress import Progress
 from .options import LoadOptions
-from .plan import FileId, Job
+from .plan import Job
 from .reads import Files, read_host
 from .staging import CudaStaging, PinnedPool
 

@@ -16,7 +16,7 @@ from typing import Mapping
 from .. import layout as L
 from ..enums import DeltaMode
 from ..errors import VerificationError
-from ..fsutil import resolve_inside
+from ..fsutil import FileId, file_id, resolve_inside
 from ..manifest import FileEntry, LayerManifest, TensorEntry
 from ..stheader import Header, read_header
 
@@ -63,13 +63,6 @@ class Job:
 
 #: A file as it was when the cache was opened: (size, mtime_ns, inode). Every write of the library replaces a
 #: file by a rename, so a file rewritten since (a build or retier that committed meanwhile) has another inode.
-FileId = tuple[int, int, int]
-
-
-def file_id(st: os.stat_result) -> FileId:
-    return (st.st_size, st.st_mtime_ns, st.st_ino)
-
-
 def changed_since_opened(rel: str) -> VerificationError:
     """A load reads one commit or nothing: a file replaced since the cache was opened is refused, so the
     planes of a new tier never meet the old delta index (or the old layer manifests) the cache was opened with."""
@@ -149,4 +142,4 @@ def dense_jobs(entries: list[TensorEntry], job_bytes: int) -> list[Job]:
     return jobs
 
 
-__all__ = ["FileId", "Read", "Job", "changed_since_opened", "file_id", "read_cache_header", "read_pack_header", "layer_job", "dense_jobs"]
+__all__ = ["Read", "Job", "changed_since_opened", "read_cache_header", "read_pack_header", "layer_job", "dense_jobs"]

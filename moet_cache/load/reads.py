@@ -14,13 +14,13 @@ import numpy as np
 import torch
 
 from ..errors import InputError, VerificationError
-from ..fsutil import resolve_inside
+from ..fsutil import FileId, file_id, resolve_inside
 from ..hashing import new_hasher
 from ..stheader import DTYPES as STDTYPES
 from ..stheader import nbytes as st_nbytes
 from ..stheader import storage_shape, torch_dtype
 from ..verifier import Problem, ProblemKind
-from .plan import FileId, Job, Read, changed_since_opened, file_id
+from .plan import Job, Read, changed_since_opened
 
 
 class Stopped(Exception):
