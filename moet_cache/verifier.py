@@ -121,6 +121,12 @@ class VerifyReport:
     def state_text(self) -> str:
         return STATE_TEXT[self.state]
 
+    def problems_text(self, limit: int = 3) -> str:
+        """The first `limit` problems in one line, and how many more there are."""
+        first = "; ".join(p.describe() for p in self.problems[:limit])
+        more = f" (and {len(self.problems) - limit} more)" if len(self.problems) > limit else ""
+        return first + more
+
 
 # The opened-cache view by the verifier's older names (the loader's Cache.files, the tests, the campaign).
 CacheFiles = CacheView

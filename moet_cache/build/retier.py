@@ -102,8 +102,6 @@ def _rehash_kept(root: Path, cf: CacheView, paths: set[str] | None, cancel: Canc
 
 def _refuse(root: Path, report: VerifyReport) -> VerificationError:
     """Why a committed cache is not re-tiered (corrupt, incomplete), and what to do first."""
-    first = "; ".join(p.describe() for p in report.problems[:3])
-    more = f" (and {len(report.problems) - 3} more)" if len(report.problems) > 3 else ""
-    return VerificationError(f"{root} is {report.state_text}, so it is not re-tiered: {first}{more}",
+    return VerificationError(f"{root} is {report.state_text}, so it is not re-tiered: {report.problems_text()}",
                              "run moet-cache verify --full for the details, then moet-cache build SRC CACHE "
                              "(with --lossless) to repair it", list(report.problems))

@@ -57,9 +57,7 @@ class LoadedLayer:
 
 
 def _refuse(report: VerifyReport, root: Path) -> VerificationError:
-    first = "; ".join(p.describe() for p in report.problems[:3])
-    more = f" (and {len(report.problems) - 3} more)" if len(report.problems) > 3 else ""
-    return VerificationError(f"the cache at {root} is {report.state_text}: {first}{more}",
+    return VerificationError(f"the cache at {root} is {report.state_text}: {report.problems_text()}",
                              "run moet-cache verify for the details, then moet-cache build to repair it",
                              list(report.problems))
 
