@@ -18,7 +18,6 @@ from ..hashing import xxh3_hex
 from ..manifest import FileEntry, ManifestError, PartManifest, TensorEntry, load_record, write_record
 from ..progress import Progress
 from ..stwriter import WrittenFile
-from .written import sweep  # noqa: F401  (build and retier import it from here)
 
 
 class _Reusable(Protocol):

@@ -16,8 +16,8 @@ from ..tiering import check_profile, choose_tier, load_profile
 from ..units import parse_budget
 from ..verifier import UNVERIFIED, VERIFIED, Problem, ProblemKind, VerifyReport, boot_view
 from .options import RetierResult
-from .parts import sweep
 from .tier import TIER_PART, TIER_ROLES, file_deltas, tier_candidates, tier_key, write_tier
+from .written import sweep
 
 
 def retier_cache(cache: str | os.PathLike[str], delta_budget: str, profile: str | None = None,
