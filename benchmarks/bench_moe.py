@@ -169,12 +169,11 @@ def routing(T: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def plane(t: dict[str, torch.Tensor], name: str) -> torch.Tensor:
-    """A plane or block-scale tensor by its loader name, or its twin in the kernels' layout (x4_table.X4_NAMES,
-    tiles.TILED_NAMES)."""
-    from moet_cache.runtime.tiles import TILED_NAMES
-    from moet_cache.runtime.x4_table import X4_NAMES
+    """A plane or block-scale tensor by its loader name, or its twin in the kernels' layouts (plane_layout's
+    X4 and TILED names)."""
+    from moet_cache.runtime.plane_layout import PlaneLayout
 
-    return t[name] if name in t else t[X4_NAMES[name]] if X4_NAMES[name] in t else t[TILED_NAMES[name]]
+    return t[PlaneLayout.of(t).names[name]]
 
 
 def plane_bytes_per_expert(t: dict[str, torch.Tensor]) -> int:
@@ -186,9 +185,9 @@ def served_layer(t: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], f
     """t with its planes moved into the kernels' layout (copies: t's stay as they are) as the vLLM method does
     at load (runtime/layout.py: x4 or tiles), and the move's time in ms."""
     from moet_cache.runtime.layout import prepare_in_place
-    from moet_cache.runtime.tiles import TILED_NAMES
+    from moet_cache.runtime.plane_layout import PLANE_TENSORS
 
-    out = dict(t, **{n: t[n].clone() for n in TILED_NAMES if n in t})
+    out = dict(t, **{n: t[n].clone() for n in PLANE_TENSORS if n in t})
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     names = prepare_in_place(out)

@@ -183,7 +183,8 @@ def test_an_x4_cache_takes_the_x4_decode_and_computes_the_same(tmp_path: Path) -
 
     from moet_cache.runtime import fused_moe
     from moet_cache.runtime.layout import prepare
-    from moet_cache.runtime.x4_table import X4_NAMES, is_x4
+    from moet_cache.runtime.plane_layout import X4
+    from moet_cache.runtime.x4_table import is_x4
     from moet_cache.synthetic import make_checkpoint, small_spec
 
     src = make_checkpoint(tmp_path / "src", small_spec(moe_intermediate_size=256, num_hidden_layers=2))
@@ -194,7 +195,7 @@ def test_an_x4_cache_takes_the_x4_decode_and_computes_the_same(tmp_path: Path) -
         t = lt.tensors
         assert is_x4(t)
         prepared = prepare(t)
-        assert set(X4_NAMES.values()) <= set(prepared)
+        assert set(X4.names.values()) <= set(prepared)
         H, E = t["w13_base"].shape[2] * 4, t["w13_base"].shape[0]
         g = torch.Generator().manual_seed(lt.index)
         x = torch.randn((5, H), generator=g).to(torch.bfloat16)

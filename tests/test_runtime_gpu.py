@@ -16,10 +16,12 @@ from moet_cache.planes import X4_PATTERN
 from moet_cache.runtime.launch import DEFAULT, SPLIT, WHOLE, Config, Mma, Pairs, Prefill, fused_moe_cuda, layer_form
 from moet_cache.runtime.reference import fused_moe_reference
 from moet_cache.runtime.synthetic_layer import random_layer
-from moet_cache.runtime import layout, tiles, x4_table
+from moet_cache.runtime import layout, x4_table
 from moet_cache.runtime.layout import prepare, prepare_in_place
 from moet_cache.runtime.warm_up import kernel_names, warm_up
-from moet_cache.runtime.x4_table import X4_NAMES
+from moet_cache.runtime.plane_layout import TILED, X4
+
+X4_NAMES = X4.names
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -287,7 +289,7 @@ def test_x4_layers_equal_reference(x4_layer: dict, T: int, config: Config) -> No
     back; tier experts (their exact FP4 decode, x4_tier_reg) routed beside the base ones."""
     prepared = prepare(x4_layer)
     planes = LayerPlanes.from_tensors(prepared)
-    assert planes.x4_layout
+    assert planes.layout == X4
     x, w, ids = _tokens_to_tier(x4_layer, T, 700 + T)
     got = fused_moe_cuda(x, planes, w, ids, 7.0, config)
     _check(got, _reference(x, x4_layer, w, ids, 7.0))
@@ -299,7 +301,7 @@ def test_x4_layer_without_a_tier_equals_reference(x4_layer: dict, T: int) -> Non
     with e8m0 scales)."""
     base = {k: v for k, v in x4_layer.items() if k not in ("w13_delta", "w2_delta", "delta_experts")}
     planes = LayerPlanes.from_tensors(prepare(base))
-    assert planes.x4_layout and not layer_form(planes)["tier"]
+    assert planes.layout == X4 and not layer_form(planes)["tier"]
     x, w, ids = _tokens_to_tier(x4_layer, T, 750 + T)  # its tier experts are base ones here
     _check(fused_moe_cuda(x, planes, w, ids, 7.0, DEFAULT), _reference(x, base, w, ids, 7.0))
 
@@ -316,9 +318,9 @@ def test_tiled_fitted_layers_equal_reference(layer: dict, T: int, config: Config
     or within ACC2_TOL of it where the tiled blocks sum in another order (e8m0 one-column blocks)."""
     t = {k: v.clone() for k, v in layer.items()}
     names = layout.prepare_in_place(t)
-    assert names == tiles.TILED_NAMES
+    assert names == TILED.names
     planes = LayerPlanes.from_tensors({names.get(k, k): v for k, v in t.items()})
-    assert planes.tiled and not planes.x4_layout
+    assert planes.layout == TILED
     x, w, ids = _tokens_to_tier(layer, T, 800 + T)
     got = fused_moe_cuda(x, planes, w, ids, 7.0, config)
     _check(got, _reference(x, layer, w, ids, 7.0))
@@ -327,7 +329,7 @@ def test_tiled_fitted_layers_equal_reference(layer: dict, T: int, config: Config
     if isinstance(block, Pairs):
         return
     natural = fused_moe_cuda(x, LayerPlanes.from_tensors(layer), w, ids, 7.0, config)
-    if isinstance(block, Mma) and two_accumulators(block, x4=False, tiled=True, e8m0=not form["e4m3"]):
+    if isinstance(block, Mma) and two_accumulators(block, TILED, e8m0=not form["e4m3"]):
         # the tiled blocks sum into two accumulator sets where the natural layout's sum into one: the same
         # fp32 terms in another order, so the w13 outputs may round to a neighbouring bf16 and move the w2
         # sums with them
@@ -373,7 +375,7 @@ def test_x4_layer_with_every_expert_in_the_tier(x4_layer: dict, T: int, config: 
     full["w13_delta"] = torch.randint(0, 256, (E, 2 * I, H // 4), generator=g, dtype=torch.uint8, device="cuda")
     full["w2_delta"] = torch.randint(0, 256, (E, H, I // 4), generator=g, dtype=torch.uint8, device="cuda")
     planes = LayerPlanes.from_tensors(prepare(full))
-    assert planes.x4_layout
+    assert planes.layout == X4
     x = torch.randn((T, H), generator=g, device="cuda").to(torch.bfloat16)
     w, ids = _routing(T, 40 + T, all_hot=T >= 64)
     _check(fused_moe_cuda(x, planes, w, ids, 7.0, config), _reference(x, full, w, ids, 7.0))

@@ -8,11 +8,13 @@ import pytest
 import torch
 
 from moet_cache.planes import X4_PATTERN
-from moet_cache.runtime import fused_moe, layout, tiles
+from moet_cache.runtime import fused_moe, layout
 from moet_cache.runtime.dequant import LayerPlanes, dequant_expert
+from moet_cache.runtime.plane_layout import NATURAL, TILED, X4, to_layout
 from moet_cache.runtime.synthetic_layer import random_layer
-from moet_cache.runtime.tiles import CHUNK_CODES, TILE_ROWS, TILED_NAMES, tile, tiles_fit
-from moet_cache.runtime.x4_table import X4_NAMES
+from moet_cache.runtime.tiles import CHUNK_CODES, TILE_ROWS, tile, tiles_fit
+
+TILED_NAMES, X4_NAMES = TILED.names, X4.names
 
 E, H, I = 8, 512, 256  # the smallest dims whose planes split into tiles: K in whole chunks
 
@@ -50,7 +52,7 @@ def test_tile_puts_each_chunk_of_a_tiles_rows_together(dtype: torch.dtype, chunk
 
 def test_tile_is_always_a_copy() -> None:
     """Where a row is one chunk the tiles are the rows themselves: tile still hands back a copy, so that
-    moving bits in it (layout.to_natural) leaves the layer's planes as they are."""
+    moving bits in it (plane_layout.to_natural) leaves the layer's planes as they are."""
     src = torch.randint(0, 256, (2, TILE_ROWS, CHUNK_CODES // 4), dtype=torch.uint8)
     for inverse in (False, True):
         out = tile(src, inverse)
@@ -70,14 +72,14 @@ def test_a_fitted_layer_is_tiled_and_an_x4_one_repacked(layer: dict) -> None:
         assert got.dtype == src.dtype and got.shape == src.shape
         for row in range(src.shape[0]):
             moved = src.dtype == torch.uint8 and (natural.endswith("_delta") or row in tier)
-            want = layout.to_layout(src[row : row + 1], [0] if moved else [], natural.endswith("_delta"))
+            want = to_layout(src[row : row + 1], [0] if moved else [], natural.endswith("_delta"))
             assert torch.equal(got[row : row + 1].view(torch.uint8), want.view(torch.uint8)), (name, row)
         if natural.startswith("w13"):  # K = H, two chunks (w2's one chunk a row tiles onto itself)
             assert not torch.equal(got.view(torch.uint8), src.view(torch.uint8))
     planes = LayerPlanes.from_tensors(tiled)
-    assert planes.tiled and not planes.x4_layout
+    assert planes.layout == TILED
     natural = planes.natural()
-    assert not natural.tiled
+    assert natural.layout == NATURAL
     for name, loaded in (("w13_base", "w13_base"), ("w2_base", "w2_base"), ("w13_delta", "w13_delta"),
                          ("w2_delta", "w2_delta"), ("w13_scale", "w13_weight_scale"), ("w2_scale", "w2_weight_scale")):
         assert torch.equal(getattr(natural, name).view(torch.uint8), layer[loaded].view(torch.uint8))
@@ -91,7 +93,7 @@ def test_a_fitted_layer_is_tiled_and_an_x4_one_repacked(layer: dict) -> None:
                              w2_table=layer["w2_table"][..., :1].abs() * pattern))
     assert set(X4_NAMES.values()) <= set(x4) and not set(TILED_NAMES.values()) & set(x4)
     x4_planes = LayerPlanes.from_tensors(x4)
-    assert x4_planes.x4_layout and x4_planes.tiled
+    assert x4_planes.layout == X4
     # planes that do not split into tiles (K under 256) stay as they are
     small = random_layer(E, 128, 128, n_tier=0, e8m0=True, device="cpu", seed=4)
     assert not tiles_fit(small) and layout.prepare(small) is small
@@ -121,9 +123,9 @@ def test_prepare_in_place_only_where_the_kernels_run(layer: dict, monkeypatch: p
     kernels take the layer it tiles them once and returns the names to hand them on under (a second
     call, on those names, moves nothing). A layer loaded with delta="none" has its base planes tiled."""
     before = {n: layer[n].clone() for n in TILED_NAMES}
-    assert not tiles.kernels_take(layer) and layout.prepare_in_place(layer) == {}
+    assert not layout.kernels_take(layer) and layout.prepare_in_place(layer) == {}
     assert all(torch.equal(layer[n], before[n]) for n in TILED_NAMES)
-    monkeypatch.setattr(tiles, "kernels_take", lambda tensors: True)
+    monkeypatch.setattr(layout, "kernels_take", lambda tensors: True)
     base_only = {k: v.clone() for k, v in layer.items() if k not in ("w13_delta", "w2_delta", "delta_experts")}
     assert layout.prepare_in_place(layer) == TILED_NAMES
     want = layout.prepare(before | {k: v for k, v in layer.items() if k not in TILED_NAMES})

@@ -8,13 +8,15 @@ import pytest
 import torch
 
 from moet_cache.planes import X4_PATTERN
-from moet_cache.runtime import layout, x4_table
+from moet_cache.runtime import layout, plane_layout, x4_table
 from moet_cache.runtime.dequant import LayerPlanes, unpack_plane
 from moet_cache.runtime.layout import prepare, prepare_in_place
+from moet_cache.runtime.plane_layout import NATURAL, TILED, X4, moved_rows
 from moet_cache.runtime.synthetic_layer import random_layer
-from moet_cache.runtime.tiles import TILED_NAMES, tile, tiles_fit
-from moet_cache.runtime.x4_table import (MAX_TIER_E8M0_BYTE, X4_NAMES, bit_moves, delta_bit_moves, is_x4,
-                                         scales_fit)
+from moet_cache.runtime.tiles import tile, tiles_fit
+from moet_cache.runtime.x4_table import MAX_TIER_E8M0_BYTE, bit_moves, delta_bit_moves, is_x4, scales_fit
+
+TILED_NAMES, X4_NAMES = TILED.names, X4.names
 
 E, H, I = 8, 512, 256  # the smallest dims whose planes split into the x4 layout's tiles: K in whole chunks
 
@@ -30,13 +32,13 @@ def x4_tables(t: dict[str, torch.Tensor], seed: int = 0) -> dict[str, torch.Tens
 
 
 def to_x4(t: torch.Tensor, delta: bool = False) -> torch.Tensor:
-    """A plane or block-scale tensor in the x4 layout (layout.py: every plane row's bits moved, then tiles)."""
-    return layout.to_layout(t, layout.moved_rows(t, delta, [], set(), x4=True), delta)
+    """A plane or block-scale tensor in the x4 layout (plane_layout.py: every plane row's bits moved, then tiles)."""
+    return plane_layout.to_layout(t, moved_rows(t, delta, [], set(), X4), delta)
 
 
 def to_natural(t: torch.Tensor, delta: bool = False) -> torch.Tensor:
     """to_x4's inverse."""
-    return layout.to_natural(t, layout.moved_rows(t, delta, [], set(), x4=True), delta)
+    return plane_layout.to_natural(t, moved_rows(t, delta, [], set(), X4), delta)
 
 
 @pytest.fixture(params=["e8m0", "e4m3"])
@@ -97,7 +99,7 @@ def test_prepare_tiles_fitted_layers_and_repacks_x4_ones(layer: dict) -> None:
         assert torch.equal(to_natural(prepared[x4], delta).view(torch.uint8), layer[natural].view(torch.uint8))
         assert prepared[x4].dtype == layer[natural].dtype and prepared[x4].shape == layer[natural].shape
     planes = LayerPlanes.from_tensors(prepared)
-    assert planes.x4_layout and not LayerPlanes.from_tensors(layer).x4_layout
+    assert planes.layout == X4 and LayerPlanes.from_tensors(layer).layout == NATURAL
     natural = planes.natural()
     for name, loaded in (("w13_base", "w13_base"), ("w2_base", "w2_base"), ("w13_delta", "w13_delta"),
                          ("w2_delta", "w2_delta"), ("w13_scale", "w13_weight_scale"), ("w2_scale", "w2_weight_scale")):
@@ -145,11 +147,10 @@ def test_a_tier_expert_takes_smaller_scales_than_a_base_one(layer: dict) -> None
 def test_prepare_in_place_only_where_the_kernels_run(layer: dict, monkeypatch: pytest.MonkeyPatch) -> None:
     """On a CPU (no plane kernels) the vLLM method's repack leaves the planes as loaded; where the kernels
     take the layer it repacks them once (a second call, on the x4 names, moves nothing)."""
-    from moet_cache.runtime import tiles
     before = layer["w13_base"].clone()
-    assert not tiles.kernels_take(layer) and prepare_in_place(layer) == {}
+    assert not layout.kernels_take(layer) and prepare_in_place(layer) == {}
     assert torch.equal(layer["w13_base"], before)
-    monkeypatch.setattr(tiles, "kernels_take", lambda tensors: True)
+    monkeypatch.setattr(layout, "kernels_take", lambda tensors: True)
     assert prepare_in_place(layer) == X4_NAMES
     assert torch.equal(layer["w13_base"], prepare({**layer, "w13_base": before})["w13_base_x4"])
     renamed = {X4_NAMES.get(k, k): v for k, v in layer.items()}

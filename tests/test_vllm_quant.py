@@ -175,7 +175,7 @@ def test_a_cache_is_laid_out_after_loading_and_computes_the_same(tmp_path: Path,
     *_tiled (buffers), and apply computes what it did before, a tier expert routed. The experts are 256
     wide, so that their planes split into tiles."""
     from moet_cache import BuildOptions, build_cache
-    from moet_cache.runtime import fused_moe, tiles
+    from moet_cache.runtime import fused_moe, layout
     from moet_cache.synthetic import make_checkpoint, small_spec
     src = make_checkpoint(tmp_path / "src", small_spec(moe_intermediate_size=256))
     cache = tmp_path / "cache"
@@ -191,7 +191,7 @@ def test_a_cache_is_laid_out_after_loading_and_computes_the_same(tmp_path: Path,
     experts.quant_method.process_weights_after_loading(experts)  # no plane kernels here: as loaded
     assert "w13_base" in experts.moet_tensor_names
     natural = experts.w13_base.clone()
-    monkeypatch.setattr(tiles, "kernels_take", lambda tensors: True)
+    monkeypatch.setattr(layout, "kernels_take", lambda tensors: True)
     experts.quant_method.process_weights_after_loading(experts)
     experts.quant_method.process_weights_after_loading(experts)  # again (a reload): nothing more moves
     params = dict(experts.named_parameters(recurse=False))

@@ -6,7 +6,7 @@ import torch
 
 from ..errors import InputError
 from .dequant import LayerPlanes
-from .reference import fused_moe_reference
+from .launch import fused_moe_on_device
 
 
 def _check_routing(x: torch.Tensor, planes: LayerPlanes, topk_weights: torch.Tensor,
@@ -34,7 +34,4 @@ def fused_moe(x: torch.Tensor, tensors: dict[str, torch.Tensor], topk_weights: t
     """
     planes = LayerPlanes.from_tensors(tensors)
     _check_routing(x, planes, topk_weights, topk_ids)
-    if x.is_cuda:
-        from .launch import fused_moe_cuda
-        return fused_moe_cuda(x, planes, topk_weights, topk_ids, swiglu_limit)
-    return fused_moe_reference(x, planes, topk_weights, topk_ids, swiglu_limit).to(x.dtype)
+    return fused_moe_on_device(x, planes, topk_weights, topk_ids, swiglu_limit)

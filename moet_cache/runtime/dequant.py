@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from ..errors import InputError
+from .plane_layout import NATURAL, PlaneLayout, moved_rows, to_natural
 
 #: E2M1 value of each 4-bit code (bit 3 sign, bits 0-2 magnitude index).
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
@@ -53,8 +54,7 @@ class LayerPlanes:
     w13_delta: torch.Tensor         # uint8 [n, 2I, H/4]
     w2_delta: torch.Tensor          # uint8 [n, H, I/4]
     delta_experts: torch.Tensor     # int64 [n]
-    x4_layout: bool = False         # planes and block scales repacked for the x4 decode (x4_table.py), tiled
-    tiled: bool = False             # planes and block scales in chunk-major tiles (tiles.py): x4 or not
+    layout: PlaneLayout = NATURAL   # how the planes and block scales are laid out (plane_layout.py)
 
     @property
     def num_experts(self) -> int:
@@ -76,11 +76,11 @@ class LayerPlanes:
     @classmethod
     def from_tensors(cls, t: dict[str, torch.Tensor]) -> "LayerPlanes":
         """Check names, shapes and dtypes; a layer loaded with delta="none" gets an empty tier."""
-        # prepared by layout.prepare: the same planes and scales, repacked for x4 (and tiled) or tiled
-        x4, tiled = "w13_base_x4" in t, "w13_base_tiled" in t
-        suffix = "_x4" if x4 else "_tiled" if tiled else ""
-        base_names = ("w13_base" + suffix, "w2_base" + suffix)
-        scale_names = ("w13_weight_scale" + suffix, "w2_weight_scale" + suffix)
+        # prepared by layout.prepare: the same planes and scales in another layout, under its names
+        layout = PlaneLayout.of(t)
+        name = layout.names
+        base_names = (name["w13_base"], name["w2_base"])
+        scale_names = (name["w13_weight_scale"], name["w2_weight_scale"])
         missing = [n for n in (*base_names, *scale_names,
                                "w13_weight_scale_2", "w2_weight_scale_2", "w13_table", "w2_table")
                    if n not in t]
@@ -95,7 +95,7 @@ class LayerPlanes:
                              "[E, 2I, H/4] and [E, H, I/4] uint8")
         dev = b13.device
         if "delta_experts" in t:
-            d13, d2, idx = t["w13_delta" + suffix], t["w2_delta" + suffix], t["delta_experts"]
+            d13, d2, idx = t[name["w13_delta"]], t[name["w2_delta"]], t["delta_experts"]
         else:
             d13 = torch.empty((0, two_i, h4), dtype=torch.uint8, device=dev)
             d2 = torch.empty((0, H, I // 4), dtype=torch.uint8, device=dev)
@@ -107,7 +107,7 @@ class LayerPlanes:
         planes = cls(b13, b2, t[scale_names[0]], t[scale_names[1]],
                      t["w13_weight_scale_2"].float().reshape(E, 2), t["w2_weight_scale_2"].float().reshape(E),
                      t["w13_table"].float().reshape(E, 2, 4), t["w2_table"].float().reshape(E, 4),
-                     d13, d2, idx.long(), x4_layout=x4, tiled=x4 or tiled)
+                     d13, d2, idx.long(), layout)
         for name, s, rows, cols in ((scale_names[0], planes.w13_scale, two_i, H),
                                     (scale_names[1], planes.w2_scale, H, I)):
             if s.dim() != 3 or s.shape[:2] != (E, rows) or s.shape[2] == 0 or cols % s.shape[2]:
@@ -119,23 +119,23 @@ class LayerPlanes:
     def natural(self) -> "LayerPlanes":
         """These planes in the natural layout (the Triton kernels read no other; dequant_expert puts back one
         expert at a time)."""
-        if not self.tiled:
+        if self.layout == NATURAL:
             return self
         return replace(self, w13_base=self.natural_of(self.w13_base), w2_base=self.natural_of(self.w2_base),
                        w13_delta=self.natural_of(self.w13_delta, delta=True),
                        w2_delta=self.natural_of(self.w2_delta, delta=True),
                        w13_scale=self.natural_of(self.w13_scale), w2_scale=self.natural_of(self.w2_scale),
-                       x4_layout=False, tiled=False)
+                       layout=NATURAL)
 
     def natural_of(self, t: torch.Tensor, delta: bool = False, experts: list[int] | None = None) -> torch.Tensor:
         """One of these planes ([n, rows, K/4]; `delta`: a delta plane) or block-scale tensors in the natural
         layout: t itself, or a copy put back. `experts`: the experts of a base plane's rows (all, in order,
-        when None), of which the tiled layout moved the tier experts' bits (layout.py)."""
-        if not self.tiled:
+        when None), of which the tiled layout moved the tier experts' bits (plane_layout.py)."""
+        if self.layout == NATURAL:
             return t
-        from .layout import moved_rows, to_natural
         rows = moved_rows(t, delta, list(range(t.shape[0])) if experts is None else experts,
-                          set(self.delta_experts.tolist()), self.x4_layout)
+                          set(self.delta_experts.tolist()), self.layout)
+
         return to_natural(t, rows, delta)
 
     def tier_rows(self) -> dict[int, int]:

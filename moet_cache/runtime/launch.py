@@ -1,4 +1,6 @@
-"""fused_moe on CUDA: picks the regime, sizes the blocks, launches the Triton kernels."""
+"""Which Experts (experts.py) computes a layer: the CPU reference off CUDA; on CUDA, by the pair count and the
+layer form, the prefill or decode tensor-core kernels where they run, else the Triton kernels. `Config` holds
+the pair-count ladders (a device's measured ones from configs/<device>.json, launch_config.py)."""
 
 from __future__ import annotations
 
@@ -8,34 +10,16 @@ from functools import cache
 
 import torch
 
-from . import launch_config, mma_moe, mma_prefill
-from .align import align_pairs
+from . import launch_config, mma_prefill
 from .dequant import LayerPlanes
+from .experts import Experts
 from .launch_config import DECODE_LADDERS, PrefillLater
-from .mma_moe import Mma
-from .mma_prefill import Prefill
+from .mma_moe import DecodeExperts, Mma
+from .mma_prefill import Prefill, PrefillExperts
+from .nvrtc import runs_here
 from .padding import skip_padding
-
-
-@dataclass(frozen=True)
-class Pairs:
-    """The pairs (GEMV) kernels: BN output rows x BKW words (16 codes each) a step."""
-
-    bn: int
-    bkw: int
-    warps: int
-
-
-@dataclass(frozen=True)
-class Grouped:
-    """The grouped (tensor-core) kernels: BM pairs of one expert x BN output rows, BKW words a step."""
-
-    bm: int
-    bn: int
-    bkw: int
-    warps: int
-    stages: int
-    v2: bool  # the 2-D, K-permuted kernels (triton_moe.py, version 2)
+from .reference import ReferenceExperts
+from .triton_experts import Grouped, Pairs, TritonExperts
 
 
 #: the direct decode blocks: K split in two (SPLIT), K whole, one warp a tile (WHOLE), or split with more
@@ -159,99 +143,51 @@ DEFAULT = config_named("NVIDIA H200")
 def layer_form(planes: LayerPlanes) -> dict[str, bool]:
     """Config.pick's `x4`, `e4m3` and `tier` for a layer: its planes' layout, its block scales' form and
     whether it has a tier."""
-    return {"x4": planes.x4_layout, "e4m3": not planes.e8m0[0],
+    return {"x4": planes.layout.x4, "e4m3": not planes.e8m0[0],
             "tier": planes.delta_experts.numel() > 0}
 
 
-def _fit(n: int, want: int) -> int:
-    """The largest power of two <= want that divides n."""
-    b = want
-    while b > 1 and n % b:
-        b //= 2
-    return b
-
-
-def _words(t: torch.Tensor) -> torch.Tensor:
-    """uint8 plane [..., n/4] as int32 words [..., n/16] (16 codes a word, same bytes)."""
-    return t.contiguous().view(torch.int32)
+def cuda_experts(x: torch.Tensor, planes: LayerPlanes, pairs: int, config: Config) -> Experts:
+    """The Experts `config` picks for `pairs` routed pairs of this layer on x's device: from the first prefill
+    step the prefill kernels where they run, below it (and where they do not) the decode kernels where
+    they run, else the Triton kernels with `config`'s block for the pair count."""
+    form = layer_form(planes)
+    c = config.pick(pairs, **form)
+    if isinstance(c, Prefill):
+        # fewer stages where the device's shared memory is smaller than the H200's (mma_prefill.within)
+        fit = mma_prefill.within(c, mma_prefill.smem_limit(x.device)) if runs_here(x.device) else None
+        if fit is not None and (prefill := PrefillExperts(fit)).supports(planes, x, pairs):
+            return prefill
+        c = config.pick(pairs, prefill_runs=False, **form)
+    if isinstance(c, Mma):
+        if (decode := DecodeExperts(c)).supports(planes, x, pairs):
+            return decode
+        c = config.pick(pairs, mma_runs=False, prefill_runs=False)
+    return TritonExperts(c)
 
 
 def fused_moe_cuda(x: torch.Tensor, planes: LayerPlanes, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                    swiglu_limit: float | None, config: Config | None = None) -> torch.Tensor:
-    """[T, H] in x's dtype; works on CUDA tensors (and CPU ones under TRITON_INTERPRET=1); `config`: the
-    device's (config_for) unless given."""
-    from . import triton_moe as k  # triton is optional: only where its kernels run
-
-    T, H, I, E = x.shape[0], planes.hidden, planes.inter, planes.num_experts
+    """[T, H] in x's dtype by the CUDA paths (`cuda_experts`); works on CUDA tensors (and CPU ones under
+    TRITON_INTERPRET=1, where the Triton kernels run); `config`: the device's (config_for) unless given."""
+    T, H, I = x.shape[0], planes.hidden, planes.inter
     top_k = topk_ids.shape[1] if topk_ids.dim() == 2 else 0
     if T == 0 or top_k == 0:
         return torch.zeros((T, H), dtype=x.dtype, device=x.device)
     if H % 16 or I % 16:
         raise ValueError(f"hidden {H} and intermediate {I} must be multiples of 16")
-    dev = x.device
-    config = config_for(dev) if config is None else config
+    config = config_for(x.device) if config is None else config
     # vLLM's padding rows (expert id -1): no -1 reaches a kernel (padding.py)
     x, topk_weights, topk_ids = skip_padding(x, topk_weights, topk_ids)
     x = x.contiguous()
-    P = T * top_k
-    form = layer_form(planes)
-    c = config.pick(P, **form)
-    if isinstance(c, Prefill):
-        # fewer stages where the device's shared memory is smaller than the H200's (mma_prefill.within)
-        fit = mma_prefill.within(c, mma_prefill.smem_limit(dev)) if mma_moe.runs_here(dev) else None
-        if fit is not None and mma_prefill.supported(planes, x, P, fit):
-            return mma_moe.sum_slots(
-                mma_prefill.fused_moe_prefill(x, planes, topk_weights, topk_ids, swiglu_limit, fit), x.dtype)
-        c = config.pick(P, prefill_runs=False, **form)
-    if isinstance(c, Mma):
-        if mma_moe.supported(planes, dev, c):
-            return mma_moe.fused_moe_mma(x, planes, topk_weights, topk_ids, swiglu_limit, c)
-        c = config.pick(P, mma_runs=False, prefill_runs=False)
-    planes = planes.natural()  # the Triton kernels read the natural layout only
-    ids = topk_ids.reshape(-1).to(torch.int32).contiguous()
-    wts = topk_weights.reshape(-1).contiguous()
-    tier = torch.full((E,), -1, dtype=torch.int32, device=dev)
-    n = planes.delta_experts.numel()
-    if n:
-        tier[planes.delta_experts] = torch.arange(n, dtype=torch.int32, device=dev)
-    b13, b2 = _words(planes.w13_base), _words(planes.w2_base)
-    d13 = _words(planes.w13_delta) if n else b13  # never read without a tier row
-    d2 = _words(planes.w2_delta) if n else b2
-    s13, s2 = planes.w13_scale.contiguous().view(torch.uint8), planes.w2_scale.contiguous().view(torch.uint8)
-    g13, g2 = H // s13.shape[-1], I // s2.shape[-1]
-    e8_13, e8_2 = planes.e8m0
-    s2_13 = planes.w13_scale_2.contiguous()
-    s2_2 = planes.w2_scale_2.contiguous()
-    t13, t2 = planes.w13_table.contiguous(), planes.w2_table.contiguous()
-    limit = 0.0 if swiglu_limit is None else float(swiglu_limit)
-    act = torch.empty((P, I), dtype=x.dtype, device=dev)
-    out = torch.empty((P, H), dtype=torch.float32, device=dev)
-    if isinstance(c, Pairs):
-        bn13, bkw13 = _fit(I, c.bn), _fit(H // 16, c.bkw)
-        k.w13_pairs_kernel[(P, I // bn13)](
-            x, ids, tier, b13, d13, s13, s2_13, t13, act, top_k, H, I, limit,
-            b13.stride(0), b13.stride(1), s13.stride(0), s13.stride(1),
-            GROUP=g13, E8M0=e8_13, HAS_LIMIT=swiglu_limit is not None, BN=bn13, BKW=bkw13,
-            num_warps=c.warps)
-        bn2, bkw2 = _fit(H, c.bn), _fit(I // 16, c.bkw)
-        k.w2_pairs_kernel[(P, H // bn2)](
-            act, ids, wts, tier, b2, d2, s2, s2_2, t2, out, H, I,
-            b2.stride(0), b2.stride(1), s2.stride(0), s2.stride(1),
-            GROUP=g2, E8M0=e8_2, BN=bn2, BKW=bkw2, num_warps=c.warps)
-    else:
-        blocks = align_pairs(topk_ids, E, c.bm)
-        bn13, bkw13 = _fit(I, c.bn), _fit(H // 16, c.bkw)
-        bn2, bkw2 = _fit(H, c.bn), _fit(I // 16, c.bkw)
-        # v2 reads x K-permuted: position j * BKW + w of each step holds element w * 16 + j
-        xk = x.view(T, H // (16 * bkw13), bkw13, 16).transpose(2, 3).contiguous() if c.v2 else x
-        k.w13_grouped_kernel[(blocks.max_blocks, I // bn13)](
-            xk, blocks.sorted_pairs, blocks.block_expert, tier, b13, d13, s13, s2_13, t13, act, top_k, H, I,
-            limit, b13.stride(0), b13.stride(1), s13.stride(0), s13.stride(1),
-            GROUP=g13, E8M0=e8_13, HAS_LIMIT=swiglu_limit is not None, BM=c.bm, BN=bn13, BKW=bkw13,
-            BKW2=bkw2, DOT_F32=not x.is_cuda, V2=c.v2, num_warps=c.warps, num_stages=c.stages)
-        k.w2_grouped_kernel[(blocks.max_blocks, H // bn2)](
-            act, blocks.sorted_pairs, blocks.block_expert, wts, tier, b2, d2, s2, s2_2, t2, out, H, I,
-            b2.stride(0), b2.stride(1), s2.stride(0), s2.stride(1),
-            GROUP=g2, E8M0=e8_2, BM=c.bm, BN=bn2, BKW=bkw2, DOT_F32=not x.is_cuda, V2=c.v2,
-            num_warps=c.warps, num_stages=c.stages)
-    return out.view(T, top_k, H).sum(1).to(x.dtype)
+    experts = cuda_experts(x, planes, T * top_k, config)
+    return experts.apply(x, planes, topk_weights, topk_ids, swiglu_limit)
+
+
+def fused_moe_on_device(x: torch.Tensor, planes: LayerPlanes, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                        swiglu_limit: float | None) -> torch.Tensor:
+    """[T, H] in x's dtype by the path for x's device: the CUDA paths on CUDA (fused_moe_cuda), the CPU
+    reference elsewhere (ReferenceExperts)."""
+    if x.is_cuda:
+        return fused_moe_cuda(x, planes, topk_weights, topk_ids, swiglu_limit)
+    return ReferenceExperts().apply(x, planes, topk_weights, topk_ids, swiglu_limit)

@@ -6,20 +6,18 @@ capability 8.0 and up (mma.sync bf16)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
-from importlib.resources import files
 from typing import Any
 
 import torch
 
 from .align import align_pairs
 from .dequant import LayerPlanes
-from .kernel_cache import load_kernel
-from .kernel_launch import launch
+from .experts import Experts
 
-#: words (16 codes each) of a chunk, the unit of K a warp reads per row (mma_moe.cu) and of the layouts'
-#: tiles (tiles.tile); K per warp must be a multiple of it. The kernels get it as a define (`compiled`).
-CHUNK_WORDS = 16
+from .kernel_launch import launch
+from .nvrtc import CHUNK_WORDS, compiled, runs_here
+from .plane_layout import PlaneLayout
+
 
 
 @dataclass(frozen=True)
@@ -49,13 +47,13 @@ class Mma:
             raise ValueError("only direct blocks sum the top-k slots in the w2 kernel")
 
 
-def two_accumulators(block: Mma, x4: bool, tiled: bool, e8m0: bool) -> bool:
+def two_accumulators(block: Mma, layout: PlaneLayout, e8m0: bool) -> bool:
     """Whether a kernel of `block` sums its mma into two accumulator sets (mma_moe.cu k_loop's ACC2): the
     one-column blocks that are not lean, of x4 layers and of tiled fitted layers with e8m0 scales
     (1-3.5% faster at T = 1-24; with e4m3 scales and a tier 3-6% slower at T = 2). Natural-layout
     blocks would spill with it; lean ones spill or lose 1-3%. The sums then
     come in another order than one set's, so the output may differ from the natural layout's by rounding."""
-    return block.nt == 1 and not block.lean and (x4 or (tiled and e8m0))
+    return block.nt == 1 and not block.lean and (layout.x4 or (layout.tiled and e8m0))
 
 
 def k_paired(x: torch.Tensor) -> torch.Tensor:
@@ -63,13 +61,6 @@ def k_paired(x: torch.Tensor) -> torch.Tensor:
     each 8 bytes are the decode kernels' B registers (b0, b1) of one mma step."""
     T, K = x.shape
     return x.to(torch.bfloat16).view(T, K // 16, 2, 2, 4).permute(0, 1, 4, 2, 3).reshape(T, K).contiguous()
-
-
-def runs_here(device: torch.device) -> bool:
-    """Whether the plane kernels (mma_moe.cu, mma_prefill.cu) can run on this device: CUDA sm_80+ (bf16
-    mma.sync, cp.async, ldmatrix) and torch's NVRTC wrapper (torch 2.8+); else Triton runs."""
-    return (device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 0)
-            and hasattr(torch.cuda, "_compile_kernel"))
 
 
 def supported(planes: LayerPlanes, device: torch.device, block: Mma) -> bool:
@@ -80,31 +71,14 @@ def supported(planes: LayerPlanes, device: torch.device, block: Mma) -> bool:
     return H % (16 * CHUNK_WORDS * block.ks13) == 0 and I % (16 * CHUNK_WORDS * block.ks2) == 0
 
 
-@lru_cache(maxsize=None)
-def kernel_source(name: str) -> str:
-    """A kernel file with the shared device helpers (mma_bits.cu) in front: NVRTC compiles one string."""
-    here = files(__package__)
-    return here.joinpath("mma_bits.cu").read_text() + "\n" + here.joinpath(name).read_text()
-
-
-@lru_cache(maxsize=None)
-def compiled(file: str, name: str, device: int) -> Any:
-    """A kernel of a kernel file by its instantiated name, for the device's compute capability, loaded once a
-    process and device (a loaded module belongs to one device's context): from its image kept on disk, or
-    compiled by NVRTC and kept (kernel_cache.py)."""
-    capability = torch.cuda.get_device_capability(device)
-    return load_kernel(kernel_source(file), name, f"{capability[0]}{capability[1]}",
-                       ("-std=c++17", f"-DCHUNK_WORDS={CHUNK_WORDS}"))
-
-
 def _kernel(name: str, device: int) -> Any:
     return compiled("mma_moe.cu", name, device)
 
 
-def kernel_name(block: Mma, tiles: int, e8m0: bool, x4: bool, tiled: bool) -> str:
+def kernel_name(block: Mma, tiles: int, e8m0: bool, layout: PlaneLayout) -> str:
     """The moe_mma instantiation of `block` for w13 (tiles 2) or w2 (tiles 1) of a layer whose block scales of
-    that projection are e8m0 or not, in the x4 layout or not, tiled or not."""
-    flags = (e8m0, block.lean, x4, tiled, two_accumulators(block, x4, tiled, e8m0))
+    that projection are e8m0 or not, in `layout` (the kernel's x4 and tiled flags)."""
+    flags = (e8m0, block.lean, layout.x4, layout.tiled, two_accumulators(block, layout, e8m0))
     ks = block.ks13 if tiles == 2 else block.ks2
     return f"moe_mma<{tiles}, {block.nt}, {ks}, {', '.join(str(f).lower() for f in flags)}>"
 
@@ -200,14 +174,32 @@ def fused_moe_mma(x: torch.Tensor, planes: LayerPlanes, topk_weights: torch.Tens
     y = torch.empty((T, H), dtype=x.dtype, device=dev) if fuse_sum else out
     limit = 0.0 if swiglu_limit is None else float(swiglu_limit)
     with torch.cuda.device(dev):  # the compile loads into, and the launch uses, dev's context
-        k13 = _kernel(kernel_name(block, 2, ops.e8m0[0], planes.x4_layout, planes.tiled), dev.index)
+        k13 = _kernel(kernel_name(block, 2, ops.e8m0[0], planes.layout), dev.index)
         launch(k13, (grid_x, I // 16, 1), (64 * block.ks13, 1, 1),
                [xin, ids, sorted_pairs, block_expert, *ops.layer_args(0), act, top_k, H, I, limit,
                 int(swiglu_limit is not None), int(block.direct), act, arrived, -1],
                block.pdl)
-        k2 = _kernel(kernel_name(block, 1, ops.e8m0[1], planes.x4_layout, planes.tiled), dev.index)
+        k2 = _kernel(kernel_name(block, 1, ops.e8m0[1], planes.layout), dev.index)
         launch(k2, (grid_x, H // 16, 1), (32 * block.ks2, 1, 1),
                [act, ids, sorted_pairs, block_expert, *ops.layer_args(1), out, top_k, I, H, 0.0, 0,
                 int(block.direct), y, arrived, _SUM_OUT[x.dtype] if fuse_sum else -1],
                block.pdl)
     return y if fuse_sum else sum_slots(out.view(T, top_k, H), x.dtype, block.pdl)
+
+
+@dataclass(frozen=True)
+class DecodeExperts(Experts):
+    """The decode tensor-core kernels with one block (`Mma`) as an Experts: CUDA sm_80+, any pair count, any
+    layout, K a whole number of chunks per warp (`supported`)."""
+
+    block: Mma
+    devices = frozenset({"cuda"})
+
+    def _unsupported(self, planes: LayerPlanes, x: torch.Tensor, pairs: int) -> str | None:
+        if not supported(planes, x.device, self.block):
+            return f"the decode kernels of {self.block} do not run hidden {planes.hidden}, width {planes.inter} here"
+        return None
+
+    def apply(self, x: torch.Tensor, planes: LayerPlanes, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+              swiglu_limit: float | None) -> torch.Tensor:
+        return fused_moe_mma(x, planes, topk_weights, topk_ids, swiglu_limit, self.block)

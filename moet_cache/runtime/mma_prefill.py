@@ -13,7 +13,13 @@ import torch
 
 from .align import align_pairs
 from .dequant import LayerPlanes
-from .mma_moe import Operands, compiled, runs_here
+from .experts import Experts
+
+from .mma_moe import Operands, sum_slots
+
+from .nvrtc import compiled, runs_here
+from .plane_layout import PlaneLayout
+
 
 #: K a pipeline stage (8 words of 16 codes a row)
 STAGE_K = 128
@@ -93,11 +99,11 @@ def supported(planes: LayerPlanes, x: torch.Tensor, P: int, block: Prefill) -> b
     return all(t.is_contiguous() for t in tensors) and _aligned(*tensors)
 
 
-def kernel_name(block: Prefill, tiles: int, e8m0: bool, x4: bool, tiled: bool) -> str:
+def kernel_name(block: Prefill, tiles: int, e8m0: bool, layout: PlaneLayout) -> str:
     """The moe_prefill instantiation of `block` for w13 (tiles 2) or w2 (tiles 1), as mma_moe.kernel_name."""
     flags = ", ".join(str(f).lower() for f in (e8m0, block.pipe))
     return (f"moe_prefill<{tiles}, {block.nt}, {block.warps}, {block.stages}, {flags}, {block.ctas}, "
-            f"{str(x4).lower()}, {str(tiled).lower()}>")
+            f"{str(layout.x4).lower()}, {str(layout.tiled).lower()}>")
 
 
 @lru_cache(maxsize=None)
@@ -129,12 +135,32 @@ def fused_moe_prefill(x: torch.Tensor, planes: LayerPlanes, topk_weights: torch.
     smem = block.smem_bytes()
     threads = 32 * block.warps
     with torch.cuda.device(dev):  # the compile loads into, and the launch uses, dev's context
-        k13 = _kernel(kernel_name(block, 2, ops.e8m0[0], planes.x4_layout, planes.tiled), smem, dev.index)
+        k13 = _kernel(kernel_name(block, 2, ops.e8m0[0], planes.layout), smem, dev.index)
         k13(grid=(I // (16 * block.warps), blocks.max_blocks, 1), block=(threads, 1, 1), shared_mem=smem,
             args=[xin, blocks.sorted_pairs, blocks.block_expert, *ops.layer_args(0), act,
                   top_k, H, I, limit, int(swiglu_limit is not None)])
-        k2 = _kernel(kernel_name(block, 1, ops.e8m0[1], planes.x4_layout, planes.tiled), smem, dev.index)
+        k2 = _kernel(kernel_name(block, 1, ops.e8m0[1], planes.layout), smem, dev.index)
         k2(grid=(H // (32 * block.warps), blocks.max_blocks, 1), block=(threads, 1, 1), shared_mem=smem,
            args=[act, blocks.sorted_pairs, blocks.block_expert, *ops.layer_args(1), out,
                  top_k, I, H, 0.0, 0])
     return out.view(T, top_k, H)
+
+
+@dataclass(frozen=True)
+class PrefillExperts(Experts):
+    """The prefill tensor-core kernels with one block (`Prefill`) as an Experts: CUDA sm_80+, the pair counts,
+    dims, alignment and shared memory `supported` takes, any layout. The output is the kernels' per-pair
+    rows summed over the top-k slots (mma_moe.sum_slots)."""
+
+    block: Prefill
+    devices = frozenset({"cuda"})
+
+    def _unsupported(self, planes: LayerPlanes, x: torch.Tensor, pairs: int) -> str | None:
+        if not supported(planes, x, pairs, self.block):
+            return (f"the prefill kernels of {self.block} do not run {pairs} pairs of hidden {planes.hidden}, "
+                    f"width {planes.inter} here")
+        return None
+
+    def apply(self, x: torch.Tensor, planes: LayerPlanes, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+              swiglu_limit: float | None) -> torch.Tensor:
+        return sum_slots(fused_moe_prefill(x, planes, topk_weights, topk_ids, swiglu_limit, self.block), x.dtype)

@@ -14,10 +14,14 @@ activations nothing is rounded.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from .activation import swiglu
 from .dequant import LayerPlanes, dequant_expert
+from .experts import Experts
+
 
 
 def fused_moe_reference(x: torch.Tensor, planes: LayerPlanes, topk_weights: torch.Tensor,
@@ -43,3 +47,18 @@ def fused_moe_reference(x: torch.Tensor, planes: LayerPlanes, topk_weights: torc
         act = swiglu(gate_up[:, :I], gate_up[:, I:], swiglu_limit).to(x.dtype).float()
         out.index_add_(0, t, (act @ w2.T) * flat_w[pick].unsqueeze(1))
     return out
+
+
+@dataclass(frozen=True)
+class ReferenceExperts(Experts):
+    """fused_moe_reference as an Experts: any device torch runs on, any layer, any layout (each expert's rows
+    put back one at a time), padding pairs (-1) and T = 0 included. The CPU runtime."""
+
+    devices = frozenset({"cpu", "cuda"})
+
+    def _unsupported(self, planes: LayerPlanes, x: torch.Tensor, pairs: int) -> str | None:
+        return None
+
+    def apply(self, x: torch.Tensor, planes: LayerPlanes, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+              swiglu_limit: float | None) -> torch.Tensor:
+        return fused_moe_reference(x, planes, topk_weights, topk_ids, swiglu_limit).to(x.dtype)

@@ -1,18 +1,18 @@
 """The plane kernels' tiles: every layer the plane kernels take is stored, from load on, with each 16-row
 tile of every plane and block-scale tensor reordered chunk-major (`tile`). A row's K splits into chunks
-of 256 codes (mma_moe.CHUNK_WORDS words, the unit a decode warp reads), and a tile is stored as
+of 256 codes (nvrtc.CHUNK_WORDS words, the unit a decode warp reads), and a tile is stored as
 [chunk][16 rows][the row's bytes of that chunk] (64 plane bytes; 8 e8m0 or 16 e4m3 scale bytes), so that
 a warp's load of one chunk of its 16 rows is one contiguous run of memory where row-major rows put it at
 16 places (mma_bits.cu tiled_at; the decode 7-22% faster at T = 1-64 for x4 layers, and
 docs/RUNTIME.md for fitted-table ones).
 
-A layer built with `--base-table x4` also has every plane's bits moved for the x4 decode (x4_table.py) and
-is handed on under X4_NAMES. Any other layer the kernels take (fitted tables) is tiled, with the bits of
+A layer built with `--base-table x4` also has every plane's bits moved for the x4 decode (x4_table.py): the
+x4 layout (plane_layout.X4). Any other layer the kernels take (fitted tables) is tiled, with the bits of
 its tier experts' base rows and of its delta planes moved as an x4 layer's, so that its tier experts take
 the x4 tier decode (mma_bits.cu x4_tier_reg: 3-5 integer ops a register where the natural bits' tier_regs
 takes about ten; the loop of two chunks 1505 against 668 SASS instructions) while its base experts keep
-the natural bits and the table lookup; it is handed on under TILED_NAMES (`w13_base_tiled`, ...), so that
-no layout can be mistaken for another. layout.py picks the layout and moves the tensors.
+the natural bits and the table lookup: the tiled layout (plane_layout.TILED). plane_layout.py names the
+layouts and moves a tensor into one; layout.py picks a layer's at load.
 """
 
 from __future__ import annotations
@@ -21,13 +21,7 @@ import torch
 
 from ..formats import FORM_DTYPE, FORM_GROUP
 from ..stheader import torch_dtype
-from .mma_moe import CHUNK_WORDS
-
-#: the prepared tensors' names of the tiled planes and block scales of a fitted-table layer, by their
-#: natural-layout names (the delta planes only where the layer has a tier)
-TILED_NAMES = {"w13_base": "w13_base_tiled", "w2_base": "w2_base_tiled", "w13_delta": "w13_delta_tiled",
-               "w2_delta": "w2_delta_tiled", "w13_weight_scale": "w13_weight_scale_tiled",
-               "w2_weight_scale": "w2_weight_scale_tiled"}
+from .nvrtc import CHUNK_WORDS
 
 #: the rows of a tile, reordered chunk-major together (the 16 rows of one decode warp: mma's M)
 TILE_ROWS = 16
@@ -70,24 +64,7 @@ def tile_(t: torch.Tensor, inverse: bool = False) -> None:
 
 def tiles_fit(tensors: dict[str, torch.Tensor]) -> bool:
     """Whether the layer's planes split into tiles: rows in whole tiles, K in whole chunks (always so where
-    the plane kernels take the layer: `kernels_take`)."""
+    the plane kernels take the layer: layout.kernels_take)."""
     return all(t.shape[1] % TILE_ROWS == 0 and (t.shape[2] * 4) % CHUNK_CODES == 0
                for t in (tensors["w13_base"], tensors["w2_base"]))
 
-
-def kernels_take(tensors: dict[str, torch.Tensor]) -> bool:
-    """Whether the plane kernels run this layer on its device at every decode block of every layer form
-    (launch.config_for(device).decode_blocks): a tiled layer the Triton kernels would have to read put back
-    on every call (slow, and not in a CUDA graph), so a layer is tiled only where they never do."""
-    from .dequant import LayerPlanes
-    from .launch import config_for
-    from .mma_moe import supported
-    planes = LayerPlanes.from_tensors(tensors)
-    device = planes.w13_base.device
-    return all(supported(planes, device, block) for block in config_for(device).decode_blocks())
-
-
-def plane_names(tensors: dict[str, torch.Tensor]) -> dict[str, bool]:
-    """The natural names of the layer's planes and block scales that a load-time layout moves -> whether
-    each is a delta plane (a layer loaded with delta="none" has none)."""
-    return {n: n.endswith("_delta") for n in TILED_NAMES if n in tensors}

@@ -30,18 +30,19 @@ def kernel_names(planes: LayerPlanes, device: torch.device, config: Config | Non
     if not mma_moe.runs_here(device):
         return []
     config = config_for(device) if config is None else config
-    x4, tiled = planes.x4_layout, planes.tiled
     e8m0 = {2: planes.e8m0[0], 1: planes.e8m0[1]}  # by the kernels' tiles: w13 2, w2 1
     names = {("mma_moe.cu", "pair_rows")}
     if (moe_sum := mma_moe.sum_name(dtype)) is not None:
         names.add(("mma_moe.cu", moe_sum))
     for _, block in config.decode_steps(**layer_form(planes)):
         if mma_moe.supported(planes, device, block):
-            names |= {("mma_moe.cu", mma_moe.kernel_name(block, tiles, e8m0[tiles], x4, tiled)) for tiles in (2, 1)}
+            names |= {("mma_moe.cu", mma_moe.kernel_name(block, tiles, e8m0[tiles], planes.layout))
+                      for tiles in (2, 1)}
     limit = mma_prefill.smem_limit(device)
     for _, step in config.prefill:
         if (block := mma_prefill.within(step, limit)) is not None:
-            names |= {("mma_prefill.cu", mma_prefill.kernel_name(block, tiles, e8m0[tiles], x4, tiled))
+            names |= {("mma_prefill.cu", mma_prefill.kernel_name(block, tiles, e8m0[tiles], planes.layout))
+
                       for tiles in (2, 1)}
     return sorted(names)
 

@@ -21,8 +21,7 @@ scale x 2^118 makes the weight x 2^-8 exactly (the 2^8 in the epilogue).
 
 This module holds the bit facts and the bit moves (`relayout_rows_`); layout.py repacks a layer: every
 row's bits moved, then every plane and block-scale tensor tiled chunk-major, as every layer the kernels
-take is (tiles.py). The repacked tensors go under X4_NAMES (`w13_base_x4`, ..., `w2_weight_scale_x4`) in
-place of their natural names, so a layout can never be mistaken for another.
+take is (tiles.py): the layout plane_layout.X4, whose tensors go under their own names (`w13_base_x4`, ...).
 """
 
 from __future__ import annotations
@@ -32,13 +31,8 @@ from functools import lru_cache
 import torch
 
 from ..planes import has_x4_form
-from .mma_moe import compiled, runs_here
+from .nvrtc import compiled, runs_here
 from .tiles import EXPERTS_A_STEP
-
-#: the prepared tensors' names of the repacked planes and block scales, by their natural-layout names (the
-#: delta planes only where the layer has a tier)
-X4_NAMES = {"w13_base": "w13_base_x4", "w2_base": "w2_base_x4", "w13_delta": "w13_delta_x4", "w2_delta": "w2_delta_x4",
-            "w13_weight_scale": "w13_weight_scale_x4", "w2_weight_scale": "w2_weight_scale_x4"}
 
 
 def _register(n: int) -> tuple[int, int]:
