@@ -1,0 +1,117 @@
+"""The GPU tests as a job of their own: `pytest -m gpu` on a CUDA machine, its outcome recorded.
+
+    python benchmarks/gpu_tests.py                 # every test marked gpu, from the repository root
+    python benchmarks/gpu_tests.py -- -x -k prefill   # arguments after -- go to pytest
+
+writes benchmarks/results/gpu_tests.xml (pytest's JUnit XML) and benchmarks/results/gpu_tests.json
+(benchmarks/record.py's envelope: the command, the commit with "+dirty" where the code differed from it,
+the date, the host, the device; its result the passed, failed, skipped and error counts, the torch and
+CUDA versions and the device count), sets README.md's "GPU tests last passed:" line from it and
+regenerates benchmarks/results/SUMMARY.md. Every run is recorded, a failing one too; the exit code is
+pytest's. On a machine without a CUDA device nothing runs and nothing is written (exit 2).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import record
+import summarize
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+README = ROOT / "README.md"
+JUNIT, RESULT = "gpu_tests.xml", "gpu_tests.json"
+#: README's line, whole, starts with this
+README_PREFIX = "GPU tests last passed:"
+COMMAND = "benchmarks/gpu_tests.py"
+
+
+def junit_counts(path: Path) -> dict[str, int]:
+    """passed, failed, skipped and errors summed over the JUnit XML's test suites (pytest writes one)."""
+    root = ET.parse(path).getroot()
+    suites = [root] if root.tag == "testsuite" else root.findall("testsuite")
+    total = {k: sum(int(s.get(k, 0)) for s in suites) for k in ("tests", "failures", "errors", "skipped")}
+    return {"passed": total["tests"] - total["failures"] - total["errors"] - total["skipped"],
+            "failed": total["failures"], "skipped": total["skipped"], "errors": total["errors"]}
+
+
+def passed(doc: dict[str, Any]) -> bool:
+    """Whether a recorded run passed: tests ran and none failed or errored."""
+    r = doc["result"]
+    return r["passed"] > 0 and not r["failed"] and not r["errors"]
+
+
+def readme_status(doc: dict[str, Any] | None) -> str:
+    """README.md's line for the recorded run (None: no results file)."""
+    if doc is None:
+        return (f"{README_PREFIX} never recorded on this tree (no benchmarks/results/{RESULT}); run "
+                f"`python {COMMAND}` on a CUDA machine.")
+    r = doc["result"]
+    counts = f"{r['passed']} passed, {r['failed']} failed, {r['errors']} errors, {r['skipped']} skipped"
+    if passed(doc):
+        return f"{README_PREFIX} {doc['date']} at commit {doc['commit']} on {doc['device']} ({counts})."
+    return (f"{README_PREFIX} not on the last recorded run, {doc['date']} at commit {doc['commit']} on "
+            f"{doc['device']} ({counts}).")
+
+
+def set_readme_line(readme: Path, line: str) -> None:
+    """Replace README's line that starts with README_PREFIX by `line` (written whole or not at all)."""
+    lines = readme.read_text().split("\n")
+    at = [i for i, text in enumerate(lines) if text.startswith(README_PREFIX)]
+    if len(at) != 1:
+        raise SystemExit(f"{readme} must hold one line starting {README_PREFIX!r}, it holds {len(at)}")
+    lines[at[0]] = line
+    tmp = readme.with_name(f".{readme.name}.tmp")
+    tmp.write_text("\n".join(lines))
+    tmp.replace(readme)
+
+
+def run(pytest_args: list[str], device: str, results: Path = RESULTS, readme: Path = README,
+        cwd: Path = ROOT) -> int:
+    """Run `pytest -m gpu` with `pytest_args` in `cwd`, record it under `results` as on `device`, and set
+    `readme`'s line from it. Returns pytest's exit code; where pytest wrote no JUnit XML (a usage error)
+    nothing is recorded."""
+    results.mkdir(parents=True, exist_ok=True)
+    junit = results / JUNIT
+    partial = results / f".{JUNIT}.tmp"
+    partial.unlink(missing_ok=True)
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-m", "gpu", f"--junitxml={partial}", *pytest_args],
+                          cwd=cwd, check=False)
+    if not partial.exists():
+        print(f"pytest exited {proc.returncode} without a JUnit report: nothing recorded", file=sys.stderr)
+        return proc.returncode or 1
+    counts = junit_counts(partial)
+    partial.replace(junit)
+    commit = record.commit()  # the results files and README do not make it dirty
+    doc = record.envelope(["python", COMMAND, *pytest_args],
+                          {**counts, "pytest_exit": proc.returncode, "dirty": commit.endswith("+dirty"),
+                           "torch": torch.__version__, "cuda": torch.version.cuda or "none",
+                           "devices": torch.cuda.device_count(), "junit": JUNIT}, device)
+    record.write(results / RESULT, doc)
+    set_readme_line(readme, readme_status(doc))
+    print(readme_status(doc))
+    return proc.returncode
+
+
+def main(argv: list[str]) -> int:
+    if argv and argv[0] != "--":
+        print(__doc__.strip().splitlines()[2].strip(), file=sys.stderr)
+        return 2
+    if not torch.cuda.is_available():
+        print("gpu_tests.py: no CUDA device here (torch.cuda.is_available() is False): run it on a GPU machine; "
+              "nothing recorded", file=sys.stderr)
+        return 2
+    code = run(argv[1:], torch.cuda.get_device_name(0))
+    summarize.main([])
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
