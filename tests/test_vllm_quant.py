@@ -222,3 +222,85 @@ def test_other_layers_go_to_the_source_method_and_parallelism_is_refused(built_c
     layer.moe_config = dataclasses.replace(layer.moe_config, moe_parallel_config=par)
     with pytest.raises(InputError, match="tensor parallel 2"):
         qc.get_quant_method(layer, "model.layers.1.mlp.experts.routed_experts")
+
+
+def _softmax_top_k(hidden_states: torch.Tensor, gating_output: torch.Tensor, topk: int,
+                   renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """vLLM's softmax top-k routing in plain torch, handed to FusedMoE as its custom routing function, so
+    that no compiled vLLM op routes (the CUDA run carries vLLM's Python files only)."""
+    weights, ids = gating_output.float().softmax(-1).topk(topk, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(-1, keepdim=True)
+    return weights, ids.to(torch.int32)
+
+
+def _served_layer(cache: Path, device: str) -> Any:
+    """vLLM's FusedMoE layer 2 of the DeepSeek layout on `device` under the cache's `moet` method, as vLLM's
+    loader makes it: the method declares the weights (create_weights), the plugin loads the cache into
+    them, and process_weights_after_loading lays them out for the device's kernels."""
+    from vllm.model_executor.layers.fused_moe import FusedMoEFactory
+    register()
+    qc = vllm.get_quantization_config("moet").from_config(_block(cache))
+    model = _Model()
+    model.model = nn.Module()
+    model.model.layers = nn.ModuleList()
+    with torch.device(device):
+        for i in range(4):
+            layer = nn.Module()
+            if i >= 1:
+                layer.mlp = nn.Module()
+                layer.mlp.experts = FusedMoEFactory(
+                    num_experts=E, top_k=TOP_K, hidden_size=H, intermediate_size=I, params_dtype=torch.bfloat16,
+                    quant_config=qc, tp_size=1, dp_size=1, pcp_size=1, prefix=f"model.layers.{i}.mlp.experts",
+                    swiglu_limit=LIMIT, custom_routing_function=_softmax_top_k)
+            model.model.layers.append(layer)
+    load_into_model(model, PluginOptions(cache=str(cache), workers=1))
+    experts = model.model.layers[2].mlp.experts
+    experts.routed_experts.quant_method.process_weights_after_loading(experts.routed_experts)
+    return experts
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")])])
+def test_vllms_moe_layer_runs_the_method_and_equals_fused_moe(built_cache: Path, vllm_config: Any,
+                                                              device: str) -> None:
+    """vLLM's own FusedMoE layer (router, runner, RoutedExperts) with the moet method, its weights declared
+    and loaded by the method, run eagerly: equal to fused_moe on the layer's tensors for the pairs its
+    router picked (on the CPU also to fused_moe on the cache's own tensors: the reference reads the layout
+    as loaded). On CUDA the layer also runs under CUDA-graph capture: the replay on new inputs equals the
+    eager run on them."""
+    from vllm.forward_context import set_forward_context
+
+    from moet_cache.runtime import fused_moe
+    experts = _served_layer(built_cache, device)
+    routed = experts.routed_experts
+    assert type(routed.quant_method).__name__ == "MoetMoEMethod"
+    tensors = {n: getattr(routed, n) for n in routed.moet_tensor_names}
+    assert all(t.device.type == device for t in tensors.values())
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(7, H, generator=g).to(torch.bfloat16).to(device)
+    logits = torch.randn(7, E, generator=g).to(device)
+    with set_forward_context(None, vllm_config):
+        out = experts(x, logits)
+    w, ids = _softmax_top_k(x, logits, TOP_K, True)
+    assert out.dtype == x.dtype and out.abs().sum() > 0
+    assert torch.equal(out, fused_moe(x, tensors, w, ids, swiglu_limit=LIMIT))
+    if device == "cpu":
+        cache_tensors = next(x.tensors for x in open_cache(built_cache).load(delta="tier", workers=1) if x.index == 2)
+        assert torch.equal(out, fused_moe(x, cache_tensors, w, ids, swiglu_limit=LIMIT))
+        return
+    static_x, static_logits = x.clone(), logits.clone()
+    graph = torch.cuda.CUDAGraph()
+    with set_forward_context(None, vllm_config):
+        experts(static_x, static_logits)  # warmed up outside the capture
+        torch.cuda.synchronize()
+        with torch.cuda.graph(graph):
+            static_out = experts(static_x, static_logits)
+        x2 = torch.randn(7, H, generator=g).to(torch.bfloat16).to(device)
+        logits2 = torch.randn(7, E, generator=g).to(device)
+        static_x.copy_(x2)
+        static_logits.copy_(logits2)
+        graph.replay()
+        torch.cuda.synchronize()
+        eager = experts(x2, logits2)
+    assert torch.equal(static_out, eager) and not torch.equal(static_out, out)
