@@ -11,7 +11,7 @@ import torch
 from moet_cache.enums import BaseTable
 from moet_cache.errors import InputError
 from moet_cache.planes import X4_PATTERN
-from moet_cache.runtime import fused_moe, layout
+from moet_cache.runtime import fused_moe, layout, mma_moe, mma_prefill
 from moet_cache.runtime.dequant import LayerPlanes
 from moet_cache.runtime.experts import Experts
 from moet_cache.runtime.launch import DEFAULT, SPLIT, Config, cuda_experts, layer_form
@@ -95,3 +95,16 @@ def test_the_layout_is_a_record_read_from_the_tensors_names(layer: dict) -> None
     both = {**layout.prepare(layer), "w13_base_x4": layer["w13_base"]}
     with pytest.raises(InputError, match="2 layouts"):
         PlaneLayout.of(both)
+
+
+def test_the_kernels_instantiations_take_the_layouts_flags() -> None:
+    """The record gives the kernel templates' x4 and tiled flags (mma_moe.cu moe_mma, mma_prefill.cu
+    moe_prefill): X4 both, TILED tiled only, NATURAL neither; the two accumulator sets of the one-column
+    blocks follow the layout (x4, or tiled with e8m0 scales)."""
+    assert mma_moe.kernel_name(SPLIT, 2, True, X4) == "moe_mma<2, 1, 2, true, false, true, true, true>"
+    assert mma_moe.kernel_name(SPLIT, 1, True, TILED) == "moe_mma<1, 1, 2, true, false, false, true, true>"
+    assert mma_moe.kernel_name(SPLIT, 2, False, TILED) == "moe_mma<2, 1, 2, false, false, false, true, false>"
+    assert mma_moe.kernel_name(SPLIT, 2, True, NATURAL) == "moe_mma<2, 1, 2, true, false, false, false, false>"
+    assert mma_prefill.kernel_name(Prefill(), 1, True, X4) == "moe_prefill<1, 8, 8, 3, true, false, 2, true, true>"
+    assert mma_prefill.kernel_name(Prefill(), 2, False, NATURAL) == (
+        "moe_prefill<2, 8, 8, 3, false, false, 2, false, false>")
