@@ -224,3 +224,24 @@ def test_vllms_dspark_loader_maps_every_drafter_tensor_of_the_cache(caches: dict
         "model.main_proj.weight", "model.markov_head.markov_w1.weight", "model.confidence_head.proj.weight",
         "model.hc_head_fn", "model.norm.weight"}
     assert mapped["mtp.1.attn.wkv.weight"] == "model.layers.1.attn.wkv.weight"
+
+
+def test_vllms_mtp_loader_maps_every_drafter_tensor_of_the_cache(caches: dict[str, Path]) -> None:
+    """vLLM's own MTP name mapping (DeepSeekV4MTP's _to_spec_layer_name and _rewrite_spec_layer_name) takes
+    every drafter tensor of the cache to block num_hidden_layers + K, the decoder block under `mtp_block`,
+    where the loader looks for its experts."""
+    from vllm.models.deepseek_v4.nvidia.mtp import DeepSeekV4MTP, get_spec_layer_idx_from_weight_name
+    cfg = json.loads((caches["mtp"] / "model" / "config.json").read_text())
+    fake = SimpleNamespace(config=SimpleNamespace(num_hidden_layers=cfg["num_hidden_layers"],
+                                                  num_nextn_predict_layers=cfg["num_nextn_predict_layers"]))
+    names = {n for p in sorted((caches["mtp"] / "dense").glob("*.json"))
+             for n in (t["name"] for t in json.loads(p.read_text())["tensors"]) if n.startswith("mtp.")}
+    mapped = {}
+    for n in names:
+        spec = DeepSeekV4MTP._to_spec_layer_name(fake, n)
+        assert get_spec_layer_idx_from_weight_name(fake.config, spec) == N, n
+        mapped[n] = DeepSeekV4MTP._rewrite_spec_layer_name(fake, N, spec)
+    assert mapped["mtp.0.e_proj.weight"] == f"model.layers.{N}.e_proj.weight"
+    assert mapped["mtp.0.hc_head_fn"] == f"model.layers.{N}.hc_head_fn"
+    assert mapped["mtp.0.attn.wkv.weight"] == f"model.layers.{N}.mtp_block.attn.wkv.weight"
+    assert mapped["mtp.0.ffn.gate.weight"] == f"model.layers.{N}.mtp_block.ffn.gate.weight"
