@@ -48,7 +48,7 @@ def build(
     profile: Annotated[Optional[Path], typer.Option(metavar="PROFILE.json", help="Routing profile JSON (per-layer per-expert token counts).")] = None,
     lossless: Annotated[bool, typer.Option("--lossless", help="Also keep every expert's delta planes: export and retier without the source.")] = False,
     layers: Annotated[Optional[str], typer.Option(metavar="LAYERS", help="Served MoE layers, e.g. 3-60 or 3,5,7-9 (default: all).")] = None,
-    include_mtp: Annotated[bool, typer.Option("--include-mtp", help="Also build planes for the MTP (speculative) layers.")] = False,
+    include_mtp: Annotated[bool, typer.Option("--include-drafter", "--include-mtp", help="Also keep the speculative-decoding drafter (DSpark's or MTP's blocks mtp.K and head tensors), its routed experts as planes. --include-mtp is the same option.")] = False,
     wait: Annotated[bool, typer.Option("--wait", help="Wait for another build of this cache instead of failing.")] = False,
     base_table: Annotated[BaseTable, typer.Option(metavar="[fitted|x4]", help="Base tables: x4, the default (a, 4a, -a, -4a: the GPU decodes them with bit arithmetic, 5-16% faster at up to 16 tokens, for ~1.5% more base-plane error: 0.4195 against 0.4133 a weight on t(5) weights), or fitted (the mean FP4 value of each base code: the smallest base error); docs/BUILD.md.")] = BaseTable.X4,
     json_: JsonOpt = False,

@@ -45,8 +45,13 @@ def inspect(
               f"by moet-cache {info.tool_version}")
     if info.served_blocks:
         out.print(f"served: {info.served_blocks}")
+    d = info.drafter
+    if d is not None:
+        out.print(f"drafter: {d.layout}, blocks {', '.join(d.blocks)} (cache layers {', '.join(map(str, d.layers))}): "
+                  f"planes {fmt_bytes(d.base_bytes)}, dense {fmt_bytes(d.dense_bytes)}, tier {fmt_bytes(d.tier_bytes)} "
+                  f"({d.tier_experts} experts)")
     out.print(f"build: layers {b.layers[0]}-{b.layers[-1]} ({len(b.layers)}), lossless={b.lossless}, "
-              f"include_mtp={b.include_mtp}, delta budget {fmt_bytes(b.delta_budget_bytes)}, "
+              f"include_drafter={b.include_mtp}, delta budget {fmt_bytes(b.delta_budget_bytes)}, "
               f"profile {'yes' if b.profile_xxh3 else 'none'}, base tables {b.base_table}")
     out.print(f"totals: base {fmt_bytes(info.base_bytes)}, delta tier {fmt_bytes(info.delta_tier_bytes)} "
               f"({info.tier_experts}/{info.total_experts} experts), lossless deltas {fmt_bytes(info.delta_all_bytes)}, "

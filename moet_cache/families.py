@@ -63,13 +63,24 @@ class Family:
     def is_mtp(self, layer: int) -> bool:
         return layer >= self.num_hidden_layers
 
+    def drafter_layout(self, names: Iterable[str]) -> str:
+        """The drafter's layout from its tensor names: MTP (one output head a block) unless a family says else."""
+        return DRAFTER_MTP
+
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "moe_layers": list(self.moe_layers), "mtp_layers": list(self.mtp_layers)}
 
 
+DRAFTER_MTP = "mtp"          # multi-token prediction: each block e/h_proj and its own head (V4-Flash, V3)
+DRAFTER_DSPARK = "dspark"    # DSpark: blocks mtp.0 .. mtp.K under one head stack (DeepSeek-V4-Flash-0731)
+DRAFTER_LAYOUTS = (DRAFTER_MTP, DRAFTER_DSPARK)
+
 _V3_LAYER = re.compile(r"^model\.layers\.([0-9]+)\.")
 _V4_LAYER = re.compile(r"^layers\.([0-9]+)\.")
 _V4_MTP = re.compile(r"^mtp\.([0-9]+)\.")
+# DSpark's head stack (vLLM 0.34 vllm/models/deepseek_v4/nvidia/dspark.py, _remap_dspark_name): the target's
+# hidden states in (main_proj), the Markov and confidence heads out; an MTP drafter has none of them.
+_V4_DSPARK_HEAD = re.compile(r"^mtp\.[0-9]+\.(main_proj|main_norm|markov_head|confidence_head)\.")
 
 
 @dataclass(frozen=True)
@@ -113,6 +124,9 @@ class DeepseekV4(Family):
             return int(m.group(1))
         m = _V4_MTP.match(name)
         return self.num_hidden_layers + int(m.group(1)) if m else None
+
+    def drafter_layout(self, names: Iterable[str]) -> str:
+        return DRAFTER_DSPARK if any(_V4_DSPARK_HEAD.match(n) for n in names) else DRAFTER_MTP
 
 
 @dataclass(frozen=True)
@@ -207,4 +221,5 @@ def _check_layer_count(cls: type[Family], model: ModelConfig, names: list[str]) 
 FAMILY_CLASSES: dict[str, type[Family]] = {"deepseek_v3": DeepseekV3, "deepseek_v4": DeepseekV4}
 
 
-__all__ = ["DeepseekV3", "DeepseekV4", "FAMILIES", "Family", "PROJECTIONS", "FAMILY_CLASSES", "detect_family"]
+__all__ = ["DeepseekV3", "DeepseekV4", "FAMILIES", "Family", "PROJECTIONS", "FAMILY_CLASSES", "detect_family",
+           "DRAFTER_MTP", "DRAFTER_DSPARK", "DRAFTER_LAYOUTS"]

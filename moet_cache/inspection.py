@@ -31,6 +31,19 @@ class LayerInfo:
 
 
 @dataclass(frozen=True)
+class DrafterInfo:
+    """The speculative-decoding drafter a cache holds: its blocks' planes, dense tensors and tier share."""
+
+    layout: str                 # families.DRAFTER_LAYOUTS: dspark (one head stack) or mtp
+    blocks: tuple[str, ...]     # the source's names of its blocks (mtp.0, ...)
+    layers: tuple[int, ...]     # their cache layer numbers
+    base_bytes: int             # the blocks' base-plane files
+    dense_bytes: int            # its dense tensors in the dense shards (attention, norms, shared experts, heads)
+    tier_bytes: int             # its experts' delta planes in the tier
+    tier_experts: int
+
+
+@dataclass(frozen=True)
 class CacheInfo:
     path: str
     source_path: str
@@ -49,6 +62,7 @@ class CacheInfo:
     family: str = ""
     served_blocks: str = ""     # how the served layers relate to the model's blocks (main, drafters)
     reference_kl: TierKl | None = None  # the quality ladder's reference model at the main layers' tier fraction
+    drafter: DrafterInfo | None = None  # None when the cache serves no drafter block
 
 
 def inspect_cache(root: str | os.PathLike[str]) -> CacheInfo:
@@ -81,7 +95,21 @@ def inspect_view(cf: CacheView) -> CacheInfo:
         str(root), m.source_path, m.source_layout, m.tool_version, m.created, m.build, tuple(infos),
         cf.bytes_of(L.Role.BASE), sum(i.delta_bytes for i in infos), cf.bytes_of(L.Role.DELTA_ALL),
         cf.bytes_of(L.Role.DENSE), cf.bytes_of(), sum(i.delta_experts for i in infos), sum(i.experts for i in infos),
-        fam.name, served_blocks(fam, m.build.layers), ref_kl)
+        fam.name, served_blocks(fam, m.build.layers), ref_kl, drafter_of(cf, infos))
+
+
+def drafter_of(cf: CacheView, infos: list[LayerInfo]) -> DrafterInfo | None:
+    """The drafter's share of the cache, from the layer manifests and the dense shards' part records."""
+    fam = cf.family
+    mine = [i for i in infos if fam.is_mtp(i.layer)]
+    if not mine:
+        return None
+    layers = {i.layer for i in mine}
+    tensors = [t for part in cf.dense_parts for t in part.tensors if fam.layer_of(t.name) in layers]
+    return DrafterInfo(fam.drafter_layout(t.name for t in tensors),
+                       tuple(fam.layer_prefix(i.layer) for i in mine), tuple(sorted(layers)),
+                       sum(i.base_bytes for i in mine), sum(t.end - t.begin for t in tensors),
+                       sum(i.delta_bytes for i in mine), sum(i.delta_experts for i in mine))
 
 
 def served_blocks(fam: Family, served: tuple[int, ...]) -> str:
@@ -90,7 +118,7 @@ def served_blocks(fam: Family, served: tuple[int, ...]) -> str:
     DeepSeek-V4-Flash has 43 main layers and drafter (MTP) blocks mtp.K = cache layer 43 + K. vLLM loads the
     main model without mtp.* and the drafter as its own model, num_nextn_predict_layers blocks from mtp.0
     (vllm/models/deepseek_v4 mtp: layers num_hidden_layers .. + num_nextn_predict_layers): V4-Flash built with
-    --include-mtp serves 44 layers, the 43 main ones and mtp.0.
+    --include-drafter serves 44 layers, the 43 main ones and mtp.0.
     """
     main = [x for x in served if not fam.is_mtp(x)]
     mtp = [x for x in served if fam.is_mtp(x)]
@@ -102,5 +130,5 @@ def served_blocks(fam: Family, served: tuple[int, ...]) -> str:
     else:
         have = len(fam.mtp_layers)
         text += (f"; the {have} drafter block{'s' if have != 1 else ''} of the source "
-                 "not served (add --include-mtp for speculative decoding)") if have else ""
+                 "not served (add --include-drafter for speculative decoding)") if have else ""
     return text

@@ -267,6 +267,9 @@ class V4Spec:
     num_hidden_layers: int = 4
     num_hash_layers: int = 1
     mtp_blocks: int = 1                     # drafter blocks written (mtp.0 ...); -0731 ships 3
+    drafter: str = "mtp"                    # mtp (each block its e/h_proj and head) | dspark (one head stack)
+    dspark_markov_rank: int = 32            # DSpark: the Markov head's rank
+    dspark_target_layer_ids: tuple[int, ...] = (1, 2)   # DSpark: target layers main_proj concatenates
     num_nextn_predict_layers: int = 1
     compress_ratios: tuple[int, ...] | None = None   # None: [0, 4, 128, 4, 128, ...] then the drafters'
     vocab_size: int = 512
@@ -302,6 +305,14 @@ def small_v4_spec(variant: str = "hybrid", **overrides: Any) -> V4Spec:
     main, mtp = {"hybrid": (MODELOPT, "mxfp4"), "mxfp4": ("mxfp4", "mxfp4"), "nvfp4": (MODELOPT, MODELOPT),
                  "ct-nvfp4": (COMPRESSED_TENSORS, COMPRESSED_TENSORS)}[variant]
     return replace(V4Spec(main_format=main, mtp_format=mtp), **overrides)
+
+
+def dspark_v4_spec(variant: str = "hybrid", **overrides: Any) -> V4Spec:
+    """The embedded default with DeepSeek-V4-Flash-0731's DSpark drafter: three blocks mtp.0-2 and the head
+    stack (main_proj, main_norm on mtp.0; norm, hc_head_*, markov_head, confidence_head on the last block),
+    as vLLM 0.34's vllm/models/deepseek_v4/nvidia/dspark.py loads them."""
+    return small_v4_spec(variant, **{"drafter": "dspark", "mtp_blocks": 3, "num_nextn_predict_layers": 3,
+                                     **overrides})
 
 
 def vllm_v4_spec(**overrides: Any) -> V4Spec:
@@ -452,17 +463,43 @@ def _v4_tensors(spec: V4Spec) -> Iterator[dict[str, _Tensor]]:
         yield from _v4_block(spec, rng, f"layers.{i}", i, ratios[i], spec.main_format, fast)
     for k in range(spec.mtp_blocks):
         p = f"mtp.{k}"
-        yield {f"{p}.e_proj.weight": _raw(_bf16(rng, (H, H))), f"{p}.h_proj.weight": _raw(_bf16(rng, (H, H))),
-               f"{p}.enorm.weight": _raw(torch.ones(H, dtype=torch.bfloat16)),
-               f"{p}.hnorm.weight": _raw(torch.ones(H, dtype=torch.bfloat16)),
-               f"{p}.norm.weight": _raw(torch.ones(H, dtype=torch.bfloat16)),
-               f"{p}.hc_head_fn": _raw(torch.zeros((hc, hc * H), dtype=f32)),
-               f"{p}.hc_head_base": _raw(torch.zeros(hc, dtype=f32)), f"{p}.hc_head_scale": _raw(torch.ones(1, dtype=f32))}
+        if spec.drafter == "mtp":
+            yield {f"{p}.e_proj.weight": _raw(_bf16(rng, (H, H))), f"{p}.h_proj.weight": _raw(_bf16(rng, (H, H))),
+                   f"{p}.enorm.weight": _raw(torch.ones(H, dtype=torch.bfloat16)),
+                   f"{p}.hnorm.weight": _raw(torch.ones(H, dtype=torch.bfloat16)), **_v4_head(spec, p)}
+        else:
+            yield _dspark_head_stack(spec, rng, k)
         yield from _v4_block(spec, rng, p, spec.num_hidden_layers + k, ratios[spec.num_hidden_layers + k],
                              spec.mtp_format, fast)
     yield {"norm.weight": _raw(torch.ones(H, dtype=torch.bfloat16)), "head.weight": _raw(_bf16(rng, (spec.vocab_size, H))),
            "hc_head_fn": _raw(torch.from_numpy((rng.standard_normal((hc, hc * H)) * 0.01).astype(np.float32))),
            "hc_head_base": _raw(torch.zeros(hc, dtype=f32)), "hc_head_scale": _raw(torch.ones(1, dtype=f32))}
+
+
+def _v4_head(spec: V4Spec, p: str) -> dict[str, _Tensor]:
+    """A drafter's output head: final norm and the hyper-connection head (an MTP block's own, DSpark's last)."""
+    H, hc, f32 = spec.hidden_size, spec.hc_mult, torch.float32
+    return {f"{p}.norm.weight": _raw(torch.ones(H, dtype=torch.bfloat16)),
+            f"{p}.hc_head_fn": _raw(torch.zeros((hc, hc * H), dtype=f32)),
+            f"{p}.hc_head_base": _raw(torch.zeros(hc, dtype=f32)), f"{p}.hc_head_scale": _raw(torch.ones(1, dtype=f32))}
+
+
+def _dspark_head_stack(spec: V4Spec, rng: np.random.Generator, k: int) -> dict[str, _Tensor]:
+    """DSpark's tensors outside its decoder blocks, on the block vLLM 0.34's dspark.py reads them from
+    (`_remap_dspark_name`): main_proj and main_norm on mtp.0 (the target's hidden states in), the head
+    stack on the last block (norm, hc_head_*, markov_head, confidence_head). Its context_wkv_proj has no
+    tensor of its own: vLLM stacks the blocks' attn.wkv into it (`_duplicate_context_wkv_weights`)."""
+    H, r, V, p = spec.hidden_size, spec.dspark_markov_rank, spec.vocab_size, f"mtp.{k}"
+    t: dict[str, _Tensor] = {}
+    if k == 0:
+        t.update(_v4_linear(spec, rng, f"{p}.main_proj", H, H * len(spec.dspark_target_layer_ids)))
+        t[f"{p}.main_norm.weight"] = _raw(torch.ones(H, dtype=torch.bfloat16))
+    if k == spec.mtp_blocks - 1:
+        t.update(_v4_head(spec, p))
+        t[f"{p}.markov_head.markov_w1.weight"] = _raw(_bf16(rng, (V, r)))
+        t[f"{p}.markov_head.markov_w2.weight"] = _raw(_bf16(rng, (V, r)))
+        t[f"{p}.confidence_head.proj.weight"] = _raw(_bf16(rng, (1, H + r)).to(torch.float32))
+    return t
 
 
 def v4_config_for(spec: V4Spec) -> dict[str, Any]:
@@ -485,6 +522,10 @@ def v4_config_for(spec: V4Spec) -> dict[str, Any]:
         "max_position_embeddings": 1048576, "bos_token_id": 0, "eos_token_id": 1, "tie_word_embeddings": False,
         "torch_dtype": "bfloat16", "expert_dtype": "fp4",
     }
+    if spec.drafter == "dspark":   # what vLLM 0.34's DSpark draft model reads from the target's config
+        cfg.update({"n_mtp_layers": spec.mtp_blocks, "dspark_target_layer_ids": list(spec.dspark_target_layer_ids),
+                    "dspark_markov_rank": spec.dspark_markov_rank, "dspark_block_size": spec.mtp_blocks + 1,
+                    "enable_confidence_head": True})
     if spec.main_format == "mxfp4":
         cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0",
                                       "activation_scheme": "dynamic", "weight_block_size": [128, 128]}

@@ -22,7 +22,7 @@ import logging
 import re
 import time
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 
@@ -30,11 +30,13 @@ from .enums import DeltaMode, VerifyMode
 from .errors import InputError
 from .load import DELTA_EXPERTS, open_cache
 from .load.options import check_delta, check_inflight, check_verify, check_workers
+from .vllm_quant import layer_index
 
 _log = logging.getLogger(__name__)
 
 LOAD_FORMAT = "moet"
 _TIER_SHAPED = ("w13_delta", "w2_delta", DELTA_EXPERTS)
+_LAYER_IN_NAME = re.compile(r"(?:^|\.)layers\.\d+(?:\.|$)")
 
 
 @dataclass(frozen=True)
@@ -77,7 +79,9 @@ class LoadSummary:
     seconds: float
 
 
-_EXPERTS = re.compile(r"^(?:.*\.)?layers\.(\d+)\.(?:mlp|ffn)\.experts\.(?:routed_experts\.)?(?=w13_(?:base|weight)$)")
+# vLLM's DeepSeek-V4 MTP draft model nests each block's decoder layer as `layers.{L}.mtp_block`
+_EXPERTS = re.compile(r"^(?:.*\.)?layers\.(\d+)\.(?:mtp_block\.)?(?:mlp|ffn)\.experts\.(?:routed_experts\.)?"
+                      r"(?=w13_(?:base|weight)$)")
 
 
 def experts_prefix(layer: int) -> str:
@@ -85,14 +89,27 @@ def experts_prefix(layer: int) -> str:
     return f"model.layers.{layer}.mlp.experts."
 
 
-def experts_prefixes(names: Any) -> dict[int, str]:
-    """Layer number -> the prefix of its fused-MoE parameters, from a model's parameter names (V3 and V4)."""
+def experts_prefixes(names: Any, built_as: Mapping[str, str] | None = None) -> dict[int, str]:
+    """Layer number -> the prefix of its fused-MoE parameters, from a model's parameter names (V3 and V4).
+
+    built_as: module path + "." -> the layer name vLLM built that experts module with (its `layer_name`),
+    whose number wins over the path's: vLLM's DSpark draft model keeps drafter block K at `model.layers.K`
+    but builds it as layer num_hidden_layers + K (vllm/models/deepseek_v4/nvidia/dspark.py), the cache's
+    number for mtp.K, as the moet method reads it (vllm_quant.layer_index)."""
     out: dict[int, str] = {}
     for n in names:
         m = _EXPERTS.match(n)
         if m is not None:
-            out.setdefault(int(m.group(1)), m.group(0))
+            prefix = m.group(0)
+            name = (built_as or {}).get(prefix)
+            out.setdefault(layer_index(name) if name else int(m.group(1)), prefix)
     return out
+
+
+def built_layer_names(model: torch.nn.Module) -> dict[str, str]:
+    """Every module that carries the layer name vLLM built it with: its path + "." -> that name."""
+    return {path + ".": m.layer_name for path, m in model.named_modules()
+            if path and isinstance(getattr(m, "layer_name", None), str) and _LAYER_IN_NAME.search(m.layer_name)}
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
@@ -110,8 +127,11 @@ def load_into_model(model: torch.nn.Module, opts: PluginOptions) -> LoadSummary:
     cache = open_cache(opts.cache)
     params = dict(model.named_parameters())
     params.update(dict(model.named_buffers()))
-    where = experts_prefixes(params)
-    first = where.get(cache.layers[0], experts_prefix(cache.layers[0]))
+    where = experts_prefixes(params, built_layer_names(model))
+    # A model holds the main layers or (vLLM's draft model) the drafter blocks: each loads the cache's layers it
+    # holds. One that holds none is refused below by its parameter names.
+    layers = [x for x in cache.layers if x in where] or list(cache.layers)
+    first = where.get(layers[0], experts_prefix(layers[0]))
     if opts.expand is None:
         if first + "w13_base" in params:
             expand = False
@@ -132,7 +152,7 @@ def load_into_model(model: torch.nn.Module, opts: PluginOptions) -> LoadSummary:
     modules = dict(model.named_modules())
     moe_bytes = 0
     for layer in cache.load(device=device, delta=opts.delta, verify=opts.verify, workers=opts.workers,
-                            max_inflight=opts.max_inflight, expand=expand):
+                            max_inflight=opts.max_inflight, expand=expand, layers=layers):
         prefix = where.get(layer.index, experts_prefix(layer.index))
         wanted = {n for n in params if n.startswith(prefix) and "." not in n[len(prefix):]}
         for name, t in layer.tensors.items():
@@ -171,7 +191,7 @@ def load_into_model(model: torch.nn.Module, opts: PluginOptions) -> LoadSummary:
             if p is None:
                 raise InputError(f"the model has no parameter {name} (and no load_weights to map it)")
             _copy(p.data, t.to(p.device), name)
-    return LoadSummary(cache.layers, expand, moe_bytes, dense, time.perf_counter() - t0)
+    return LoadSummary(tuple(layers), expand, moe_bytes, dense, time.perf_counter() - t0)
 
 
 @functools.lru_cache(maxsize=1)
@@ -225,4 +245,4 @@ def register() -> type | None:
 
 
 __all__ = ["register", "load_into_model", "PluginOptions", "LoadSummary", "LOAD_FORMAT", "experts_prefix",
-           "experts_prefixes"]
+           "experts_prefixes", "built_layer_names"]

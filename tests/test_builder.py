@@ -159,7 +159,7 @@ def test_layer_selection_and_mtp(ckpt_modelopt: Path, tmp_path: Path) -> None:
     assert r.layers == (1, 2, 3, 4) and load_cache_files(tmp_path / "b").layers[4].kind == "mtp"
     with pytest.raises(InputError, match="the model has layers 0-4"):
         build_cache(ckpt_modelopt, tmp_path / "c", BuildOptions(layers="9"))
-    with pytest.raises(InputError, match="add --include-mtp"):
+    with pytest.raises(InputError, match="add --include-drafter"):
         build_cache(ckpt_modelopt, tmp_path / "c", BuildOptions(layers="4"))
     with pytest.raises(InputError, match="selects no MoE layer"):
         build_cache(ckpt_modelopt, tmp_path / "c", BuildOptions(layers="0"))

@@ -115,7 +115,7 @@ def served_layers(ck: Checkpoint, opts: BuildOptions) -> list[int]:
         if set(mtp) & sel and not opts.include_mtp:
             first = sorted(set(mtp) & sel)[0]
             raise InputError(f"--layers names the MTP layer {first} ({fam.layer_prefix(first)} of the source)",
-                             "add --include-mtp to build planes for MTP layers")
+                             "add --include-drafter (or --include-mtp) to build planes for drafter layers")
         served = sorted(sel & set(main + mtp))
         if not served:
             raise InputError(f"--layers {opts.layers} selects no MoE layer",
