@@ -589,9 +589,10 @@ class ServeCommand:
         """The vLLM flags: argv after the launcher and the model folder."""
         return self.argv[len(self.launcher) + 1:]
 
-    def shell(self) -> str:
+    def shell(self, argv: tuple[str, ...] | None = None) -> str:
+        """The command (or one node's, `argv`) as a shell line with the environment serve adds."""
         env = " ".join(f"{k}={shlex.quote(v)}" for k, v in self.env_added)
-        return (env + " " if env else "") + shlex.join(self.argv)
+        return (env + " " if env else "") + shlex.join(self.argv if argv is None else argv)
 
     def environment(self) -> dict[str, str]:
         env = dict(os.environ)
