@@ -919,7 +919,7 @@ def settings_from_flags(given: list[Flag], gpu: GpuPreset) -> PlanSettings:
         s["batched_tokens"] = parse_tokens(flags["--max-num-batched-tokens"][0], what="--max-num-batched-tokens")
     if "--no-async-scheduling" in flags:
         s["async_scheduling"] = False
-    tp = flags.get("--tensor-parallel-size") or flags.get("-tp")
+    tp = _flag(given, "--tensor-parallel-size", "-tp")   # the last of either spelling, as vLLM's parser reads it
     if tp or "--enable-expert-parallel" in flags or "-ep" in flags:
         try:
             size = int(tp[0]) if tp else 1

@@ -805,6 +805,8 @@ def _suggestions(fp: Footprint, s: PlanSettings, kvm: _Kv, budget: int, static: 
 def _more_gpus(fp: Footprint, s: PlanSettings) -> Suggestion | None:
     """The fewest more GPUs of the same card that make the same settings fit (a size the model allows)."""
     whole = fp.whole or fp
+    if not whole.model.get("n_routed_experts"):   # a footprint without the model's dims: no split to check
+        return None
     for n in allowed_sizes(whole.model, s.parallel.expert):
         if n <= s.parallel.size:
             continue
