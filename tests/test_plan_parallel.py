@@ -92,6 +92,8 @@ def test_v4_flash_on_two_48_gb_cards_says_precisely_why_not(flash: Path) -> None
     settings = {x["change"]: x["setting"] for x in mem["suggestions"]}
     assert settings["context"] == "--max-model-len 72448"
     assert settings["base-only"] == "--delta-budget 0"
+    base_only = next(x for x in mem["suggestions"] if x["change"] == "base-only")
+    assert round(base_only["margin_bytes"] / GIB, 2) == 1.41     # 2 x 48 GB fit V4-Flash base-only at 260K
     assert settings["gpus"] == "--tensor-parallel-size 4 (2 more GPUs, 4 in all)"
 
 
