@@ -20,6 +20,7 @@ from moet_cache import layout as L
 from moet_cache.cacheview import open_view
 from moet_cache.parallel import Parallel, allowed_sizes, is_split
 from moet_cache.serving import preset_plan_settings
+from moet_cache.synthetic import make_v4_checkpoint, small_v4_spec
 from moet_cache.units import GIB, parse_size
 from moet_cache.vram import (COMM_RESERVE, GPU_PRESETS, GPUS, GpuPreset, PlanSettings, footprint_from_cache,
                              make_plan, rank_footprint, read_footprint)
@@ -35,7 +36,6 @@ def flash(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def small_v4(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from moet_cache.synthetic import make_v4_checkpoint, small_v4_spec
     d = tmp_path_factory.mktemp("v4par")
     src = make_v4_checkpoint(d / "src", small_v4_spec("hybrid", mtp_blocks=0, num_nextn_predict_layers=0))
     build_cache(src, d / "cache", BuildOptions(delta_budget="40%"))
