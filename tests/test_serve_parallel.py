@@ -15,7 +15,8 @@ import vllm_cpu_env
 
 from moet_cache import BuildOptions, build_cache
 from moet_cache.parallel import Parallel
-from moet_cache.serving import PRESETS, preset_plan_settings, settings_from_argv, split_flags
+from moet_cache.serving import (PRESETS, VllmProbe, preset_plan_settings, settings_from_argv, split_flags,
+                                vllm_python)
 from moet_cache.synthetic import make_v4_checkpoint, small_v4_spec
 from moet_cache.vram import GPU_PRESETS, V4_ATTENTION_MAJORS, attention_from_config
 
@@ -115,3 +116,22 @@ def test_a_multi_node_command_vllm_would_refuse_is_refused_in_one_line(v4_cache:
                                                                        line: str) -> None:
     r = _serve(v4_cache, "--", *args)
     assert r.returncode == 2 and json.loads(r.stdout)["error"] == line
+
+
+@pytest.mark.vllm
+def test_vllms_own_parser_accepts_each_nodes_command(v4_cache: Path) -> None:
+    """Each node's command, parsed by the installed vLLM's own `vllm serve` parser (vLLM 0.34 under
+    MOET_CACHE_VLLM_BIN, else the vllm-cpu CI installs beside the tests): the flags and their values exist."""
+    folder = os.environ.get("MOET_CACHE_VLLM_BIN")
+    exe = shutil.which("vllm", path=folder) if folder else shutil.which("vllm", path=str(BIN))
+    if exe is None:
+        pytest.skip("vLLM is not installed (set MOET_CACHE_VLLM_BIN to its bin folder)")
+    r = _serve(v4_cache, "--", "-tp", "2", "--enable-expert-parallel", "--nnodes", "2", "--master-addr", "10.0.0.1")
+    assert r.returncode == 0, r.stderr
+    for node in json.loads(r.stdout)["nodes"]:
+        probe = VllmProbe(vllm_python(exe))
+        try:
+            probe.table()
+            assert probe.parse(node["argv"][2:]) is None, node["shell"]   # after `vllm serve`
+        finally:
+            probe.close()
