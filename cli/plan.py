@@ -12,6 +12,7 @@ import typer
 from moet_cache import serving, vram
 from moet_cache.errors import InputError
 from moet_cache.folders import FolderKind, folder_kind
+from moet_cache.parallel import Parallel
 from moet_cache.quality_curve import QUALITY_DOC, QualityCurve, TierChange, packaged_curve, tier_change
 from moet_cache.units import GIB, parse_size, parse_tokens
 
@@ -267,7 +268,7 @@ def plan(
     card = serving.get_preset(settings_preset, serving.model_type_of(fp.model)).gpu or vram.DEFAULT_GPU
     preset, defaults = serving.preset_plan_settings(fp.model, resolve_plan_gpu(gpu, card), settings_preset)
     if tensor_parallel_size is not None or enable_expert_parallel:
-        defaults = replace(defaults, parallel=vram.Parallel(tensor_parallel_size or defaults.parallel.size,
+        defaults = replace(defaults, parallel=Parallel(tensor_parallel_size or defaults.parallel.size,
                                                             enable_expert_parallel or defaults.parallel.expert))
     given = {"utilization": gpu_memory_utilization,
              "max_model_len": parse_tokens(max_model_len) if max_model_len is not None else None,

@@ -27,11 +27,11 @@ from . import layout as L
 from .errors import EnvironmentProblem, InputError, MissingDependencyError, VerificationError
 from .kv_v4 import REASONING_MAX_CONTEXT
 from .parallel import Parallel
+from .parallel import check as check_parallel
 from .units import parse_tokens
 from .version import __version__
-from .vram import (DEFAULT_GPU, GPU_PRESETS, GpuPreset, PlanSettings, Speculative, attention_from_config, check_parallel,
-                   detect_gpu, footprint_from_cache, footprint_of_view, make_plan, max_position_embeddings,
-                   parse_sizes_list)
+from .vram import (DEFAULT_GPU, GPU_PRESETS, GpuPreset, PlanSettings, Speculative, attention_from_config, detect_gpu,
+                   footprint_from_cache, footprint_of_view, make_plan, max_position_embeddings, parse_sizes_list)
 
 if TYPE_CHECKING:
     from .cacheview import CacheView

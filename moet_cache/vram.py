@@ -1,4 +1,5 @@
-"""The VRAM budget of serving a cache on one GPU: what it holds, what is left for the KV cache, what fits.
+"""The VRAM budget of serving a cache on one GPU (or the fullest of several, parallel.py): what it holds, what
+is left for the KV cache, what fits.
 
 Every figure is in bytes here and printed in GiB (2^30). The weights come from a cache's manifests
 (exact tensor bytes) or from a checkpoint's config.json and safetensors headers (computed bytes, the
