@@ -159,6 +159,28 @@ def test_a_ranks_share_of_a_built_cache_is_its_tensors_bytes(small_v4: Path) -> 
     assert ep.total_experts * 2 == fp.total_experts
 
 
+@pytest.mark.parametrize(("name", "split"), [
+    ("embed.weight", True), ("head.weight", True), ("layers.2.attn.wq_b.weight", True),
+    ("layers.2.attn.wq_b.scale", True), ("layers.2.attn.wo_a.weight", True), ("layers.2.attn.wo_b.scale", True),
+    ("layers.2.attn.attn_sink", True), ("layers.2.ffn.shared_experts.w2.weight", True),
+    ("layers.2.attn.wq_a.weight", False), ("layers.2.attn.wkv.weight", False), ("layers.2.attn.q_norm.weight", False),
+    ("layers.2.attn.indexer.wq_b.weight", False), ("layers.2.attn.indexer.weights_proj.weight", False),
+    ("layers.2.attn.compressor.wkv.weight", False), ("layers.2.attn.indexer.compressor.ape", False),
+    ("layers.0.ffn.gate.tid2eid", False), ("layers.5.ffn.gate.bias", False), ("layers.2.hc_attn_fn", False),
+    ("mtp.0.e_proj.weight", False), ("norm.weight", False), ("hc_head_fn", False),
+    ("model.embed_tokens.weight", True), ("lm_head.weight", True),
+    ("model.layers.3.self_attn.q_b_proj.weight", True), ("model.layers.3.self_attn.kv_b_proj.weight_scale", True),
+    ("model.layers.3.self_attn.o_proj.weight", True), ("model.layers.0.mlp.down_proj.weight", True),
+    ("model.layers.3.mlp.shared_experts.gate_proj.weight_scale_2", True),
+    ("model.layers.3.self_attn.q_a_proj.weight", False), ("model.layers.3.self_attn.kv_a_proj_with_mqa.weight", False),
+    ("model.layers.3.self_attn.indexer.wq_b.weight", False), ("model.layers.3.mlp.gate.weight", False),
+    ("model.layers.3.mlp.gate.e_score_correction_bias", False), ("model.norm.weight", False),
+])
+def test_which_checkpoint_tensors_vllm_splits(name: str, split: bool) -> None:
+    """vLLM 0.34's column/row/vocab-parallel layers split; its replicated ones (and disable_tp) do not."""
+    assert is_split(name) is split
+
+
 def test_the_sizes_the_planes_allow_and_a_refusal_in_one_line(small_v4: Path, flash: Path) -> None:
     assert allowed_sizes(FLASH, expert=False) == allowed_sizes(FLASH, expert=True) == (1, 2, 4, 8)
     assert allowed_sizes({**FLASH, "moe_intermediate_size": 128}, expert=False) == (1, 2, 4)   # 32-weight blocks
