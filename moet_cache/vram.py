@@ -43,7 +43,8 @@ class GpuPreset:
     capability: tuple[int, int] | None = None   # CUDA compute capability (None: not known)
 
 
-# nvidia-smi's memory.total (MiB) for each card, as the cards report it with ECC off; vLLM's
+# nvidia-smi's memory.total (MiB) for each card, as the cards commonly report it (the 48 GB workstation cards
+# with ECC off; with ECC on an A6000 or RTX 6000 Ada reports 46068 MiB, as the L40S does by default); vLLM's
 # --gpu-memory-utilization is a fraction of it. The compute capability decides which attention backends run.
 GPU_PRESETS: dict[str, GpuPreset] = {
     "rtx-pro-6000": GpuPreset("rtx-pro-6000", 97887 * MIB, "RTX PRO 6000 Blackwell, sold as 96 GB", (12, 0)),
