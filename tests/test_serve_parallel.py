@@ -135,3 +135,26 @@ def test_vllms_own_parser_accepts_each_nodes_command(v4_cache: Path) -> None:
             assert probe.parse(node["argv"][2:]) is None, node["shell"]   # after `vllm serve`
         finally:
             probe.close()
+
+
+def test_plan_and_serve_read_the_cards_compute_capability_from_nvidia_smi(v4_cache: Path, tmp_path: Path) -> None:
+    """A fake nvidia-smi answers as an L40S does (name and memory, then `--query-gpu=compute_cap`): plan says
+    vLLM refuses V4's attention there, and serve's plan repeats it; a card reporting 12.0 is planned by memory."""
+    for cc, refused in (("8.9", True), ("12.0", False)):
+        d = tmp_path / cc
+        d.mkdir()
+        smi = d / "nvidia-smi"
+        smi.write_text("#!/bin/sh\ncase \"$1\" in --query-gpu=compute_cap) echo '%s' ;; "
+                       "*) echo 'NVIDIA L40S, 46068' ;; esac\n" % cc)
+        smi.chmod(0o755)
+        path = os.pathsep.join([str(d), str(vllm_cpu_env.bin_without_vllm(BIN)), "/usr/bin", "/bin"])
+        r = subprocess.run([MOET, "plan", str(v4_cache), "--json", "-tp", "2"], capture_output=True, text=True,
+                           timeout=300, env={"PATH": path})
+        doc = json.loads(r.stdout)
+        assert doc["gpu"]["name"] == "NVIDIA L40S" and doc["parallel"]["tensor_parallel_size"] == 2
+        line = "the NVIDIA L40S is 8.9, where vLLM refuses it"
+        assert (r.returncode == 1 and line in doc["deciding"]) if refused else (r.returncode == 0 and doc["fits"])
+        s = subprocess.run([MOET, "serve", str(v4_cache), "--dry-run", "--", "-tp", "2"], capture_output=True,
+                           text=True, timeout=300, env={"PATH": path, "HOME": str(tmp_path)})
+        assert s.returncode == 0, s.stderr
+        assert (line in s.stderr) is refused
