@@ -4,8 +4,8 @@
 the block-scale groups kept whole) and the linear layers vLLM builds as column- or row-parallel; it copies
 the rest to every rank. `--enable-expert-parallel` instead gives rank r the experts r x E/N to
 (r + 1) x E/N - 1 whole (vLLM's default linear placement), while attention stays split N ways. Each rank
-keeps the whole KV cache: DeepSeek's latent attention caches one head (`num_kv_heads=1` in
-`vllm/models/deepseek_v4/attention.py` `get_kv_cache_spec` and `vllm/model_executor/layers/attention/
+keeps the whole KV cache: DeepSeek's latent attention caches one head (`num_kv_heads=1, max_tp_shards=1` in
+`vllm/models/deepseek_v4/attention.py` `get_kv_cache_spec`; `num_kv_heads=1` in `vllm/model_executor/layers/attention/
 mla_attention.py`), which every rank holds in full.
 
 What vLLM 0.34 splits (docs/SERVING.md, "More than one GPU", cites the classes):
