@@ -4,9 +4,9 @@
 the block-scale groups kept whole) and the linear layers vLLM builds as column- or row-parallel; it copies
 the rest to every rank. `--enable-expert-parallel` instead gives rank r the experts r x E/N to
 (r + 1) x E/N - 1 whole (vLLM's default linear placement), while attention stays split N ways. Each rank
-keeps the whole KV cache: DeepSeek's latent attention caches one head (`num_kv_heads=1, max_tp_shards=1` in
-`vllm/models/deepseek_v4/attention.py` `get_kv_cache_spec`; `num_kv_heads=1` in `vllm/model_executor/layers/attention/
-mla_attention.py`), which every rank holds in full.
+keeps the whole KV cache: DeepSeek's latent attention caches one head (V4: `num_kv_heads=1, max_tp_shards=1`
+in `vllm/models/deepseek_v4/attention.py` `get_kv_cache_spec`; V3: `num_kv_heads=1` in
+`vllm/model_executor/layers/attention/mla_attention.py`), which every rank holds in full.
 
 What vLLM 0.34 splits (docs/SERVING.md, "More than one GPU", cites the classes):
 - DeepSeek-V4 (`vllm/models/deepseek_v4/attention.py`, `nvidia/model.py`): `attn.wq_b` (ColumnParallel),
