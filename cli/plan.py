@@ -12,6 +12,7 @@ import typer
 from moet_cache import serving, vram
 from moet_cache.errors import InputError
 from moet_cache.folders import FolderKind, folder_kind
+from moet_cache.parallel import Parallel
 from moet_cache.quality_curve import QUALITY_DOC, QualityCurve, TierChange, packaged_curve, tier_change
 from moet_cache.units import GIB, parse_size, parse_tokens
 
@@ -67,9 +68,18 @@ def plan_document(p: vram.Plan, curve: QualityCurve | None = None) -> dict:
     fp, s = p.footprint, p.settings
     curve = curve or packaged_curve()
     terms = {"base_planes": p.base, "delta_tier": p.delta, "dense": p.dense, "mtp_weights": p.mtp_weights,
-             "cudagraph_reserve": p.cudagraph, "activation_reserve": p.activations, "kv_cache": p.kv}
+             "cudagraph_reserve": p.cudagraph, "activation_reserve": p.activations,
+             "communication_reserve": p.comm, "kv_cache": p.kv}
     v4 = p.v4_kv
+    whole = fp.whole or fp
     return {
+        # Every figure below is one GPU's: the fullest rank's when the model is split over several.
+        "parallel": {"tensor_parallel_size": s.parallel.size, "expert_parallel": s.parallel.expert,
+                     "gpus": s.parallel.size, "per_rank": s.parallel.size > 1,
+                     "whole_model_bytes": {"base_planes": whole.base_bytes, "delta_tier": whole.delta_tier_bytes,
+                                           "dense": whole.dense_bytes},
+                     "dense_split_bytes": whole.dense_split_bytes,
+                     "rank_tier_experts": fp.tier_experts if s.parallel.size > 1 else None},
         "command": "plan", "path": fp.path, "source": fp.source, "exact": fp.exact,
         "gpu": {"name": s.gpu.name, "total_bytes": s.gpu.total_bytes, "total_gib": s.gpu.total_bytes / GIB,
                 "note": s.gpu.note},
@@ -127,10 +137,19 @@ def show_plan(out: Output, p: vram.Plan, curve: QualityCurve | None = None) -> N
     out.print(f"{fp.path}: {fp.served_layers} served MoE layers ({how})")
     out.print(f"GPU {s.gpu.name} ({s.gpu.note}): {_g(s.gpu.total_bytes)} GiB x {s.utilization} = {_g(p.budget)} GiB "
               "usable. All figures in GiB (2^30 bytes); 1 GB = 0.931 GiB.")
+    if s.parallel.size > 1:
+        w = fp.whole or fp
+        out.print(f"{s.parallel.size} GPUs, {s.parallel.label}: every figure is one GPU's, the fullest rank's "
+                  f"(the whole model: base planes {_g(w.base_bytes)}, delta tier {_g(w.delta_tier_bytes)}, "
+                  f"dense {_g(w.dense_bytes)} GiB; the KV cache is whole on every GPU)")
+    split = ("" if s.parallel.size == 1 else
+             f" ({'whole experts, E/' if s.parallel.expert else '1/'}{s.parallel.size} of each layer's)")
     rows = [
-        ["base planes", _g(p.base), f"{fp.served_layers} layers, 2-bit codes + block scales"],
-        ["delta tier", _g(p.delta), f"{fp.tier_experts} of {fp.total_experts} experts at FP4"],
-        ["dense weights", _g(p.dense), "attention, shared experts, embeddings, copied unchanged"],
+        ["base planes", _g(p.base), f"{fp.served_layers} layers, 2-bit codes + block scales{split}"],
+        ["delta tier", _g(p.delta), f"{fp.tier_experts} of {fp.total_experts} experts at FP4"
+         + ("" if s.parallel.size == 1 else " on this GPU" if s.parallel.expert else f", 1/{s.parallel.size} of each")],
+        ["dense weights", _g(p.dense), "attention, shared experts, embeddings, copied unchanged"
+         + ("" if s.parallel.size == 1 else "; vLLM's column/row-parallel layers 1/N, the rest whole")],
     ]
     if p.mtp_weights:
         rows.append(["MTP layer", _g(p.mtp_weights), "speculative decoding" + ("" if fp.mtp_exact else " (estimate)")])
@@ -139,6 +158,10 @@ def show_plan(out: Output, p: vram.Plan, curve: QualityCurve | None = None) -> N
          + (" (given)" if s.cudagraph_reserve is not None else " (estimate)")],
         ["activations", _g(p.activations), "given" if s.activation_reserve is not None
          else f"estimate for {s.batched_tokens} batched tokens"],
+    ]
+    if p.comm:
+        rows.append(["communication", _g(p.comm), "NCCL and all-reduce buffers (estimate)"])
+    rows += [
         _kv_row(p),
         ["total", _g(p.need), f"of {_g(p.budget)} usable"],
     ]
@@ -192,13 +215,13 @@ def _split_positionals(path: Path, extra: list[str] | None, sizes: str | None) -
     return Path(rest[0]), sizes
 
 
-def resolve_plan_gpu(gpu: str) -> vram.GpuPreset:
-    """`auto`: the GPU nvidia-smi sees (as serve does), else the default preset."""
+def resolve_plan_gpu(gpu: str, default: str = vram.DEFAULT_GPU) -> vram.GpuPreset:
+    """`auto`: the GPU nvidia-smi sees (as serve does), else the default preset (the settings preset's card)."""
     if gpu.strip().lower() == "auto":
         seen = vram.detect_gpu(os.environ.get("CUDA_VISIBLE_DEVICES", ""))
         if seen is not None:
             return seen
-        d = vram.GPU_PRESETS[vram.DEFAULT_GPU]
+        d = vram.GPU_PRESETS[default]
         return vram.GpuPreset(d.name, d.total_bytes, d.note + "; no GPU seen, the default preset (--gpu to choose)")
     return vram.resolve_gpu(gpu)
 
@@ -231,6 +254,9 @@ def plan(
     async_scheduling: Annotated[Optional[bool], typer.Option("--async-scheduling/--no-async-scheduling", help="vLLM's async scheduling (on by default: two batches in flight).", show_default=False)] = None,
     cudagraph_reserve: Annotated[Optional[str], typer.Option(help="Override the CUDA-graph estimate (e.g. 1GiB).")] = None,
     activation_reserve: Annotated[Optional[str], typer.Option(help="Override the activation estimate (e.g. 2GiB).")] = None,
+    tensor_parallel_size: Annotated[Optional[int], typer.Option("--tensor-parallel-size", "-tp", min=1, help="GPUs of this card vLLM splits the model over; the plan sizes the fullest one. Default: the serve preset's.", show_default=False)] = None,
+    enable_expert_parallel: Annotated[bool, typer.Option("--enable-expert-parallel", "-ep", help="Whole experts a GPU (vLLM's expert parallelism) instead of a slice of each.")] = False,
+    settings_preset: Annotated[str, typer.Option("--settings", help=f"The serve preset to plan: auto (the one serve picks for the model) or {', '.join(serving.PRESETS)}.")] = serving.DEFAULT_PRESET,
     json_: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
@@ -239,7 +265,11 @@ def plan(
     out = Output(json_, quiet)
     path, sizes = _split_positionals(path, extra, cudagraph_capture_sizes)
     fp = _footprint(path, delta_budget, out)
-    preset, defaults = serving.preset_plan_settings(fp.model, resolve_plan_gpu(gpu))
+    card = serving.get_preset(settings_preset, serving.model_type_of(fp.model)).gpu or vram.DEFAULT_GPU
+    preset, defaults = serving.preset_plan_settings(fp.model, resolve_plan_gpu(gpu, card), settings_preset)
+    if tensor_parallel_size is not None or enable_expert_parallel:
+        defaults = replace(defaults, parallel=Parallel(tensor_parallel_size or defaults.parallel.size,
+                                                            enable_expert_parallel or defaults.parallel.expert))
     given = {"utilization": gpu_memory_utilization,
              "max_model_len": parse_tokens(max_model_len) if max_model_len is not None else None,
              "kv_cache_dtype": kv_cache_dtype, "block_size": block_size, "batched_tokens": max_num_batched_tokens,

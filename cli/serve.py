@@ -58,10 +58,19 @@ def serve(
                       "model_type": cmd.model_type, "torch_version": cmd.torch_version,
                       "boot_state": cmd.boot_state, "vllm": cmd.vllm, "vllm_version": cmd.vllm_version,
                       "flags_checked": cmd.flags_checked, "warnings": list(cmd.warnings), "notes": list(cmd.notes),
-                      "plan": None if pre is None else pre.__dict__})
+                      "plan": None if pre is None else pre.__dict__,
+                      "nodes": [{"node_rank": r, "argv": list(a), "shell": cmd.shell(a)}
+                                for r, a in enumerate(cmd.nodes)],
+                      "verify_each_node": f"moet-cache verify {cmd.cache}" if cmd.nodes else None})
         else:
             env = "\n".join(f"  {k}={v}" for k, v in cmd.env_added) or "  (inherited unchanged)"
             out.result(Text(f"environment added:\n{env}"))
-            out.result(Text(cmd.shell()))  # plain text: no rich markup in paths and JSON
+            if not cmd.nodes:
+                out.result(Text(cmd.shell()))  # plain text: no rich markup in paths and JSON
+            else:
+                # Every node reads its ranks' bytes from the cache at this path: its own copy or a shared file system.
+                out.result(Text(f"on every node, the cache at {cmd.cache}, checked first: moet-cache verify {cmd.cache}"))
+                for r, argv in enumerate(cmd.nodes):
+                    out.result(Text(f"node {r}{' (head: the API server)' if r == 0 else ''}: {cmd.shell(argv)}"))
         return
     serving.exec_vllm(cmd)

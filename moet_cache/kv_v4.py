@@ -35,6 +35,10 @@ SWA_BLOCK = 64              # DeepseekV4SWACache's block size (tokens), whatever
 STATE_DTYPE_BYTES = 4       # compressor states are float32
 KV_DTYPES_V4 = ("fp8", "fp8_ds_mla")   # FlashMLA (Hopper) and FlashInfer SM120 (RTX PRO 6000) run only these
 BLOCK_SIZE_V4 = 256         # DeepseekV4SparseMLABackend.get_supported_kernel_block_sizes()
+# The compute capabilities (major) V4's attention runs on in vLLM 0.34: FlashMLA sparse 9.x and 10.x
+# (`models/deepseek_v4/sparse_mla.py` DeepseekV4SparseMLABackend.supports_compute_capability), FlashInfer
+# sparse 10.x and 12.x (`models/deepseek_v4/nvidia/flashinfer_sparse.py`); none runs on 8.x (Ampere, Ada).
+V4_ATTENTION_MAJORS = (9, 10, 12)
 REASONING_MAX_CONTEXT = 393_216        # reasoning_effort "max" needs this --max-model-len (vLLM recipes)
 
 

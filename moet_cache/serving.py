@@ -26,6 +26,8 @@ from typing import TYPE_CHECKING, Any
 from . import layout as L
 from .errors import EnvironmentProblem, InputError, MissingDependencyError, VerificationError
 from .kv_v4 import REASONING_MAX_CONTEXT
+from .parallel import Parallel
+from .parallel import check as check_parallel
 from .units import parse_tokens
 from .version import __version__
 from .vram import (DEFAULT_GPU, GPU_PRESETS, GpuPreset, PlanSettings, Speculative, attention_from_config, detect_gpu,
@@ -64,6 +66,7 @@ class Preset:
     flags: tuple[tuple[str, tuple[str, ...]], ...]
     env: tuple[tuple[str, str], ...] = ()
     model_types: tuple[str, ...] = ()      # the config.json model_type values `--settings auto` picks it for
+    gpu: str = ""                          # the GPU preset (vram.GPU_PRESETS) it is made for; "": one 96 GB card
 
 
 THINKING = ("--default-chat-template-kwargs", ('{"thinking": true}',))
@@ -103,6 +106,42 @@ PRESETS: dict[str, Preset] = {
             THINKING,
         ),
         model_types=("deepseek_v4",),
+    ),
+    "v4-flash-2x96g": Preset(
+        "v4-flash-2x96g",
+        "DeepSeek-V4-Flash on two 96 GB GPUs (RTX PRO 6000), tensor parallel 2: room for the whole tier at FP4 "
+        "(every delta plane: build with --delta-budget 100%) and the model's whole context (1M tokens), FP8 KV, "
+        "2048 batched tokens, 4 CUDA-graph sizes, V4's tokenizer mode, thinking on.",
+        (
+            ("--tensor-parallel-size", ("2",)),
+            ("--gpu-memory-utilization", ("0.96",)),
+            ("--max-model-len", ("1048576",)),
+            ("--kv-cache-dtype", ("fp8",)),
+            ("--block-size", ("256",)),
+            ("--max-num-batched-tokens", ("2048",)),
+            ("--cudagraph-capture-sizes", ("1", "2", "4", "8")),
+            ("--tokenizer-mode", ("deepseek_v4",)),
+            THINKING,
+        ),
+        gpu="rtx-pro-6000",
+    ),
+    "v4-flash-4x32g": Preset(
+        "v4-flash-4x32g",
+        "DeepSeek-V4-Flash on four 32 GB GPUs (GeForce RTX 5090, compute capability 12.0, where vLLM's V4 "
+        "attention runs), tensor parallel 4: 260K context, FP8 KV, 2048 batched tokens, 4 CUDA-graph sizes, V4's "
+        "tokenizer mode, thinking on.",
+        (
+            ("--tensor-parallel-size", ("4",)),
+            ("--gpu-memory-utilization", ("0.96",)),
+            ("--max-model-len", ("260000",)),
+            ("--kv-cache-dtype", ("fp8",)),
+            ("--block-size", ("256",)),
+            ("--max-num-batched-tokens", ("2048",)),
+            ("--cudagraph-capture-sizes", ("1", "2", "4", "8")),
+            ("--tokenizer-mode", ("deepseek_v4",)),
+            THINKING,
+        ),
+        gpu="rtx-5090",
     ),
     "eager-debug": Preset(
         "eager-debug",
@@ -543,15 +582,17 @@ class ServeCommand:
     view: CacheView | None = field(default=None, repr=False, compare=False)
     launcher: tuple[str, ...] = ("vllm", "serve")    # argv's part before the model folder
     cpu: bool = False                   # vLLM's CPU build: no GPU memory to plan, and its rules are not the GPU's
+    nodes: tuple[tuple[str, ...], ...] = ()   # --nnodes above 1: each node's command, node 0 first (node_flags)
 
     @property
     def flag_argv(self) -> tuple[str, ...]:
         """The vLLM flags: argv after the launcher and the model folder."""
         return self.argv[len(self.launcher) + 1:]
 
-    def shell(self) -> str:
+    def shell(self, argv: tuple[str, ...] | None = None) -> str:
+        """The command (or one node's, `argv`) as a shell line with the environment serve adds."""
         env = " ".join(f"{k}={shlex.quote(v)}" for k, v in self.env_added)
-        return (env + " " if env else "") + shlex.join(self.argv)
+        return (env + " " if env else "") + shlex.join(self.argv if argv is None else argv)
 
     def environment(self) -> dict[str, str]:
         env = dict(os.environ)
@@ -771,7 +812,9 @@ def build_serve_command(cache: str | os.PathLike[str], preset_name: str = DEFAUL
         notes += n1 + n2
         flags = merge_flags(base, user, table)
         check_reasoning_effort(flags, model_type)
+        check_parallel(cfg, settings_from_flags(flags, GPU_PRESETS[DEFAULT_GPU]).parallel)
         args = [str(model_dir)] + [t for f in flags for t in f.argv()]
+        nodes = tuple((*start, str(model_dir), *(t for f in node for t in f.argv())) for node in node_flags(flags))
         if table is not None and probe is not None:
             check_known(flags, table)
             model_flag = ["--model"] if start[-1] == "--model" else []   # the server module's spelling
@@ -808,7 +851,48 @@ def build_serve_command(cache: str | os.PathLike[str], preset_name: str = DEFAUL
                         str(root.resolve()), preset.name, report.state, exe,
                         table.version if table else None, table is not None, tuple(warnings), tuple(notes),
                         model_type=model_type, torch_version=torch_v, view=view, launcher=start,
-                        cpu=install is not None and install.cpu)
+                        cpu=install is not None and install.cpu, nodes=nodes)
+
+
+# --- more than one node ----------------------------------------------------------------------------------
+
+
+def _flag(flags: list[Flag], *names: str) -> tuple[str, ...] | None:
+    found = [f.values for f in flags if f.option in names]
+    return found[-1] if found else None
+
+
+def node_flags(flags: list[Flag]) -> list[list[Flag]]:
+    """vLLM 0.34's multi-node launch with its own multiprocessing backend (`--nnodes`, `--node-rank`,
+    `--master-addr`, `--master-port`: vllm/config/parallel.py): the same flags on every node, each with its
+    `--node-rank`, and every node but the first `--headless` (its workers join node 0's torch.distributed group:
+    vllm/entrypoints/cli/serve.py `run_headless`). One list of flags a node; none for one node."""
+    nnodes = _flag(flags, "--nnodes", "-n")
+    try:
+        n = int(nnodes[0]) if nnodes else 1
+    except ValueError:
+        raise InputError(f"--nnodes {nnodes[0]!r} is not a number of nodes") from None
+    if n <= 1:
+        return []
+    backend = _flag(flags, "--distributed-executor-backend")
+    if backend and backend[0] not in ("mp",):
+        raise InputError(f"--nnodes {n} with --distributed-executor-backend {backend[0]}: vLLM 0.34 starts nodes "
+                         "itself only with its multiprocessing backend",
+                         "drop --nnodes for a Ray cluster (docs/SERVING.md, 'More than one node')")
+    if not _flag(flags, "--master-addr"):
+        raise InputError(f"--nnodes {n} needs --master-addr: the address of node 0, which every node reaches",
+                         "add -- --master-addr <node 0's address>")
+    tp = _flag(flags, "--tensor-parallel-size", "-tp") or ("1",)
+    pp = _flag(flags, "--pipeline-parallel-size", "-pp") or ("1",)
+    try:
+        world = int(tp[0]) * int(pp[0])
+    except ValueError:
+        raise InputError(f"--tensor-parallel-size {tp[0]!r} / --pipeline-parallel-size {pp[0]!r}: not numbers of GPUs") from None
+    if world % n:
+        raise InputError(f"--nnodes {n} does not divide the {world} GPUs of tensor parallel {tp[0]} x pipeline "
+                         f"parallel {pp[0]}", "give each node the same number of GPUs")
+    keep = [f for f in flags if f.option not in ("--node-rank", "-r", "--headless")]
+    return [keep + [Flag("--node-rank", (str(r),))] + ([Flag("--headless", ())] if r else []) for r in range(n)]
 
 
 # --- plan before exec ---------------------------------------------------------------------------------
@@ -835,6 +919,13 @@ def settings_from_flags(given: list[Flag], gpu: GpuPreset) -> PlanSettings:
         s["batched_tokens"] = parse_tokens(flags["--max-num-batched-tokens"][0], what="--max-num-batched-tokens")
     if "--no-async-scheduling" in flags:
         s["async_scheduling"] = False
+    tp = _flag(given, "--tensor-parallel-size", "-tp")   # the last of either spelling, as vLLM's parser reads it
+    if tp or "--enable-expert-parallel" in flags or "-ep" in flags:
+        try:
+            size = int(tp[0]) if tp else 1
+        except ValueError:
+            raise InputError(f"--tensor-parallel-size {tp[0]!r} is not a number of GPUs") from None
+        s["parallel"] = Parallel(size, "--enable-expert-parallel" in flags or "-ep" in flags)
     if "--enforce-eager" in flags:
         s["cudagraph_sizes"] = ()
     elif "--cudagraph-capture-sizes" in flags:

@@ -1,4 +1,5 @@
-"""The VRAM budget of serving a cache on one GPU: what it holds, what is left for the KV cache, what fits.
+"""The VRAM budget of serving a cache on one GPU (or the fullest of several, parallel.py): what it holds, what
+is left for the KV cache, what fits.
 
 Every figure is in bytes here and printed in GiB (2^30). The weights come from a cache's manifests
 (exact tensor bytes) or from a checkpoint's config.json and safetensors headers (computed bytes, the
@@ -20,10 +21,16 @@ from .families import Family
 from .cacheview import CacheView, open_view
 from .manifest import CACHE_MANIFEST, COMMIT_RECORD, LayerKind
 from .modelconfig import ModelConfig
-from .kv_v4 import BLOCK_SIZE_V4, KV_DTYPES_V4, V4Attention, V4Kv, compress_ratios_of, longest_context, v4_kv
+from .kv_v4 import (BLOCK_SIZE_V4, KV_DTYPES_V4, V4_ATTENTION_MAJORS, V4Attention, V4Kv, compress_ratios_of,
+                    longest_context, v4_kv)
+from .parallel import Parallel, allowed_sizes, fullest_rank_experts, is_split, share
+from .parallel import check as check_parallel
 from .units import GIB, parse_budget, parse_size
 
 MIB = 1 << 20
+# The base-plane tensors tensor parallelism splits (codes and block scales); each expert's scalars and tables
+# are copied to every rank.
+SPLIT_BASE = frozenset((L.W13_BASE, L.W2_BASE, L.W13_SCALE, L.W2_SCALE))
 
 # --- GPUs ---------------------------------------------------------------------------------------
 
@@ -33,13 +40,21 @@ class GpuPreset:
     name: str
     total_bytes: int   # the memory the driver reports (nvidia-smi "memory.total"), not the marketing GB
     note: str
+    capability: tuple[int, int] | None = None   # CUDA compute capability (None: not known)
 
 
-# nvidia-smi's memory.total (MiB) for each card. vLLM's --gpu-memory-utilization is a fraction of it.
+# nvidia-smi's memory.total (MiB) for each card, as the cards commonly report it (the 48 GB workstation cards
+# with ECC off; with ECC on an A6000 or RTX 6000 Ada reports 46068 MiB, as the L40S does by default); vLLM's
+# --gpu-memory-utilization is a fraction of it. The compute capability decides which attention backends run.
 GPU_PRESETS: dict[str, GpuPreset] = {
-    "rtx-pro-6000": GpuPreset("rtx-pro-6000", 97887 * MIB, "RTX PRO 6000 Blackwell, sold as 96 GB"),
-    "h100-80g": GpuPreset("h100-80g", 81559 * MIB, "H100 SXM/PCIe, sold as 80 GB"),
-    "h200": GpuPreset("h200", 143771 * MIB, "H200 SXM, sold as 141 GB"),
+    "rtx-pro-6000": GpuPreset("rtx-pro-6000", 97887 * MIB, "RTX PRO 6000 Blackwell, sold as 96 GB", (12, 0)),
+    "h100-80g": GpuPreset("h100-80g", 81559 * MIB, "H100 SXM/PCIe, sold as 80 GB", (9, 0)),
+    "h200": GpuPreset("h200", 143771 * MIB, "H200 SXM, sold as 141 GB", (9, 0)),
+    "rtx-6000-ada": GpuPreset("rtx-6000-ada", 49140 * MIB, "RTX 6000 Ada, sold as 48 GB", (8, 9)),
+    "l40s": GpuPreset("l40s", 46068 * MIB, "L40S, sold as 48 GB", (8, 9)),
+    "a6000": GpuPreset("a6000", 49140 * MIB, "RTX A6000, sold as 48 GB", (8, 6)),
+    "rtx-5090": GpuPreset("rtx-5090", 32607 * MIB, "GeForce RTX 5090, sold as 32 GB", (12, 0)),
+    "rtx-4090": GpuPreset("rtx-4090", 24564 * MIB, "GeForce RTX 4090, sold as 24 GB", (8, 9)),
 }
 DEFAULT_GPU = "rtx-pro-6000"
 
@@ -179,11 +194,42 @@ class Footprint:
     attention: Attention
     model: dict[str, Any] = field(default_factory=dict)
     source_format: str = ""       # the first served layer's expert format (formats.FORMATS) or source layout
+    # For more than one GPU (parallel.py): the part of the base planes every tensor-parallel rank copies (each
+    # expert's scalars and tables), the part of the dense bytes vLLM splits, and which experts the tier holds.
+    base_replicated_bytes: int = 0
+    dense_split_bytes: int = 0
+    tier_layers: tuple[tuple[int, tuple[int, ...]], ...] | None = None   # None: not known (a checkpoint's tier)
+    parallel: Parallel = Parallel()   # one rank's share when size > 1 (rank_footprint)
+    whole: Footprint | None = None    # a rank's footprint: the whole model's
 
     def with_tier(self, budget_bytes: int) -> Footprint:
         """The same cache with the tier a budget would choose (whole experts, at most every expert)."""
         n = min(self.total_experts, budget_bytes // self.expert_delta_bytes) if self.expert_delta_bytes else 0
-        return replace(self, delta_tier_bytes=n * self.expert_delta_bytes, tier_experts=n)
+        known = self.tier_layers if n == self.tier_experts else None
+        return replace(self, delta_tier_bytes=n * self.expert_delta_bytes, tier_experts=n, tier_layers=known)
+
+
+def rank_footprint(fp: Footprint, p: Parallel) -> Footprint:
+    """What the fullest of `p.size` ranks holds. Tensor parallel: 1/N of every expert's codes and block scales
+    (their scalars and tables on every rank), 1/N of each tier expert, vLLM's split dense tensors 1/N and the
+    rest whole. Expert parallel: E/N whole experts a layer and the tier experts among them (the cache's delta
+    index; for a checkpoint, whose tier is chosen at build, as many as could land on one rank), dense as for
+    tensor parallelism. The drafter's weights stay whole (an upper bound)."""
+    if p.size == 1:
+        return fp
+    dense = fp.dense_bytes - fp.dense_split_bytes + share(fp.dense_split_bytes, p.size)
+    if not p.expert:
+        base = fp.base_replicated_bytes + share(fp.base_bytes - fp.base_replicated_bytes, p.size)
+        edb = fp.expert_delta_bytes // p.size
+        return replace(fp, base_bytes=base, dense_bytes=dense, expert_delta_bytes=edb,
+                       delta_tier_bytes=fp.tier_experts * edb, parallel=p, whole=fp)
+    local = fp.total_experts // p.size
+    if fp.tier_layers is not None:
+        tier = fullest_rank_experts(fp.tier_layers, fp.total_experts // max(1, fp.served_layers), p.size)
+    else:
+        tier = min(fp.tier_experts, local)
+    return replace(fp, base_bytes=share(fp.base_bytes, p.size), dense_bytes=dense, total_experts=local,
+                   tier_experts=tier, delta_tier_bytes=tier * fp.expert_delta_bytes, parallel=p, whole=fp)
 
 
 def _nbytes(dtype: str, shape: tuple[int, ...]) -> int:
@@ -231,12 +277,14 @@ def footprint_from_checkpoint(path: str | os.PathLike[str], delta_budget: str | 
         if not served:
             raise InputError(f"{path} has no routed-expert tensors in its MoE layers")
         planed = ck.expert_tensor_names(served)
-        base = 0
+        base = base_replicated = 0
         for i in served:
             fmt = ck.layer_format(i)
-            base += LayerGeometry(m.n_routed_experts, m.hidden_size, m.moe_intermediate_size,
-                                  *ck.scale_forms(i, fmt), ck.has_input_scales(i, fmt)).base_bytes
-        dense = mtp_dense = 0
+            specs = LayerGeometry(m.n_routed_experts, m.hidden_size, m.moe_intermediate_size,
+                                  *ck.scale_forms(i, fmt), ck.has_input_scales(i, fmt)).base_specs()
+            base += sum(t.nbytes for t in specs)
+            base_replicated += sum(t.nbytes for t in specs if t.name not in SPLIT_BASE)
+        dense = mtp_dense = dense_split = 0
         for name, info in ck.tensors.items():
             if name in planed:
                 continue
@@ -246,13 +294,14 @@ def footprint_from_checkpoint(path: str | os.PathLike[str], delta_budget: str | 
                 mtp_dense += n
             else:
                 dense += n
+                dense_split += n if is_split(name) else 0
         cfg = dict(ck.config)
         source_format = ck.layer_format(served[0]).name
     edb = expert_delta_bytes(m)
     total_experts = len(served) * m.n_routed_experts
     budget = parse_budget(delta_budget or DEFAULT_DELTA_BUDGET, total_experts * edb, what="delta budget")
     fp = Footprint("checkpoint", str(path), False, base, 0, dense, edb, 0, total_experts, len(served), mtp_dense,
-                   mtp_dense > 0, attention_from_config(cfg), cfg, source_format)
+                   mtp_dense > 0, attention_from_config(cfg), cfg, source_format, base_replicated, dense_split)
     return fp.with_tier(budget)
 
 
@@ -269,7 +318,7 @@ def footprint_of_view(cf: CacheView, delta_budget: str | None = None) -> Footpri
     """Exact bytes from an opened cache: its layer manifests, delta index, dense parts and model config, each
     read through the view (a damaged one is refused, never counted)."""
     m, fam = cf.manifest.model.config, cf.manifest.model.family
-    base = mtp_base = 0
+    base = mtp_base = base_replicated = 0
     main_layers: list[int] = []
     for layer, lm in cf.layers.items():
         base_files = {f.path for f in lm.files if f.role == L.Role.BASE}
@@ -278,14 +327,15 @@ def footprint_of_view(cf: CacheView, delta_budget: str | None = None) -> Footpri
             mtp_base += n
         else:
             base += n
+            base_replicated += sum(t.end - t.begin for t in lm.tensors
+                                   if t.file in base_files and t.name not in SPLIT_BASE)
             main_layers.append(layer)
     edb = next((lm.expert_delta_bytes for lm in cf.layers.values()), expert_delta_bytes(m))
     total_experts = sum(cf.layers[i].n_experts for i in main_layers)
-    tier_experts = 0
     index = cf.delta_index
-    if index is not None:
-        tier_experts = sum(len(ex) for layer, ex in index.layers if layer in main_layers)
-    dense = mtp_dense = 0
+    tier_layers = tuple((layer, tuple(ex)) for layer, ex in index.layers if layer in main_layers) if index else ()
+    tier_experts = sum(len(ex) for _, ex in tier_layers)
+    dense = mtp_dense = dense_split = 0
     for part in cf.dense_parts:
         for t in part.tensors:
             layer = _layer_of(t.name, fam)
@@ -293,6 +343,7 @@ def footprint_of_view(cf: CacheView, delta_budget: str | None = None) -> Footpri
                 mtp_dense += t.end - t.begin
             else:
                 dense += t.end - t.begin
+                dense_split += t.end - t.begin if is_split(t.name) else 0
     served = cf.served_config
     cfg = cf.manifest.model.to_dict() if served is None else served
     # MTP tensors are in the cache with --include-mtp (planes + the rest) or --lossless (all at FP4).
@@ -302,7 +353,7 @@ def footprint_of_view(cf: CacheView, delta_budget: str | None = None) -> Footpri
         mtp = _mtp_estimate(m, dense // max(1, m.num_hidden_layers))
     fp = Footprint("cache", str(cf.root), True, base, tier_experts * edb, dense, edb, tier_experts,
                    total_experts, len(main_layers), mtp, mtp_exact, attention_from_config(cfg), cfg,
-                   _source_format(cf, main_layers))
+                   _source_format(cf, main_layers), base_replicated, dense_split, tier_layers)
     if delta_budget is not None:
         fp = fp.with_tier(parse_budget(delta_budget, total_experts * edb, what="delta budget"))
     return fp
@@ -335,6 +386,10 @@ DEFAULT_BATCHED_TOKENS = 8192
 # and activations of one batched forward pass that scale with the tokens batched and the model's width.
 CUDAGRAPH_BASE = 128 * MIB
 CUDAGRAPH_PER_SIZE = 32 * MIB
+# With more than one GPU, each rank also keeps NCCL's communicator buffers and vLLM's custom all-reduce
+# buffers (vllm/distributed/device_communicators/: 8 MiB a buffer, up to 64 MiB of symmetric memory at TP 2):
+# an estimate, not measured here.
+COMM_RESERVE = 512 * MIB
 
 
 def cudagraph_reserve(n_sizes: int) -> int:
@@ -367,6 +422,7 @@ class PlanSettings:
     activation_reserve: int | None = None      # override of the estimate
     batched_tokens: int = DEFAULT_BATCHED_TOKENS   # vLLM's --max-num-batched-tokens
     async_scheduling: bool = True              # vLLM's default: two batches in flight (V4's windows reserve both)
+    parallel: Parallel = Parallel()            # --tensor-parallel-size, --enable-expert-parallel: plan one rank
 
     def check(self) -> None:
         if not 0.05 <= self.utilization <= 1.0:
@@ -394,9 +450,10 @@ class Where(StrEnum):
     SERVE = "serve"    # a `vllm serve` flag
     CACHE = "cache"    # the cache: `moet-cache retier` (a --lossless cache) or `build` with that option
     CARD = "card"      # the GPU
+    GPUS = "gpus"      # more GPUs of the same card: a larger --tensor-parallel-size
 
 
-SERVE, CACHE, CARD = Where.SERVE, Where.CACHE, Where.CARD   # the short names the code and tests use
+SERVE, CACHE, CARD, GPUS = Where.SERVE, Where.CACHE, Where.CARD, Where.GPUS   # the short names the code and tests use
 
 
 @dataclass(frozen=True)
@@ -420,6 +477,8 @@ class Suggestion:
             return text + (f", then serve with --{serve[0].strip()}" if serve else "")
         if self.where == CARD:
             return f"another card: {self.setting.removeprefix('--gpu ')}"
+        if self.where == GPUS:
+            return f"more GPUs of this card: {self.setting}"
         return self.setting
 
 
@@ -461,6 +520,7 @@ class Plan:
     v4_kv: V4Kv | None = None      # DeepSeek-V4: the allocator's figures
     thin: bool = False             # fits, by less than thin_margin(budget)
     context_limit: int = 0         # longest_context, capped at the model's max_position_embeddings
+    comm: int = 0                  # more than one GPU: the communication buffers' reserve (in static)
 
     @property
     def warnings(self) -> tuple[str, ...]:
@@ -527,8 +587,13 @@ class _Kv:
 def make_plan(fp: Footprint, s: PlanSettings) -> Plan:
     """The whole budget: terms, verdict, which term decides, what the free bytes buy or what would fit."""
     s.check()
+    check_parallel(fp.model, s.parallel)
+    fp = rank_footprint(fp, s.parallel)
     notes: list[str] = []
     att = fp.attention
+    if s.parallel.expert and fp.tier_layers is None and fp.tier_experts:
+        notes.append("expert parallel: which experts the tier holds is chosen at build, so the fullest rank is "
+                     "counted with as many tier experts as could land on it; plan the built cache for the exact figure")
     spec = s.speculative == Speculative.MTP
     if spec and not fp.mtp_bytes:
         raise InputError("--speculative mtp: this model has no MTP layer (num_nextn_predict_layers is 0)")
@@ -571,17 +636,22 @@ def make_plan(fp: Footprint, s: PlanSettings) -> Plan:
     mtp_w = fp.mtp_bytes if spec else 0
     if spec and not fp.mtp_exact:
         notes.append("the MTP layer's weights are an estimate (the cache holds no MTP planes)")
-    static = fp.base_bytes + fp.delta_tier_bytes + fp.dense_bytes + mtp_w + graphs + acts
+    comm = COMM_RESERVE if s.parallel.size > 1 else 0
+    static = fp.base_bytes + fp.delta_tier_bytes + fp.dense_bytes + mtp_w + graphs + acts + comm
     need = static + kv
     margin = budget - need
     kv_room = budget - static
-    fits = margin >= 0 and not past_positions
-    if past_positions:
+    refused = attention_refusal(att, s.gpu)
+    fits = margin >= 0 and not past_positions and refused is None
+    if refused is not None:
+        deciding = refused
+    elif past_positions:
         deciding = (f"context: --max-model-len {s.max_model_len:,} is past the model's {mpe:,} positions "
                     "(max_position_embeddings)")
     elif static > budget:
         terms = {"base planes": fp.base_bytes, "dense weights": fp.dense_bytes, "delta tier": fp.delta_tier_bytes,
-                 "MTP weights": mtp_w, "CUDA-graph reserve": graphs, "activation reserve": acts}
+                 "MTP weights": mtp_w, "CUDA-graph reserve": graphs, "activation reserve": acts,
+                 "communication reserve": comm}
         top = max(terms, key=terms.__getitem__)
         alone = " (it alone exceeds the budget)" if terms[top] > budget else ""
         deciding = (f"weights and reserves exceed the budget before any KV: the largest term is {top}, "
@@ -608,6 +678,8 @@ def make_plan(fp: Footprint, s: PlanSettings) -> Plan:
     thin = fits and margin < thin_margin(budget)
     if fits:
         suggestions: tuple[Suggestion, ...] = ()
+    elif refused is not None:
+        suggestions = _cards_it_runs_on(fp, s)
     elif past_positions:
         suggestions = _within_positions(fp, s, kvm, budget, static, acts, mpe)
     else:
@@ -615,7 +687,29 @@ def make_plan(fp: Footprint, s: PlanSettings) -> Plan:
     return Plan(fp, s, budget, fp.base_bytes, fp.delta_tier_bytes, fp.dense_bytes, mtp_w, graphs, acts,
                 per_layer, kv_layers, kv_tokens, kv, static, need, fits, margin, deciding, kv_room,
                 max_per_layer, longest, extra_seqs, extra_experts, mtp_need, mtp_fits, suggestions,
-                tuple(notes), v4f.raw if v4f is not None else kv, v4f, thin, limit)
+                tuple(notes), v4f.raw if v4f is not None else kv, v4f, thin, limit, comm)
+
+
+def attention_refusal(att: Attention, gpu: GpuPreset) -> str | None:
+    """Why vLLM 0.34 would refuse this model's attention on this card (None: it runs, or the card is not known)."""
+    if att.kind != AttentionKind.DEEPSEEK_V4 or gpu.capability is None or gpu.capability[0] in V4_ATTENTION_MAJORS:
+        return None
+    cc = ".".join(map(str, gpu.capability))
+    card = gpu.note.split(",")[0] if GPU_PRESETS.get(gpu.name) == gpu else gpu.name
+    return (f"attention: vLLM 0.34 runs DeepSeek-V4's attention only on compute capability 9.x, 10.x and 12.x "
+            f"(FlashMLA sparse, FlashInfer sparse); the {card} is {cc}, where vLLM refuses it")
+
+
+def _cards_it_runs_on(fp: Footprint, s: PlanSettings) -> tuple[Suggestion, ...]:
+    """The smallest preset card the attention runs on that fits the same settings, GPU for GPU."""
+    whole = fp.whole or fp
+    for g in sorted(GPU_PRESETS.values(), key=lambda g: g.total_bytes):
+        if attention_refusal(fp.attention, g) is None:
+            p = make_plan(whole, replace(s, gpu=g))
+            if p.fits:
+                each = f", {s.parallel.size} of them" if s.parallel.size > 1 else ""
+                return (Suggestion("gpu", f"--gpu {g.name} ({g.note}{each})", p.margin, CARD),)
+    return ()
 
 
 def _within_positions(fp: Footprint, s: PlanSettings, kvm: _Kv, budget: int, static: int, acts: int,
@@ -670,14 +764,17 @@ def _suggestions(fp: Footprint, s: PlanSettings, kvm: _Kv, budget: int, static: 
                     break
     kv = kvm.bytes(n, L)
     short = static + kv - budget
+    # Expert parallelism: which rank a tier expert lands on depends on the build's choice, so no smaller tier
+    # is named (base-only is); tensor parallelism: a rank holds 1/N of each tier expert, the cache all of it.
+    whole_edb = (fp.whole or fp).expert_delta_bytes
     if fp.delta_tier_bytes and short <= fp.delta_tier_bytes:
         keep = (fp.delta_tier_bytes - short) // fp.expert_delta_bytes * fp.expert_delta_bytes
-        if keep > 0:
+        if keep > 0 and not s.parallel.expert:
+            experts = keep // fp.expert_delta_bytes
             # Exact bytes: a rounded GiB figure could round up past what fits.
-            out.append(Suggestion("tier", f"--delta-budget {keep} ({keep // fp.expert_delta_bytes} experts, "
-                                          f"{keep / GIB:.3f} GiB)",
-                                  budget - (static - fp.delta_tier_bytes + keep + kv), CACHE,
-                                  keep // fp.expert_delta_bytes))
+            out.append(Suggestion("tier", f"--delta-budget {experts * whole_edb} ({experts} experts, "
+                                          f"{experts * whole_edb / GIB:.3f} GiB)",
+                                  budget - (static - fp.delta_tier_bytes + keep + kv), CACHE, experts))
         out.append(Suggestion("base-only", "--delta-budget 0", budget - (static - fp.delta_tier_bytes + kv), CACHE, 0))
     elif fp.delta_tier_bytes:  # dropping the tier is not enough alone: base-only and a shorter context
         room0 = room + fp.delta_tier_bytes
@@ -700,10 +797,27 @@ def _suggestions(fp: Footprint, s: PlanSettings, kvm: _Kv, budget: int, static: 
         need = static + kv
         for g in sorted(GPU_PRESETS.values(), key=lambda g: g.total_bytes):
             m = int(g.total_bytes * s.utilization) - need
-            if m >= 0 and g.total_bytes > s.gpu.total_bytes:
+            if m >= 0 and g.total_bytes > s.gpu.total_bytes and attention_refusal(fp.attention, g) is None:
                 out.append(Suggestion("gpu", f"--gpu {g.name} ({g.note})", m, CARD))
                 break
-    return tuple(out)
+    more = _more_gpus(fp, s)
+    return tuple(out) + ((more,) if more is not None else ())
+
+
+def _more_gpus(fp: Footprint, s: PlanSettings) -> Suggestion | None:
+    """The fewest more GPUs of the same card that make the same settings fit (a size the model allows)."""
+    whole = fp.whole or fp
+    if not whole.model.get("n_routed_experts"):   # a footprint without the model's dims: no split to check
+        return None
+    for n in allowed_sizes(whole.model, s.parallel.expert):
+        if n <= s.parallel.size:
+            continue
+        p = make_plan(whole, replace(s, parallel=Parallel(n, s.parallel.expert)))
+        if p.fits:
+            more = n - s.parallel.size
+            return Suggestion("gpus", f"{' '.join(p.settings.parallel.flags())} ({more} more GPU"
+                                      f"{'s' if more > 1 else ''}, {n} in all)", p.margin, GPUS)
+    return None
 
 
 def plan_for(path: str | os.PathLike[str], settings: PlanSettings, delta_budget: str | None = None) -> Plan:
@@ -740,6 +854,14 @@ def detect_gpu(visible_devices: str) -> GpuPreset | None:
     try:
         out = subprocess.run(args, capture_output=True, text=True, timeout=20, check=True).stdout
         name, mib = out.strip().splitlines()[0].rsplit(",", 1)
-        return GpuPreset(name.strip(), int(mib.strip()) * MIB, "seen by nvidia-smi")
     except (OSError, subprocess.SubprocessError, ValueError, IndexError):
         return None
+    # The compute capability, where this nvidia-smi reports it (older drivers do not): which attention runs.
+    capability = None
+    try:
+        cc = subprocess.run([*args[:1], "--query-gpu=compute_cap", *args[2:]], capture_output=True, text=True,
+                            timeout=20, check=True).stdout.strip().splitlines()[0].split(".")
+        capability = (int(cc[0]), int(cc[1])) if len(cc) == 2 else None
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        pass
+    return GpuPreset(name.strip(), int(mib.strip()) * MIB, "seen by nvidia-smi", capability)
