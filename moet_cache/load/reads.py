@@ -21,6 +21,7 @@ from ..stheader import nbytes as st_nbytes
 from ..stheader import storage_shape, torch_dtype
 from ..verifier import Problem, ProblemKind
 from .plan import Job, Read, changed_since_opened
+from .shard import spans
 
 
 class Stopped(Exception):
@@ -43,6 +44,9 @@ def check_read(r: Read, file_size: int) -> None:
     if r.nbytes != n:
         raise VerificationError(f"{r.path}: tensor {r.name} ({r.where}) spans {r.nbytes} bytes, "
                                 f"its dtype {r.dtype} and shape {list(r.shape)} need {n}",
+                                "the manifest is damaged; run moet-cache build again")
+    if r.runs and max(run.end for run in r.runs) > r.end - r.begin:
+        raise VerificationError(f"{r.path}: tensor {r.name} ({r.where}): a share reaches past the tensor's bytes",
                                 "the manifest is damaged; run moet-cache build again")
     if r.end > file_size:
         raise VerificationError(f"{r.path}: tensor {r.name} ({r.where}) ends at byte {r.end}, "
@@ -90,13 +94,23 @@ class Files:
         check_read(r, self._open(r.path)[1])
 
     def read(self, r: Read, pos: int, dst: np.ndarray) -> None:
-        """Bytes [pos, pos + len(dst)) of tensor r into dst (a part of a pinned slot, or of a host tensor)."""
+        """Bytes [pos, pos + len(dst)) of tensor r into dst (a part of a pinned slot, or of a host tensor);
+        of a share (r.runs), its pieces one after another: only the share's bytes are read."""
         if self.stop.is_set():
             raise Stopped
-        begin = r.begin + pos
         fd = self._open(r.path)[0]
-        mv, done = memoryview(dst), 0
-        while done < len(dst):
+        mv = memoryview(dst)
+        if not r.runs:
+            self._pread(fd, r, r.begin + pos, mv)
+            return
+        at = 0
+        for offset, n in spans(r.runs, pos, len(dst)):
+            self._pread(fd, r, r.begin + offset, mv[at:at + n])
+            at += n
+
+    def _pread(self, fd: int, r: Read, begin: int, mv: memoryview) -> None:
+        done = 0
+        while done < len(mv):
             got = os.preadv(fd, [mv[done:]], begin + done)
             if got <= 0:
                 raise VerificationError(f"{r.path}: file ended inside tensor {r.name} ({r.where})",
