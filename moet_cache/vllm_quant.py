@@ -258,7 +258,8 @@ def shard_of(layer: torch.nn.Module) -> Shard:
                          "run with --data-parallel-size 1, without --prefill-context-parallel-size and --enable-eplb")
     experts = None
     if ep > 1:
-        expert_map = getattr(layer, "expert_map", None)
+        # the manager's map: the layer's `expert_map` property asks the quant method, not chosen yet here
+        expert_map = getattr(getattr(layer, "expert_map_manager", None), "expert_map", None)
         if expert_map is None:
             raise InputError(f"expert parallel {ep}, but the layer has no expert map",
                              "the moet method needs vLLM's expert_map (vLLM 0.32 or 0.34)")
