@@ -17,52 +17,9 @@ from moet_cache.load import Shard, open_cache
 from moet_cache.load import reads as load_reads
 from moet_cache.runtime import fused_moe
 from moet_cache.runtime.padding import to_local
+from parallel_ref import expert_map, linear, reference_share, round_robin
 
 E, H, I, TOP_K = 16, 256, 128, 4
-
-
-def linear(ep: int, rank: int, n: int = E) -> tuple[int, ...]:
-    """vLLM's linear placement (fused_moe/expert_map_manager.py determine_expert_map), written out here."""
-    base, rem = divmod(n, ep)
-    start = rank * base + min(rank, rem)
-    return tuple(range(start, start + base + (rank < rem)))
-
-
-def round_robin(ep: int, rank: int, n: int = E) -> tuple[int, ...]:
-    return tuple(range(rank, n, ep))
-
-
-def expert_map(experts: tuple[int, ...] | None) -> torch.Tensor:
-    """vLLM's expert_map for a rank holding `experts` (local id = position), -1 elsewhere."""
-    m = torch.full((E,), -1, dtype=torch.int32)
-    if experts is not None:
-        m[list(experts)] = torch.arange(len(experts), dtype=torch.int32)
-    return m
-
-
-def reference_share(full: dict[str, torch.Tensor], shard: Shard) -> dict[str, torch.Tensor]:
-    """The simple exact version: a rank's tensors sliced out of the whole layer's."""
-    ids = list(shard.experts) if shard.experts is not None else list(range(E))
-    part = I // shard.tp_size
-    lo, hi = shard.tp_rank * part, (shard.tp_rank + 1) * part
-    out: dict[str, torch.Tensor] = {}
-    tier = full.get("delta_experts")
-    rows: list[int] = []
-    if tier is not None:
-        where = {int(e): k for k, e in enumerate(tier.tolist())}
-        rows = [where[e] for e in ids if e in where]
-        out["delta_experts"] = torch.tensor([ids.index(int(tier[k])) for k in rows], dtype=torch.int64)
-    for name, t in full.items():
-        if name == "delta_experts":
-            continue
-        t = t[rows] if name in ("w13_delta", "w2_delta") else t[ids]
-        if name in ("w13_base", "w13_weight_scale", "w13_delta"):
-            t = torch.cat([t[:, lo:hi], t[:, I + lo:I + hi]], dim=1)
-        elif name in ("w2_base", "w2_weight_scale", "w2_delta"):
-            cols = t.shape[2]
-            t = t[:, :, lo * cols // I:hi * cols // I]
-        out[name] = t
-    return out
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
@@ -78,8 +35,8 @@ def _assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) ->
 
 SHARDS = {
     "tp2-r0": Shard(None, 0, 2), "tp2-r1": Shard(None, 1, 2), "tp4-r3": Shard(None, 3, 4),
-    "ep2-r0": Shard(linear(2, 0)), "ep2-r1": Shard(linear(2, 1)), "ep3-r2": Shard(linear(3, 2)),
-    "ep3-r0": Shard(linear(3, 0)), "ep4-rr1": Shard(round_robin(4, 1)), "tp2-ep2": Shard(linear(2, 1), 1, 2),
+    "ep2-r0": Shard(linear(2, 0, E)), "ep2-r1": Shard(linear(2, 1, E)), "ep3-r2": Shard(linear(3, 2, E)),
+    "ep3-r0": Shard(linear(3, 0, E)), "ep4-rr1": Shard(round_robin(4, 1, E)), "tp2-ep2": Shard(linear(2, 1, E), 1, 2),
 }
 
 
@@ -95,7 +52,7 @@ def test_a_shard_is_the_matching_slice_of_the_whole_layer(built_cache: Path, los
         full, part = _load(cache, delta), _load(cache, delta, shard)
         assert sorted(part) == sorted(full)
         for layer in full:
-            _assert_same(part[layer], reference_share(full[layer], shard))
+            _assert_same(part[layer], reference_share(full[layer], shard, E, I))
     # the tier actually reaches this test: some rank's share holds tier rows
     assert any(t["delta_experts"].numel() for t in _load(built_cache, "tier", shard).values()) or shard.experts
 
@@ -134,8 +91,8 @@ def _held(layers: dict[int, dict[str, torch.Tensor]]) -> int:
 
 @pytest.mark.parametrize("delta,shards", [
     ("none", [Shard(None, r, 2) for r in range(2)]), ("tier", [Shard(None, r, 2) for r in range(2)]),
-    ("tier", [Shard(None, r, 4) for r in range(4)]), ("none", [Shard(linear(2, r)) for r in range(2)]),
-    ("none", [Shard(round_robin(4, r)) for r in range(4)])])
+    ("tier", [Shard(None, r, 4) for r in range(4)]), ("none", [Shard(linear(2, r, E)) for r in range(2)]),
+    ("none", [Shard(round_robin(4, r, E)) for r in range(4)])])
 def test_a_rank_reads_only_its_share_of_the_bytes(built_cache: Path, monkeypatch: pytest.MonkeyPatch, delta: str,
                                                   shards: list[Shard]) -> None:
     """Each rank reads exactly the bytes it holds, and at most 1/N of the whole layer's bytes plus 1% (the
@@ -152,7 +109,7 @@ def test_expert_parallel_ranks_read_every_byte_once(built_cache: Path, monkeypat
     """With the tier, expert-parallel ranks hold unequal numbers of tier rows; together they read the whole
     layer's bytes exactly once."""
     whole, full = _counted(monkeypatch, built_cache, "tier", None)
-    ranks = [_counted(monkeypatch, built_cache, "tier", Shard(linear(3, r))) for r in range(3)]
+    ranks = [_counted(monkeypatch, built_cache, "tier", Shard(linear(3, r, E))) for r in range(3)]
     assert sum(got for got, _ in ranks) == whole
     assert sum(int(ts["delta_experts"].numel()) for _, ls in ranks for ts in ls.values()) == \
         sum(int(ts["delta_experts"].numel()) for ts in full.values()) > 0
@@ -169,9 +126,9 @@ def _routing(tier: torch.Tensor, seed: int, dtype: torch.dtype) -> tuple[torch.T
     return x, torch.rand(7, TOP_K, generator=g), ids
 
 
-@pytest.mark.parametrize("shards", [[Shard(None, r, 2) for r in range(2)], [Shard(linear(2, r)) for r in range(2)],
-                                    [Shard(round_robin(4, r)) for r in range(4)],
-                                    [Shard(linear(2, e), t, 2) for e in range(2) for t in range(2)]],
+@pytest.mark.parametrize("shards", [[Shard(None, r, 2) for r in range(2)], [Shard(linear(2, r, E)) for r in range(2)],
+                                    [Shard(round_robin(4, r, E)) for r in range(4)],
+                                    [Shard(linear(2, e, E), t, 2) for e in range(2) for t in range(2)]],
                          ids=["tp2", "ep2", "ep4-round-robin", "tp2xep2"])
 def test_the_ranks_outputs_sum_to_the_whole_layers(built_cache: Path, shards: list[Shard]) -> None:
     """What vLLM's all-reduce adds up: each rank's fused_moe on its share, its expert ids mapped through its
@@ -184,14 +141,14 @@ def test_the_ranks_outputs_sum_to_the_whole_layers(built_cache: Path, shards: li
         want = fused_moe(x, tensors, w, ids, swiglu_limit=0.5)
         got = torch.zeros_like(want)
         for shard, part in zip(shards, parts):
-            local = ids if shard.experts is None else to_local(ids, expert_map(shard.experts))
+            local = ids if shard.experts is None else to_local(ids, expert_map(shard.experts, E))
             got += fused_moe(x, part[layer], w, local, swiglu_limit=0.5)
         assert want.abs().sum() > 0 and bool((want[6] == 0).all())
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
 
 
 def test_to_local_maps_global_ids_and_keeps_padding() -> None:
-    m = expert_map(linear(2, 1))  # experts 8..15 are local 0..7
+    m = expert_map(linear(2, 1, E), E)  # experts 8..15 are local 0..7
     ids = torch.tensor([[8, 3, 15, -1], [-1, -1, -1, -1]], dtype=torch.int32)
     assert to_local(ids, m).tolist() == [[0, -1, 7, -1], [-1, -1, -1, -1]]
     assert to_local(ids, m).dtype == ids.dtype
@@ -204,7 +161,7 @@ def test_what_a_shard_cannot_be_is_refused(built_cache: Path) -> None:
     with pytest.raises(InputError, match="verify='hash'"):  # a digest covers the whole tensor
         cache.load(verify="hash", shard=Shard(None, 0, 2))
     with pytest.raises(InputError, match="expand"):
-        cache.load(verify="none", expand=True, shard=Shard(linear(2, 0)))
+        cache.load(verify="none", expand=True, shard=Shard(linear(2, 0, E)))
     with pytest.raises(InputError, match="expert 16"):
         next(cache.load(verify="none", shard=Shard((0, 16))))
     with pytest.raises(InputError, match="rank"):
