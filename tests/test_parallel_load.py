@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from moet_cache.errors import InputError
-from moet_cache.load import Shard, open_cache
+from moet_cache.load import Shard, Tuning, open_cache
 from moet_cache.load import reads as load_reads
 from moet_cache.runtime import fused_moe
 from moet_cache.runtime.padding import to_local
@@ -40,16 +40,19 @@ SHARDS = {
 }
 
 
-def _load(cache: Path, delta: str, shard: Shard | None = None) -> dict[int, dict[str, torch.Tensor]]:
-    return {x.index: x.tensors for x in open_cache(cache).load(delta=delta, verify="none", workers=2, shard=shard)}
+def _load(cache: Path, delta: str, shard: Shard | None = None, chunk: int | None = None) -> dict[int, dict[str, torch.Tensor]]:
+    tuning = Tuning(cpu_chunk=chunk) if chunk else None
+    return {x.index: x.tensors for x in open_cache(cache).load(delta=delta, verify="none", workers=2, shard=shard,
+                                                               tuning=tuning)}
 
 
 @pytest.mark.parametrize("name", sorted(SHARDS))
 def test_a_shard_is_the_matching_slice_of_the_whole_layer(built_cache: Path, lossless: tuple[Path, Path],
-                                                          name: str) -> None:
+                                                          name: str, reader: str) -> None:
     shard = SHARDS[name]
     for cache, delta in ((built_cache, "tier"), (built_cache, "none"), (lossless[1], "all")):
-        full, part = _load(cache, delta), _load(cache, delta, shard)
+        # reads of 777 bytes: windows that begin and end inside pieces
+        full, part = _load(cache, delta), _load(cache, delta, shard, chunk=777)
         assert sorted(part) == sorted(full)
         for layer in full:
             _assert_same(part[layer], reference_share(full[layer], shard, E, I))
@@ -58,29 +61,52 @@ def test_a_shard_is_the_matching_slice_of_the_whole_layer(built_cache: Path, los
 
 
 class _Counter:
-    """os.preadv, counting the bytes it returns: the loader's one read seam (load/reads.py)."""
+    """The loader's read seams, counting the bytes they return: os.preadv (whole ranges, and a share's pieces
+    where the C extension is not built) and moet_cache._preads.pread_runs (a share's pieces)."""
 
-    def __init__(self) -> None:
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.bytes = 0
-        self.calls = 0
-        self.real = os.preadv
+        self.real_preadv, self.real_c = os.preadv, load_reads._preads
+        self.monkeypatch = monkeypatch
 
-    def __call__(self, fd: int, buffers: Any, offset: int) -> int:
-        got = self.real(fd, buffers, offset)
+    def preadv(self, fd: int, buffers: Any, offset: int) -> int:
+        got = self.real_preadv(fd, buffers, offset)
         self.bytes += got
-        self.calls += 1
         return got
+
+    def pread_runs(self, *args: Any) -> int:
+        got = self.real_c.pread_runs(*args)
+        self.bytes += got
+        return got
+
+    def __enter__(self) -> _Counter:
+        self.monkeypatch.setattr(load_reads.os, "preadv", self.preadv)
+        if self.real_c is not None:
+            self.monkeypatch.setattr(load_reads, "_preads", self)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.monkeypatch.setattr(load_reads.os, "preadv", self.real_preadv)
+        self.monkeypatch.setattr(load_reads, "_preads", self.real_c)
+
+
+@pytest.fixture(params=["c", "python"])
+def reader(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """A share's pieces read by the C extension, or by the Python loop it replaces where it is not built."""
+    if request.param == "python":
+        monkeypatch.setattr(load_reads, "_preads", None)
+    elif load_reads._preads is None:
+        if os.environ.get("MOET_CACHE_REQUIRE_KERNELS") == "1" or os.environ.get("CI") == "true":
+            pytest.fail("moet_cache._preads did not build")
+        pytest.skip("moet_cache._preads is not built")
+    return str(request.param)
 
 
 def _counted(monkeypatch: pytest.MonkeyPatch, cache: Path, delta: str,
              shard: Shard | None) -> tuple[int, dict[int, dict[str, torch.Tensor]]]:
     opened = open_cache(cache)  # the boot check of open_cache is not the load's reads
-    counter = _Counter()
-    monkeypatch.setattr(load_reads.os, "preadv", counter)
-    try:
+    with _Counter(monkeypatch) as counter:
         layers = {x.index: x.tensors for x in opened.load(delta=delta, verify="none", workers=2, shard=shard)}
-    finally:
-        monkeypatch.setattr(load_reads.os, "preadv", counter.real)
     return counter.bytes, layers
 
 
@@ -94,7 +120,7 @@ def _held(layers: dict[int, dict[str, torch.Tensor]]) -> int:
     ("tier", [Shard(None, r, 4) for r in range(4)]), ("none", [Shard(linear(2, r, E)) for r in range(2)]),
     ("none", [Shard(round_robin(4, r, E)) for r in range(4)])])
 def test_a_rank_reads_only_its_share_of_the_bytes(built_cache: Path, monkeypatch: pytest.MonkeyPatch, delta: str,
-                                                  shards: list[Shard]) -> None:
+                                                  shards: list[Shard], reader: str) -> None:
     """Each rank reads exactly the bytes it holds, and at most 1/N of the whole layer's bytes plus 1% (the
     per-expert scale_2, tables and input scales are read whole by every tensor-parallel rank)."""
     whole, full = _counted(monkeypatch, built_cache, delta, None)

@@ -81,21 +81,34 @@ def _experts(model: nn.Module, layer: int) -> Any:
 
 def _loaded(cache: Path, monkeypatch: pytest.MonkeyPatch, tp: int, rank: int, ep: bool,
             placement: str = "linear") -> tuple[nn.Module, int]:
-    """A rank's model, filled by the moet loader; the bytes os.preadv read from the experts' files (Linux's
-    /proc names each descriptor's file), equal to what the loaded layers hold."""
+    """A rank's model, filled by the moet loader; the bytes the loader's read seams (os.preadv, and
+    moet_cache._preads where built) read from the experts' files (Linux's /proc names each descriptor's
+    file), equal to what the loaded layers hold."""
     model = _rank_model(cache, monkeypatch, tp, rank, ep, placement)
-    real, read = os.preadv, [0]
+    real, real_c, read = os.preadv, load_reads._preads, [0]
+
+    def experts_file(fd: int) -> bool:  # the dense files are read whole by every rank, as vLLM does
+        return os.readlink(f"/proc/self/fd/{fd}").startswith((str(cache / "layers"), str(cache / "delta")))
 
     def counted(fd: int, buffers: Any, offset: int) -> int:
         got = real(fd, buffers, offset)
-        if os.readlink(f"/proc/self/fd/{fd}").startswith((str(cache / "layers"), str(cache / "delta"))):
-            read[0] += got  # the experts' files (the dense ones are read whole by every rank, as vLLM does)
+        read[0] += got if experts_file(fd) else 0
         return got
+
+    class CountedC:  # a share's pieces, where the C extension reads them
+        @staticmethod
+        def pread_runs(fd: int, *args: Any) -> int:
+            got = real_c.pread_runs(fd, *args)
+            read[0] += got if experts_file(fd) else 0
+            return got
     monkeypatch.setattr(load_reads.os, "preadv", counted)
+    if real_c is not None:
+        monkeypatch.setattr(load_reads, "_preads", CountedC)
     try:
         summary = load_into_model(model, PluginOptions(cache=str(cache), workers=1, verify="none"))
     finally:
         monkeypatch.setattr(load_reads.os, "preadv", real)
+        monkeypatch.setattr(load_reads, "_preads", real_c)
     assert read[0] == summary.moe_bytes > 0
     return model, read[0]
 

@@ -21,7 +21,12 @@ from ..stheader import nbytes as st_nbytes
 from ..stheader import storage_shape, torch_dtype
 from ..verifier import Problem, ProblemKind
 from .plan import Job, Read, changed_since_opened
-from .shard import spans
+from .shard import windows
+
+try:  # the optional C extension (setup.py builds it where a C compiler is present)
+    from .. import _preads
+except ImportError:  # pragma: no cover - depends on the install
+    _preads = None
 
 
 class Stopped(Exception):
@@ -104,9 +109,30 @@ class Files:
             self._pread(fd, r, r.begin + pos, mv)
             return
         at = 0
-        for offset, n in spans(r.runs, pos, len(dst)):
-            self._pread(fd, r, r.begin + offset, mv[at:at + n])
+        for run, k, skip, take in windows(r.runs, pos, len(dst)):
+            self._pread_run(fd, r, r.begin + run.first + k * run.stride, run.piece, run.stride, skip,
+                            mv[at:at + take])
+            at += take
+            if self.stop.is_set():
+                raise Stopped
+
+    def _pread_run(self, fd: int, r: Read, offset: int, piece: int, stride: int, skip: int,
+                   mv: memoryview) -> None:
+        """mv from pieces of `piece` bytes every `stride` from offset, the first `skip` bytes left out: one
+        call of the C extension (a piece can be a few hundred bytes: one pread each, without the GIL), or
+        a pread a piece in Python where it is not built."""
+        if _preads is not None:
+            if _preads.pread_runs(fd, mv, offset, piece, stride, skip) != len(mv):
+                raise VerificationError(f"{r.path}: file ended inside tensor {r.name} ({r.where})",
+                                        "the file was truncated while loading; run moet-cache build again")
+            return
+        at, begin = 0, offset + skip
+        while at < len(mv):
+            n = min(piece - skip, len(mv) - at)
+            self._pread(fd, r, begin, mv[at:at + n])
             at += n
+            begin += stride - skip
+            skip = 0
 
     def _pread(self, fd: int, r: Read, begin: int, mv: memoryview) -> None:
         done = 0

@@ -138,23 +138,22 @@ def share(name: str, shape: Sequence[int], itemsize: int, rows: Sequence[int], w
     return out_shape, _merge(runs)
 
 
-def spans(runs: Sequence[Run], pos: int, n: int) -> list[tuple[int, int]]:
-    """(offset, length) of bytes [pos, pos + n) of the runs' pieces read one after another."""
-    out: list[tuple[int, int]] = []
+def windows(runs: Sequence[Run], pos: int, n: int) -> list[tuple[Run, int, int, int]]:
+    """Bytes [pos, pos + n) of the runs' pieces read one after another, as (run, first piece, bytes to skip
+    in it, bytes taken from this run): one regular stretch of pieces per run."""
+    out: list[tuple[Run, int, int, int]] = []
     for r in runs:
         if n <= 0:
             break
         if pos >= r.nbytes:
             pos -= r.nbytes
             continue
-        k, off = divmod(pos, r.piece)
-        while n > 0 and k < r.count:
-            take = min(r.piece - off, n)
-            out.append((r.first + k * r.stride + off, take))
-            n -= take
-            k, off = k + 1, 0
+        k, skip = divmod(pos, r.piece)
+        take = min(n, r.nbytes - pos)
+        out.append((r, k, skip, take))
+        n -= take
         pos = 0
     return out
 
 
-__all__ = ["Run", "Shard", "TP_COLUMNS", "TP_ROWS", "TP_WIDTH_UNIT", "share", "spans"]
+__all__ = ["Run", "Shard", "TP_COLUMNS", "TP_ROWS", "TP_WIDTH_UNIT", "share", "windows"]
