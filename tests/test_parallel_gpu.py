@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moet_cache.load import Shard
+from moet_cache.load import Shard, open_cache
 from moet_cache.runtime import fused_moe
 from moet_cache.runtime.launch import DEFAULT, Mma, Prefill
 from moet_cache.runtime.padding import to_local
@@ -77,3 +77,20 @@ def test_tensor_parallel_ranks_add_up_to_the_whole_layer(layer: dict, T: int) ->
     shares = [reference_share(layer, Shard(None, r, 2), E, I) for r in range(2)]  # outside the capture
     got = sum(_replayed(lambda share=share: fused_moe(x, share, w, ids)).float() for share in shares)
     torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2 * float(want.abs().max()))
+
+
+@pytest.mark.parametrize("verify", ["boot", "none"])
+def test_a_share_loads_into_the_gpu_as_into_host_memory(built_cache, verify: str) -> None:
+    """The staging windows read a share's pieces as the host path does (the session's cache: 16 experts;
+    its build recorded it verified, so `boot` passes)."""
+    for shard in (Shard(None, 1, 2), Shard(linear(2, 1, 16)), Shard(linear(2, 0, 16), 1, 2)):
+        cache = open_cache(built_cache)
+        host = {x.index: x.tensors for x in cache.load(device="cpu", verify="none", shard=shard)}
+        gpu = {x.index: x.tensors for x in cache.load(device="cuda", verify=verify, workers=4, shard=shard)}
+        assert sorted(gpu) == sorted(host)
+        for layer, tensors in host.items():
+            for name, t in tensors.items():
+                got = gpu[layer][name]
+                assert got.is_cuda and got.shape == t.shape, name
+                assert torch.equal(got.cpu().view(torch.uint8) if t.dim() else got.cpu(),
+                                   t.view(torch.uint8) if t.dim() else t), name
