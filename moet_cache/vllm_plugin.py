@@ -101,7 +101,8 @@ def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
     if tuple(dst.shape) != tuple(src.shape) or dst.dtype != src.dtype:
         raise InputError(f"{name}: the model wants {dst.dtype} {list(dst.shape)}, the cache has "
                          f"{src.dtype} {list(src.shape)}",
-                         "the cache was built for another model")
+                         "the cache was built for another model (or, over several GPUs, the model does not use "
+                         "the moet quantization method, which gives each rank its share)")
     with torch.no_grad():
         dst.copy_(src, non_blocking=False)
 
@@ -145,7 +146,8 @@ def load_into_model(model: torch.nn.Module, opts: PluginOptions) -> LoadSummary:
                 continue
             if p is None:
                 raise InputError(f"the model has no parameter {prefix + name} for the cache's tensor",
-                                 "the cache was built for another model")
+                                 "the cache was built for another model (or, over several GPUs, the model does not use "
+                         "the moet quantization method, which gives each rank its share)")
             _copy(p.data, t, prefix + name)
             wanted.discard(prefix + name)
         left = sorted(n for n in wanted if n.rsplit(".", 1)[1].startswith(("w13_", "w2_"))
