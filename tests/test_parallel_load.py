@@ -194,3 +194,12 @@ def test_what_a_shard_cannot_be_is_refused(built_cache: Path) -> None:
         Shard(None, 2, 2)
     with pytest.raises(InputError, match="twice"):
         Shard((1, 1))
+
+
+def test_global_ids_on_a_ranks_layer_are_refused_with_the_way_out(built_cache: Path) -> None:
+    """fused_moe on a rank's experts with the router's global ids (not mapped): one line naming to_local."""
+    part = _load(built_cache, "tier", Shard(linear(2, 0, E)))[1]
+    x, w, ids = _routing(part["delta_experts"], 0, torch.float32)
+    ids[0, 0] = E - 1  # another rank's expert, as the router numbers it
+    with pytest.raises(InputError, match="to_local"):
+        fused_moe(x, part, w, ids)
