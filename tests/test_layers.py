@@ -24,7 +24,7 @@ LAYER_NAMES = ("seams", "formats", "the cache", "commands", "cli")
 LAYERS = {
     # seams: no knowledge of models or caches
     **dict.fromkeys(["errors", "fsutil", "hashing", "stheader", "stwriter", "window", "cancel", "progress", "units",
-                     "machine", "version", "enums"], SEAMS),
+                     "machine", "version", "enums", "_preads"], SEAMS),
     # formats: what a checkpoint's bytes and names mean (the split included)
     **dict.fromkeys(["families", "formats", "modelconfig", "fp4", "planes", "_kernels"], FORMATS),
     # the cache: its records and files, the commit, and the source reader (its fingerprint is a manifest record)
@@ -134,7 +134,7 @@ class _Imports(ast.NodeVisitor):
             base = ".".join(package[:len(package) - node.level + 1] + ([node.module] if node.module else []))
         for alias in node.names:  # `from . import layout` depends on the module layout, not on the package
             sub = f"{base}.{alias.name}"
-            self._add(sub if sub in self.known or sub == "moet_cache._kernels" else base, node.lineno)
+            self._add(sub if sub in self.known or sub in ("moet_cache._kernels", "moet_cache._preads") else base, node.lineno)
 
 
 def import_edges() -> list[Edge]:

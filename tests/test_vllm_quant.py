@@ -206,8 +206,8 @@ def test_a_cache_is_laid_out_after_loading_and_computes_the_same(tmp_path: Path,
     assert torch.equal(out, before) and torch.equal(out, fused_moe(x, want, w, ids, swiglu_limit=LIMIT))
 
 
-def test_other_layers_go_to_the_source_method_and_parallelism_is_refused(built_cache: Path,
-                                                                         tp_group: Any) -> None:
+def test_other_layers_go_to_the_source_method_and_data_parallelism_is_refused(built_cache: Path,
+                                                                              tp_group: Any) -> None:
     from vllm.model_executor.layers.linear import ReplicatedLinear
     register()
     qc = vllm.get_quantization_config("moet").from_config(_block(built_cache))
@@ -218,9 +218,9 @@ def test_other_layers_go_to_the_source_method_and_parallelism_is_refused(built_c
     with pytest.raises(InputError, match=r"layer 7\).*cache layers: 1, 2, 3"):
         _moe(qc, 7)
     layer = _moe(qc, 1).routed_experts
-    par = dataclasses.replace(layer.moe_config.moe_parallel_config, tp_size=2)
+    par = dataclasses.replace(layer.moe_config.moe_parallel_config, dp_size=2)  # TP and EP: test_parallel_vllm.py
     layer.moe_config = dataclasses.replace(layer.moe_config, moe_parallel_config=par)
-    with pytest.raises(InputError, match="tensor parallel 2"):
+    with pytest.raises(InputError, match="data parallel 2"):
         qc.get_quant_method(layer, "model.layers.1.mlp.experts.routed_experts")
 
 

@@ -6,11 +6,13 @@
 - engine.py    the I/O engine: worker threads, bounded bytes in flight, host reads, stop on error
 - staging.py   CUDA staging: pinned slots, per-worker streams, one device buffer a job
 - assemble.py  a read layer -> the tensors handed out (delta_experts, expand=True)
+- shard.py     a rank's share of the experts (tensor/expert parallelism) as byte runs (pure)
 """
 
 from .api import Cache, LoadedLayer, open_cache
 from .assemble import DELTA_EXPERTS
 from .options import DELTA_MODES, VERIFY_MODES, LoadOptions, Tuning, default_workers
+from .shard import Shard
 
 __all__ = ["Cache", "LoadedLayer", "open_cache", "DELTA_EXPERTS", "DELTA_MODES", "VERIFY_MODES", "LoadOptions",
-           "Tuning", "default_workers"]
+           "Shard", "Tuning", "default_workers"]

@@ -37,6 +37,7 @@ from .assemble import assemble_layer
 from .engine import Finish, Pipeline
 from .options import LoadOptions, Tuning
 from .plan import Job, dense_jobs, layer_job, read_pack_header
+from .shard import Shard
 from .staging import PinnedPool
 
 DENSE_MIN_INFLIGHT = 1 << 20     # load_dense's floor for the in-flight bytes (its jobs are ~64 MiB groups)
@@ -148,11 +149,13 @@ class Cache:
              verify: VerifyMode | str = VerifyMode.BOOT,
              workers: int | None = None, max_inflight: str | int = "2GiB", progress: Progress | None = None,
              expand: bool = False, layers: Sequence[int] | None = None,
-             tuning: Tuning | None = None, cancel: CancelToken | None = None) -> Iterator[LoadedLayer]:
+             tuning: Tuning | None = None, cancel: CancelToken | None = None,
+             shard: Shard | None = None) -> Iterator[LoadedLayer]:
         """Yield every served layer (or those in `layers`) as it completes; see docs/LOADER.md.
-        `cancel` (set from any thread) stops the load between layers with Interrupted."""
-        return self.load_with(LoadOptions.parse(device, delta, verify, workers, max_inflight, expand, layers, tuning),
-                              progress, cancel)
+        `cancel` (set from any thread) stops the load between layers with Interrupted; `shard`: a rank's
+        share of the experts (tensor/expert parallelism), read alone."""
+        return self.load_with(LoadOptions.parse(device, delta, verify, workers, max_inflight, expand, layers, tuning,
+                                                shard), progress, cancel)
 
     def load_with(self, opts: LoadOptions, progress: Progress | None = None,
                   cancel: CancelToken | None = None) -> Iterator[LoadedLayer]:
@@ -171,14 +174,13 @@ class Cache:
                 raise VerificationError("the delta index names tier experts, cache.json lists no delta pack",
                                         "run moet-cache build again")
         pack = read_pack_header(self.root, pack_fe, self.opened) if pack_fe is not None else None
-        jobs = [layer_job(self.view.layers[x], opts.delta, self.view.tier_experts(x), pack) for x in sel]
+        jobs = [layer_job(self.view.layers[x], opts.delta, self.view.tier_experts(x), pack, opts.shard) for x in sel]
         return self._run_layers(jobs, opts, progress or NullProgress(), pack_fe, cancel)
 
     def _finish(self, opts: LoadOptions) -> Finish:
         def finish(job: Job, t: dict[str, torch.Tensor], stream: object) -> dict[str, torch.Tensor]:
             assert job.layer is not None
-            return assemble_layer(self.view.layers[job.layer], t, opts.delta,
-                                  self.view.tier_experts(job.layer), opts.expand, stream)
+            return assemble_layer(self.view.layers[job.layer], t, opts.delta, job.delta_experts, opts.expand, stream)
         return finish
 
     def _run_layers(self, jobs: list[Job], opts: LoadOptions, progress: Progress,

@@ -19,16 +19,15 @@ DELTA_EXPERTS = "delta_experts"  # int64 [n]: which experts the w13_delta / w2_d
 
 def assemble_layer(lm: LayerManifest, t: dict[str, torch.Tensor], delta: DeltaMode, experts: tuple[int, ...],
                    expand: bool, stream: Any) -> dict[str, torch.Tensor]:
-    """Layer lm's tensors for delta mode `delta`; `experts`: the tier's experts of this layer (delta
-    "tier"); `stream`: the worker's CUDA stream the tensors were made on, None on the CPU path."""
+    """Layer lm's tensors for delta mode `delta`; `experts`: the expert (in the loaded experts' numbering) of
+    each delta row read (the plan's Job.delta_experts); `stream`: the worker's CUDA stream the tensors were
+    made on, None on the CPU path."""
     dev = t[L.W13_BASE].device
-    if delta == DeltaMode.ALL:
-        experts = tuple(range(lm.n_experts))
-    elif delta == DeltaMode.TIER:
-        if not experts:  # the same names for every layer: empty delta planes
-            for spec in lm.geometry().delta_specs(0):
-                t[spec.name] = torch.empty(spec.shape, dtype=torch.uint8, device=dev)
-    else:
+    if delta == DeltaMode.TIER:
+        if not experts:  # the same names for every layer: empty delta planes, shaped as the base planes
+            for name, base in ((L.W13_DELTA, L.W13_BASE), (L.W2_DELTA, L.W2_BASE)):
+                t[name] = torch.empty((0, *t[base].shape[1:]), dtype=torch.uint8, device=dev)
+    elif delta == DeltaMode.NONE:
         experts = ()
     if delta != DeltaMode.NONE:
         t[DELTA_EXPERTS] = torch.tensor(experts, dtype=torch.int64, device=dev)

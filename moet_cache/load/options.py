@@ -16,6 +16,7 @@ from ..enums import DeltaMode, VerifyMode
 from ..errors import InputError
 from ..machine import usable_cores
 from ..units import parse_size
+from .shard import Shard
 
 DELTA_MODES = DeltaMode.names()
 VERIFY_MODES = VerifyMode.names()
@@ -99,6 +100,7 @@ class LoadOptions:
     expand: bool = False
     layers: tuple[int, ...] | None = None   # None: every served layer
     tuning: Tuning = field(default_factory=Tuning)
+    shard: Shard = field(default_factory=Shard)  # a rank's share of the experts (shard.py); default: all
 
     def __post_init__(self) -> None:
         if not isinstance(self.device, torch.device) or self.device.type not in ("cpu", "cuda") or \
@@ -114,18 +116,29 @@ class LoadOptions:
             raise InputError(f"expand must be true or false, got {self.expand!r}")
         if self.layers is not None and not all(type(x) is int for x in self.layers):
             raise InputError(f"layers must be layer numbers, got {list(self.layers)!r}")
+        if not isinstance(self.shard, Shard):
+            raise InputError(f"shard must be a moet_cache.load.Shard, got {self.shard!r}")
+        if not self.shard.whole and self.verify == VerifyMode.HASH:
+            # a digest covers a whole tensor, and a shard reads only its part of each
+            raise InputError("verify='hash' checks whole tensors against their digests, and a shard reads "
+                             "only its part of each", "use verify='boot' (after moet-cache verify --full), or "
+                             "load every expert whole")
+        if not self.shard.whole and self.expand:
+            raise InputError("expand=True expands whole experts, not a shard's part of them",
+                             "load the planes (expand=False)")
 
     @classmethod
     def parse(cls, device: str | torch.device = "cpu", delta: DeltaMode | str = DeltaMode.TIER,
               verify: VerifyMode | str = VerifyMode.BOOT,
               workers: int | None = None, max_inflight: str | int = "2GiB", expand: bool = False,
-              layers: Sequence[int] | None = None, tuning: Tuning | None = None) -> LoadOptions:
+              layers: Sequence[int] | None = None, tuning: Tuning | None = None,
+              shard: Shard | None = None) -> LoadOptions:
         """The API's arguments, checked (InputError names the first bad one) and resolved."""
         dev = resolve_device(device)
         mode = check_delta(delta)
         n = default_workers(dev) if workers is None else check_workers(workers)
         return cls(dev, n, check_inflight(max_inflight), mode, check_verify(verify), expand,
-                   None if layers is None else tuple(layers), tuning or Tuning())
+                   None if layers is None else tuple(layers), tuning or Tuning(), shard or Shard())
 
     @property
     def verify_hash(self) -> bool:

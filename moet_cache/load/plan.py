@@ -18,7 +18,9 @@ from ..enums import DeltaMode
 from ..errors import VerificationError
 from ..fsutil import FileId, file_id, resolve_inside
 from ..manifest import FileEntry, LayerManifest, TensorEntry
-from ..stheader import Header, read_header
+from ..stheader import DTYPES, Header, read_header
+from ..stheader import nbytes as st_nbytes
+from .shard import Run, Shard, share
 
 
 @dataclass(frozen=True)
@@ -31,8 +33,11 @@ class Read:
     end: int
     dtype: str
     shape: tuple[int, ...]
-    xxh3: str | None                 # None: the file has no per-tensor digest (the tier pack)
+    xxh3: str | None                 # None: no digest of these bytes (the tier pack's tensors, a shard's share)
     layer: int | None                # the served layer it belongs to; None: a dense tensor
+    # a rank's share (shard.py): these byte runs of [begin, end), read one after another, make `shape`;
+    # () reads the whole range
+    runs: tuple[Run, ...] = ()
 
     @classmethod
     def of(cls, t: TensorEntry, layer: int | None) -> Read:
@@ -40,7 +45,8 @@ class Read:
 
     @property
     def nbytes(self) -> int:
-        return self.end - self.begin
+        """The bytes it reads: the whole range, or its runs'."""
+        return sum(r.nbytes for r in self.runs) if self.runs else self.end - self.begin
 
     @property
     def where(self) -> str:
@@ -55,6 +61,7 @@ class Job:
     reads: tuple[Read, ...]
     layer: int | None = None         # the served layer; None: dense tensors
     uses_pack: bool = False          # some reads come from the tier pack (one digest for the whole file)
+    delta_experts: tuple[int, ...] = ()  # the (local) expert of each delta row read, in order
 
     @property
     def nbytes(self) -> int:
@@ -95,25 +102,52 @@ def read_pack_header(root: Path, fe: FileEntry, opened: Mapping[str, FileId] | N
     return head
 
 
-def layer_job(lm: LayerManifest, delta: DeltaMode, experts: tuple[int, ...], pack: Header | None) -> Job:
+def layer_job(lm: LayerManifest, delta: DeltaMode, experts: tuple[int, ...], pack: Header | None,
+              shard: Shard = Shard()) -> Job:
     """Layer lm's reads for delta mode `delta`; `experts`: the tier's experts of this layer (the delta
-    index's); `pack`: the tier pack's header (needed only when delta is "tier" and experts is not empty)."""
+    index's); `pack`: the tier pack's header (needed only when delta is "tier" and experts is not empty);
+    `shard`: the rank's share of the experts (shard.py; by default all of every expert)."""
     roles = {f.path: f.role for f in lm.files}
-    reads = [Read.of(t, lm.layer) for t in lm.tensors if roles[t.file] == L.Role.BASE]
+    tensors = [t for t in lm.tensors if roles[t.file] == L.Role.BASE]
     geo = lm.geometry()
-    have = {r.name: (r.dtype, r.shape) for r in reads}
+    have = {t.name: (t.dtype, t.shape) for t in tensors}
     for name, (dtype, shape) in geo.required_shapes().items():
         if have.get(name) != (dtype, shape):
             got = have.get(name)
             raise VerificationError(f"layer {lm.layer}: tensor {name} is {got[0] + ' ' + str(list(got[1])) if got else 'missing'}, "
                                     f"the layer needs {dtype} {list(shape)}", "run moet-cache build again")
+    ids = shard.expert_ids(lm.n_experts)
+    width = shard.width(lm.intermediate_size)
+    local = {e: k for k, e in enumerate(ids)}
+
+    def part(r: Read, rows: tuple[int, ...]) -> Read:
+        """r, or the rank's share of it (the rows `rows` of its first axis, the width's columns)."""
+        if shard.whole:
+            return r
+        if DTYPES[r.dtype].itemsize == 0:  # packed F4 is never a plane file's dtype
+            raise VerificationError(f"{r.path}: tensor {r.name} ({r.where}) is {r.dtype}, a plane file's are bytes",
+                                    "the manifest is damaged; run moet-cache build again")
+        if r.end - r.begin != st_nbytes(r.dtype, r.shape):
+            raise VerificationError(f"{r.path}: tensor {r.name} ({r.where}) spans {r.end - r.begin} bytes, its "
+                                    f"dtype {r.dtype} and shape {list(r.shape)} need {st_nbytes(r.dtype, r.shape)}",
+                                    "the manifest is damaged; run moet-cache build again")
+        shape, runs = share(r.name, r.shape, DTYPES[r.dtype].itemsize, rows, width, lm.intermediate_size)
+        # a digest covers the whole tensor: a share's bytes are not checked against it (api.py refuses
+        # verify="hash" for a shard)
+        return Read(r.name, r.path, r.begin, r.end, r.dtype, shape, None, r.layer, runs)
+
+    reads = [part(Read.of(t, lm.layer), ids) for t in tensors]
     uses_pack = False
     if delta == DeltaMode.ALL:
-        reads += [Read.of(t, lm.layer) for t in lm.tensors
+        reads += [part(Read.of(t, lm.layer), ids) for t in lm.tensors
                   if roles[t.file] == L.Role.DELTA_ALL and t.name in (L.W13_DELTA, L.W2_DELTA)]
         if sum(r.name in (L.W13_DELTA, L.W2_DELTA) for r in reads) != 2:
             raise VerificationError(f"layer {lm.layer} lists no delta planes", "run moet-cache build again")
+        delta_experts = tuple(range(len(ids)))
     elif delta == DeltaMode.TIER:
+        # the tier rows of the rank's experts, in its local order, renumbered to local ids
+        rows = tuple(sorted((k for k, e in enumerate(experts) if e in local), key=lambda k: local[experts[k]]))
+        delta_experts = tuple(local[experts[k]] for k in rows)
         if experts:
             for spec in geo.delta_specs(len(experts)):
                 name = L.pack_tensor(lm.layer, spec.name)
@@ -121,9 +155,13 @@ def layer_job(lm: LayerManifest, delta: DeltaMode, experts: tuple[int, ...], pac
                 if got is None or got.dtype != "U8" or got.shape != spec.shape:
                     raise VerificationError(f"{L.PACK}: tensor {name} is missing or has the wrong shape "
                                             f"(the index names {len(experts)} experts)", "run moet-cache build again")
-                reads.append(Read(spec.name, L.PACK, got.begin, got.end, "U8", spec.shape, None, lm.layer))
-                uses_pack = True
-    return Job(tuple(reads), lm.layer, uses_pack)
+                if rows:
+                    reads.append(part(Read(spec.name, L.PACK, got.begin, got.end, "U8", spec.shape, None, lm.layer),
+                                      rows))
+                    uses_pack = True
+    else:
+        delta_experts = ()
+    return Job(tuple(reads), lm.layer, uses_pack, delta_experts)
 
 
 def dense_jobs(entries: list[TensorEntry], job_bytes: int) -> list[Job]:

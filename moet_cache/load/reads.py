@@ -21,6 +21,12 @@ from ..stheader import nbytes as st_nbytes
 from ..stheader import storage_shape, torch_dtype
 from ..verifier import Problem, ProblemKind
 from .plan import Job, Read, changed_since_opened
+from .shard import windows
+
+try:  # the optional C extension (setup.py builds it where a C compiler is present)
+    from .. import _preads
+except ImportError:  # pragma: no cover - depends on the install
+    _preads = None
 
 
 class Stopped(Exception):
@@ -43,6 +49,9 @@ def check_read(r: Read, file_size: int) -> None:
     if r.nbytes != n:
         raise VerificationError(f"{r.path}: tensor {r.name} ({r.where}) spans {r.nbytes} bytes, "
                                 f"its dtype {r.dtype} and shape {list(r.shape)} need {n}",
+                                "the manifest is damaged; run moet-cache build again")
+    if r.runs and max(run.end for run in r.runs) > r.end - r.begin:
+        raise VerificationError(f"{r.path}: tensor {r.name} ({r.where}): a share reaches past the tensor's bytes",
                                 "the manifest is damaged; run moet-cache build again")
     if r.end > file_size:
         raise VerificationError(f"{r.path}: tensor {r.name} ({r.where}) ends at byte {r.end}, "
@@ -90,13 +99,44 @@ class Files:
         check_read(r, self._open(r.path)[1])
 
     def read(self, r: Read, pos: int, dst: np.ndarray) -> None:
-        """Bytes [pos, pos + len(dst)) of tensor r into dst (a part of a pinned slot, or of a host tensor)."""
+        """Bytes [pos, pos + len(dst)) of tensor r into dst (a part of a pinned slot, or of a host tensor);
+        of a share (r.runs), its pieces one after another: only the share's bytes are read."""
         if self.stop.is_set():
             raise Stopped
-        begin = r.begin + pos
         fd = self._open(r.path)[0]
-        mv, done = memoryview(dst), 0
-        while done < len(dst):
+        mv = memoryview(dst)
+        if not r.runs:
+            self._pread(fd, r, r.begin + pos, mv)
+            return
+        at = 0
+        for run, k, skip, take in windows(r.runs, pos, len(dst)):
+            self._pread_run(fd, r, r.begin + run.first + k * run.stride, run.piece, run.stride, skip,
+                            mv[at:at + take])
+            at += take
+            if self.stop.is_set():
+                raise Stopped
+
+    def _pread_run(self, fd: int, r: Read, offset: int, piece: int, stride: int, skip: int,
+                   mv: memoryview) -> None:
+        """mv from pieces of `piece` bytes every `stride` from offset, the first `skip` bytes left out: one
+        call of the C extension (a piece can be a few hundred bytes: one pread each, without the GIL), or
+        a pread a piece in Python where it is not built."""
+        if _preads is not None:
+            if _preads.pread_runs(fd, mv, offset, piece, stride, skip) != len(mv):
+                raise VerificationError(f"{r.path}: file ended inside tensor {r.name} ({r.where})",
+                                        "the file was truncated while loading; run moet-cache build again")
+            return
+        at, begin = 0, offset + skip
+        while at < len(mv):
+            n = min(piece - skip, len(mv) - at)
+            self._pread(fd, r, begin, mv[at:at + n])
+            at += n
+            begin += stride - skip
+            skip = 0
+
+    def _pread(self, fd: int, r: Read, begin: int, mv: memoryview) -> None:
+        done = 0
+        while done < len(mv):
             got = os.preadv(fd, [mv[done:]], begin + done)
             if got <= 0:
                 raise VerificationError(f"{r.path}: file ended inside tensor {r.name} ({r.where})",

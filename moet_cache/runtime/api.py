@@ -21,7 +21,8 @@ def _check_routing(x: torch.Tensor, planes: LayerPlanes, topk_weights: torch.Ten
     if not x.is_cuda and topk_ids.numel() and (int(topk_ids.min()) < -1
                                                or int(topk_ids.max()) >= planes.num_experts):
         raise InputError(f"topk_ids outside 0..{planes.num_experts - 1} (and -1, a pair to skip)",
-                         "expert parallelism is not supported yet: every expert must be local")
+                         "ids index the layer's own experts: under expert parallelism map the router's global "
+                         "ids to local ones first (runtime.padding.to_local)")
 
 
 def fused_moe(x: torch.Tensor, tensors: dict[str, torch.Tensor], topk_weights: torch.Tensor,

@@ -15,8 +15,8 @@ Why the real rows' bits do not change: every kernel computes a pair's output fro
 alone (a column of an mma, a row of a tl.dot), and each token's top-k slots are summed from +0 (moe_sum,
 the w2 kernel's sum_when_last, torch's sum), to which a padding pair's +-0 adds nothing. Only the kernels'
 choice, which follows the padded pair count (launch.Config.pick), can differ from a batch without the
-padding rows. A -1 slot beside real ones (expert parallelism's non-local experts, which this runtime does
-not serve) adds +-0 as long as the stand-in expert's output for that token is finite.
+padding rows. A -1 slot beside real ones (under expert parallelism another rank's expert: `to_local`) adds
++-0 as long as the stand-in expert's output for that token is finite.
 """
 
 from __future__ import annotations
@@ -32,3 +32,11 @@ def skip_padding(x: torch.Tensor, topk_weights: torch.Tensor,
     ids = torch.where(pad, topk_ids[:1].clamp(min=0), topk_ids)
     weights = topk_weights.masked_fill(pad, 0)
     return x.masked_fill(pad.all(dim=1, keepdim=True), 0), weights, ids
+
+
+def to_local(topk_ids: torch.Tensor, expert_map: torch.Tensor) -> torch.Tensor:
+    """Expert parallelism: global expert ids -> this rank's local ids through vLLM's `expert_map` (global id ->
+    local id, -1 where another rank holds the expert), -1 kept; tensor ops only (a CUDA graph holds it).
+    The pairs that come out -1 are skipped as padding is, so the rank returns its experts' part of the sum."""
+    local = expert_map.to(device=topk_ids.device, dtype=topk_ids.dtype)[topk_ids.clamp(min=0).long()]
+    return torch.where(topk_ids < 0, topk_ids, local)
