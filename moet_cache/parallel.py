@@ -33,6 +33,12 @@ PARALLEL_SIZES = (1, 2, 4, 8)
 # The most weights one block scale covers (MXFP4 and the compact e8m0 form: 32; NVFP4's e4m3: 16): a rank's
 # share of an expert's width must hold whole blocks of this size.
 SCALE_BLOCK = 32
+# Under tensor parallelism on a GPU a rank's expert width must be a multiple of this: the plane kernels'
+# decode steps take w2's K (the width) in chunks of 16 * CHUNK_WORDS = 256 codes, ks2 = 2 chunks a warp
+# step (runtime/mma_moe.py `supported`, runtime/configs/NVIDIA_H200.json); a narrower width would send
+# the layer to the Triton kernels with its planes put back into the natural layout on every call.
+# V4-Flash (width 2048): TP 1, 2 and 4.
+TP_KERNEL_WIDTH = 512
 
 # Tensors vLLM 0.34 splits across tensor-parallel ranks, by checkpoint name (V4's and V3's namings).
 _SPLIT = re.compile(
@@ -97,6 +103,9 @@ def why_not(cfg: dict[str, Any], p: Parallel) -> str | None:
     elif I and (I % p.size or (I // p.size) % SCALE_BLOCK):
         return (f"--tensor-parallel-size {p.size} leaves each rank {I / p.size:g} of an expert's {I} columns, "
                 f"not whole {SCALE_BLOCK}-weight scale blocks")
+    elif I and (I // p.size) % TP_KERNEL_WIDTH:
+        return (f"--tensor-parallel-size {p.size} leaves each rank {I // p.size} of an expert's {I} columns; "
+                f"the plane kernels take multiples of {TP_KERNEL_WIDTH}")
     return None
 
 

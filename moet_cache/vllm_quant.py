@@ -38,6 +38,7 @@ from .errors import InputError
 from .geometry import LayerGeometry
 from .load.assemble import DELTA_EXPERTS
 from .load.shard import Shard
+from .parallel import TP_KERNEL_WIDTH
 from .runtime.padding import to_local
 from .stheader import torch_dtype
 from .vllm_config import QUANT_METHOD, LayerForm, MoetBlock, parse_block
@@ -47,14 +48,6 @@ _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
 # preference list (config/model.py::_verify_quantization); any other quant_method is taken as named.
 _SOURCE_CANDIDATES = {"modelopt": ("modelopt", "modelopt_fp4", "modelopt_mixed", "modelopt_mxfp8"),
                       "modelopt_fp4": ("modelopt_fp4",), "fp8": ("deepseek_v4_fp8", "fp8")}
-
-#: Under tensor parallelism on a GPU a rank's expert width must be a multiple of this: the plane kernels'
-#: decode steps take w2's K (the width) in chunks of 16 * CHUNK_WORDS = 256 codes, ks2 = 2 chunks a warp
-#: step (runtime/mma_moe.py `supported`, runtime/configs/NVIDIA_H200.json); a narrower width would send the
-#: layer to the Triton kernels with its planes put back into the natural layout on every call.
-#: V4-Flash (width 2048): TP 1, 2 and 4.
-TP_KERNEL_WIDTH = 512
-
 
 def layer_index(prefix: str) -> int:
     """The model's layer number in a vLLM module name (`model.layers.7.ffn.experts` -> 7)."""

@@ -26,7 +26,7 @@ LAYERS = {
     **dict.fromkeys(["errors", "fsutil", "hashing", "stheader", "stwriter", "window", "cancel", "progress", "units",
                      "machine", "version", "enums", "_preads"], SEAMS),
     # formats: what a checkpoint's bytes and names mean (the split included)
-    **dict.fromkeys(["families", "formats", "modelconfig", "fp4", "planes", "_kernels"], FORMATS),
+    **dict.fromkeys(["families", "formats", "modelconfig", "fp4", "planes", "_kernels", "parallel"], FORMATS),
     # the cache: its records and files, the commit, and the source reader (its fingerprint is a manifest record)
     **dict.fromkeys(["manifest", "layout", "geometry", "cacheview", "commit", "folders", "stread", "tiering",
                      "checkpoint", "manifests", "quality_curve"], CACHE),

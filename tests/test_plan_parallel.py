@@ -182,8 +182,10 @@ def test_which_checkpoint_tensors_vllm_splits(name: str, split: bool) -> None:
 
 
 def test_the_sizes_the_planes_allow_and_a_refusal_in_one_line(small_v4: Path, flash: Path) -> None:
-    assert allowed_sizes(FLASH, expert=False) == allowed_sizes(FLASH, expert=True) == (1, 2, 4, 8)
-    assert allowed_sizes({**FLASH, "moe_intermediate_size": 128}, expert=False) == (1, 2, 4)   # 32-weight blocks
+    assert allowed_sizes(FLASH, expert=True) == (1, 2, 4, 8)
+    assert allowed_sizes(FLASH, expert=False) == (1, 2, 4)   # a rank's width: multiples of TP_KERNEL_WIDTH (512)
+    assert allowed_sizes({**FLASH, "moe_intermediate_size": 3072}, expert=False) == (1, 2)
+    assert allowed_sizes({**FLASH, "moe_intermediate_size": 128}, expert=False) == (1,)
     assert allowed_sizes({**FLASH, "n_routed_experts": 12}, expert=True) == (1, 2, 4)
     for args, line in ((["-tp", "3"], "--tensor-parallel-size 3: the moet method takes 1, 2, 4, 8"),
                        (["-tp", "4"], "--tensor-parallel-size 4 does not divide DeepSeek-V4's 2 output groups")):

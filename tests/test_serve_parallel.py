@@ -27,7 +27,9 @@ MOET = shutil.which("moet-cache", path=str(BIN)) or str(BIN / "moet-cache")
 @pytest.fixture(scope="module")
 def v4_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     d = tmp_path_factory.mktemp("serve-par")
-    src = make_v4_checkpoint(d / "DeepSeek-V4-Tiny", small_v4_spec("hybrid", mtp_blocks=0, num_nextn_predict_layers=0))
+    # experts 1,024 wide: at tensor parallel 2 a rank's 512 columns are what the plane kernels take
+    src = make_v4_checkpoint(d / "DeepSeek-V4-Tiny", small_v4_spec("hybrid", mtp_blocks=0, num_nextn_predict_layers=0,
+                                                                   moe_intermediate_size=1024))
     build_cache(src, d / "cache", BuildOptions(delta_budget="25%"))
     return d / "cache"
 
