@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import replace
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Callable, Optional
 
 import typer
 
@@ -229,12 +229,13 @@ def _footprint(path: Path, delta_budget: str | None, out: Output) -> vram.Footpr
     return vram.read_footprint(path, delta_budget)
 
 
-def _drafter(fp: vram.Footprint, card: vram.GpuPreset, speculative: str,
-             tier_given: bool) -> tuple[vram.Footprint, DrafterLayout | None, str | None]:
+def _drafter(fp: vram.Footprint, card: vram.GpuPreset, speculative: str, tier_given: bool,
+             settings_for: Callable[[DrafterLayout], vram.PlanSettings]) -> tuple[vram.Footprint, DrafterLayout | None,
+                                                                                   str | None]:
     """The drafter planned: serve's choice (auto: with the footprint it planned), the one asked for, or none;
     and the line that says why."""
     if speculative == "auto":
-        choice = serving.choose_drafter(fp, card, tier_given=tier_given)
+        choice = serving.choose_drafter(fp, card, tier_given=tier_given, settings_for=settings_for)
         return choice.footprint, choice.layout, choice.reason
     if speculative not in vram.Speculative.names():
         raise InputError(f"--speculative {speculative!r}", "use auto, dspark, mtp or none")
@@ -266,19 +267,24 @@ def plan(
     out = Output(json_, quiet)
     path, sizes = _split_positionals(path, extra, cudagraph_capture_sizes)
     fp = _footprint(path, delta_budget, out)
-    card = resolve_plan_gpu(gpu)
-    fp, drafter, said = _drafter(fp, card, speculative, delta_budget is not None)
-    preset, defaults = serving.preset_plan_settings(fp.model, card, drafter=drafter)
     given = {"utilization": gpu_memory_utilization,
              "max_model_len": parse_tokens(max_model_len) if max_model_len is not None else None,
              "kv_cache_dtype": kv_cache_dtype, "block_size": block_size, "batched_tokens": max_num_batched_tokens,
              "async_scheduling": async_scheduling,
              "cudagraph_sizes": vram.parse_sizes_list(sizes) if sizes is not None else None}
-    settings = replace(
-        defaults, **{k: v for k, v in given.items() if v is not None},
-        max_num_seqs=max_num_seqs, speculative=str(drafter or vram.Speculative.NONE), kv_bytes_per_token=kv_bytes_per_token,
-        cudagraph_reserve=parse_size(cudagraph_reserve, what="--cudagraph-reserve") if cudagraph_reserve else None,
-        activation_reserve=parse_size(activation_reserve, what="--activation-reserve") if activation_reserve else None)
+    card = resolve_plan_gpu(gpu)
+
+    def settings_for(drafter: DrafterLayout | None) -> vram.PlanSettings:   # the preset's, the flags given over them
+        defaults = serving.preset_plan_settings(fp.model, card, drafter=drafter)[1]
+        return replace(
+            defaults, **{k: v for k, v in given.items() if v is not None},
+            max_num_seqs=max_num_seqs, speculative=str(drafter or vram.Speculative.NONE),
+            kv_bytes_per_token=kv_bytes_per_token,
+            cudagraph_reserve=parse_size(cudagraph_reserve, what="--cudagraph-reserve") if cudagraph_reserve else None,
+            activation_reserve=parse_size(activation_reserve, what="--activation-reserve") if activation_reserve else None)
+    fp, drafter, said = _drafter(fp, card, speculative, delta_budget is not None, settings_for)
+    preset = serving.get_preset("auto", serving.model_type_of(fp.model)).name
+    settings = settings_for(drafter)
     p = vram.make_plan(fp, settings)
     curve = packaged_curve()
     if out.json_mode:

@@ -21,7 +21,7 @@ import tempfile
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from . import layout as L
 from .errors import EnvironmentProblem, InputError, MissingDependencyError, VerificationError
@@ -215,9 +215,11 @@ def drafter_footprint(fp: Footprint, preset: Preset, tier_given: bool) -> Footpr
 
 
 def choose_drafter(fp: Footprint, gpu: GpuPreset, preset_name: str = AUTO_PRESET, *, cpu: bool = False,
-                   tier_given: bool = False) -> DrafterChoice:
+                   tier_given: bool = False,
+                   settings_for: Callable[[DrafterLayout], PlanSettings] | None = None) -> DrafterChoice:
     """serve's default: the model's drafter when the cache holds its planes and the plan with the preset's
-    drafter settings fits `gpu`; otherwise off, with the reason. One source for plan and serve."""
+    drafter settings (`settings_for`: with the user's flags over them) fits `gpu`; otherwise off, with the
+    reason. One source for plan and serve."""
     preset = get_preset(preset_name, model_type_of(fp.model))
     d = fp.drafter
     if not preset.drafter_flags and preset.drafter_delta_budget is None:
@@ -231,7 +233,8 @@ def choose_drafter(fp: Footprint, gpu: GpuPreset, preset_name: str = AUTO_PRESET
     if cpu:
         return DrafterChoice(None, "speculative decoding off: vLLM's CPU build has no DeepSeek-V4 drafter "
                                    "(vllm/models/deepseek_v4/cpu/dspark.py and mtp.py raise NotImplementedError)", fp)
-    _, settings = preset_plan_settings(fp.model, gpu, preset.name, d.layout)
+    settings = settings_for(d.layout) if settings_for is not None else \
+        preset_plan_settings(fp.model, gpu, preset.name, d.layout)[1]
     planned, p = fp, make_plan(fp, settings)
     smaller = drafter_footprint(fp, preset, tier_given)   # a checkpoint's tier shrinks only when it must
     if not p.fits and smaller.tier_experts < fp.tier_experts:
@@ -808,7 +811,14 @@ def serve_drafter(view: CacheView | None, preset_name: str, user_args: list[str]
     if view is None:
         return None, "speculative decoding off: the cache did not pass the boot check, no plan to decide it"
     seen = detect_gpu(os.environ.get("CUDA_VISIBLE_DEVICES", ""))
-    choice = choose_drafter(footprint_of_view(view), seen or GPU_PRESETS[DEFAULT_GPU], preset_name, cpu=cpu)
+    gpu = seen or GPU_PRESETS[DEFAULT_GPU]
+    fp = footprint_of_view(view)
+    preset = get_preset(preset_name, model_type_of(fp.model))
+
+    def settings_for(layout: DrafterLayout) -> PlanSettings:   # the preset's drafter flags, the user's over them
+        flags = merge_flags(fit_preset(preset, fp.model, drafter=layout)[0], split_flags(user_args), None)
+        return settings_from_flags(flags, gpu)
+    choice = choose_drafter(fp, gpu, preset_name, cpu=cpu, settings_for=settings_for)
     where = f" (no GPU seen: planned on {DEFAULT_GPU}, the default card)" if seen is None and choice.planned else ""
     return choice.layout, choice.reason + where
 
