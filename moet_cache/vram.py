@@ -20,7 +20,7 @@ from .families import Family
 from .cacheview import CacheView, open_view
 from .manifest import CACHE_MANIFEST, COMMIT_RECORD, LayerKind
 from .modelconfig import ModelConfig
-from .drafter_vram import (BLOCK_WKV, CONTEXT_WKV, HEAD_STACK, DrafterLayout, DrafterNeed, DrafterWeights,
+from .drafter_vram import (BLOCK_WKV, CONTEXT_WKV, DrafterLayout, DrafterNeed, DrafterWeights,
                            draft_layers, drafter_need, layout_of)
 from .kv_v4 import BLOCK_SIZE_V4, KV_DTYPES_V4, V4Attention, V4Kv, compress_ratios_of, longest_context, v4_kv
 from .units import GIB, parse_budget, parse_size
