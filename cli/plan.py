@@ -141,8 +141,9 @@ def show_plan(out: Output, p: vram.Plan, curve: QualityCurve | None = None) -> N
     ]
     d = p.drafter
     if p.mtp_weights and d is not None:
-        rows.append([f"{d.layout} drafter", _g(p.mtp_weights), f"{d.layers} draft layers: planes, dense, head stack"
-                     + (f", context_wkv_proj copies {_g(d.copies)}" if d.copies else "")])
+        what = "planes, dense" + (", head stack" if d.layout == DrafterLayout.DSPARK else "")
+        rows.append([f"{d.layout} drafter", _g(p.mtp_weights), f"{d.layers} draft layer{'s' * (d.layers != 1)}: "
+                     f"{what}" + (f", context_wkv_proj copies {_g(d.copies)}" if d.copies else "")])
         rows.append(["drafter reserves", _g(p.drafter_reserves), f"buffers {_g(d.buffers)}, workspace lane "
                      f"{_g(d.workspace)} (estimate), CUDA graphs {_g(d.graphs)} (estimate)"])
     elif p.mtp_weights:
