@@ -5,11 +5,12 @@ from __future__ import annotations
 import os
 from dataclasses import replace
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Callable, Optional
 
 import typer
 
 from moet_cache import serving, vram
+from moet_cache.drafter_vram import DrafterLayout
 from moet_cache.errors import InputError
 from moet_cache.folders import FolderKind, folder_kind
 from moet_cache.parallel import Parallel
@@ -68,9 +69,9 @@ def plan_document(p: vram.Plan, curve: QualityCurve | None = None) -> dict:
     fp, s = p.footprint, p.settings
     curve = curve or packaged_curve()
     terms = {"base_planes": p.base, "delta_tier": p.delta, "dense": p.dense, "mtp_weights": p.mtp_weights,
-             "cudagraph_reserve": p.cudagraph, "activation_reserve": p.activations,
-             "communication_reserve": p.comm, "kv_cache": p.kv}
-    v4 = p.v4_kv
+             "drafter_reserves": p.drafter_reserves, "cudagraph_reserve": p.cudagraph,
+             "activation_reserve": p.activations, "communication_reserve": p.comm, "kv_cache": p.kv}
+    v4, d = p.v4_kv, p.drafter
     whole = fp.whole or fp
     return {
         # Every figure below is one GPU's: the fullest rank's when the model is split over several.
@@ -113,6 +114,11 @@ def plan_document(p: vram.Plan, curve: QualityCurve | None = None) -> dict:
                              suggestion_tier_change(p, x, curve), curve,
                              (x.tier_experts - fp.tier_experts) * fp.expert_delta_bytes)}
                         for x in p.suggestions],
+        "drafter": None if d is None else {
+            "layout": d.layout, "counted": s.speculative != vram.Speculative.NONE, "layers": d.layers,
+            "num_speculative_tokens": d.speculative_tokens, "weights_bytes": d.weights,
+            "context_wkv_copy_bytes": d.copies, "buffers_bytes": d.buffers, "workspace_lane_bytes": d.workspace,
+            "cudagraph_bytes": d.graphs, "kv_bytes": d.kv, "total_bytes": d.total, "total_gib": d.total / GIB},
         "warnings": list(p.warnings),
         "notes": list(p.notes),
     }
@@ -151,7 +157,14 @@ def show_plan(out: Output, p: vram.Plan, curve: QualityCurve | None = None) -> N
         ["dense weights", _g(p.dense), "attention, shared experts, embeddings, copied unchanged"
          + ("" if s.parallel.size == 1 else "; vLLM's column/row-parallel layers 1/N, the rest whole")],
     ]
-    if p.mtp_weights:
+    d = p.drafter
+    if p.mtp_weights and d is not None:
+        what = "planes, dense" + (", head stack" if d.layout == DrafterLayout.DSPARK else "")
+        rows.append([f"{d.layout} drafter", _g(p.mtp_weights), f"{d.layers} draft layer{'s' * (d.layers != 1)}: "
+                     f"{what}" + (f", context_wkv_proj copies {_g(d.copies)}" if d.copies else "")])
+        rows.append(["drafter reserves", _g(p.drafter_reserves), f"buffers {_g(d.buffers)}, workspace lane "
+                     f"{_g(d.workspace)} (estimate), CUDA graphs {_g(d.graphs)} (estimate)"])
+    elif p.mtp_weights:
         rows.append(["MTP layer", _g(p.mtp_weights), "speculative decoding" + ("" if fp.mtp_exact else " (estimate)")])
     rows += [
         ["CUDA graphs", _g(p.cudagraph), f"{len(s.cudagraph_sizes)} capture sizes"
@@ -192,7 +205,9 @@ def show_plan(out: Output, p: vram.Plan, curve: QualityCurve | None = None) -> N
                 out.print(f"    tier {_change_words(cost)}")
     if p.mtp_need:
         verdict = "fits" if p.mtp_fits else "does not fit"
-        out.print(f"speculative decoding (drafter weights + its KV, {_g(p.mtp_need)} GiB): {verdict}")
+        what = f"the {d.layout} drafter" if d is not None else "drafter"
+        on = " (counted above)" if s.speculative != vram.Speculative.NONE else ""
+        out.print(f"speculative decoding ({what}: weights, KV and reserves, {_g(p.mtp_need)} GiB){on}: {verdict}")
     if p.max_kv_per_token_layer:
         out.print(f"largest KV per token per layer that fits: {p.max_kv_per_token_layer} B")
     out.print(f"longest context that fits: {p.context_limit} tokens")
@@ -237,6 +252,19 @@ def _footprint(path: Path, delta_budget: str | None, out: Output) -> vram.Footpr
     return vram.read_footprint(path, delta_budget)
 
 
+def _drafter(fp: vram.Footprint, card: vram.GpuPreset, preset_name: str, speculative: str, tier_given: bool,
+             settings_for: Callable[[DrafterLayout], vram.PlanSettings]) -> tuple[vram.Footprint, DrafterLayout | None,
+                                                                                   str | None]:
+    """The drafter planned: serve's choice (auto: with the footprint it planned), the one asked for, or none;
+    and the line that says why."""
+    if speculative == "auto":
+        choice = serving.choose_drafter(fp, card, preset_name, tier_given=tier_given, settings_for=settings_for)
+        return choice.footprint, choice.layout, choice.reason
+    if speculative not in vram.Speculative.names():
+        raise InputError(f"--speculative {speculative!r}", "use auto, dspark, mtp or none")
+    return fp, (None if speculative == vram.Speculative.NONE else DrafterLayout(speculative)), None
+
+
 def plan(
     path: Annotated[Path, typer.Argument(help="A cache folder (exact bytes) or an NVFP4 checkpoint (computed).")],
     extra: Annotated[Optional[list[str]], typer.Argument(hidden=True, show_default=False)] = None,
@@ -247,7 +275,7 @@ def plan(
     max_num_seqs: Annotated[int, typer.Option(min=1, help="Full-length sequences the KV cache must hold at once.")] = 1,
     cudagraph_capture_sizes: Annotated[Optional[str], typer.Option(help="CUDA-graph batch sizes as vLLM takes them (1 2 4 8), or 1,2,4,8; none for eager. Default: the serve preset's.")] = None,
     delta_budget: Annotated[Optional[str], typer.Option(help="Plan with this delta tier (4.5GB, 2GiB, 25%, 0) instead of the built one.")] = None,
-    speculative: Annotated[str, typer.Option(help="mtp: count the MTP layer and its KV; none.")] = "none",
+    speculative: Annotated[str, typer.Option(help="auto: the drafter serve would start (on when it fits); dspark or mtp: count the model's drafter (weights, KV, buffers, workspace, CUDA graphs); none.")] = "auto",
     kv_bytes_per_token: Annotated[Optional[int], typer.Option(min=1, help="KV bytes per token per layer, for attention moet-cache does not know.")] = None,
     block_size: Annotated[Optional[int], typer.Option(min=1, help="KV-cache block size in tokens. Default: the serve preset's.", show_default=False)] = None,
     max_num_batched_tokens: Annotated[Optional[int], typer.Option(min=1, help="vLLM's --max-num-batched-tokens (activations; V4's windows). Default: the serve preset's, else vLLM's 8192.", show_default=False)] = None,
@@ -265,26 +293,36 @@ def plan(
     out = Output(json_, quiet)
     path, sizes = _split_positionals(path, extra, cudagraph_capture_sizes)
     fp = _footprint(path, delta_budget, out)
-    card = serving.get_preset(settings_preset, serving.model_type_of(fp.model)).gpu or vram.DEFAULT_GPU
-    preset, defaults = serving.preset_plan_settings(fp.model, resolve_plan_gpu(gpu, card), settings_preset)
-    if tensor_parallel_size is not None or enable_expert_parallel:
-        defaults = replace(defaults, parallel=Parallel(tensor_parallel_size or defaults.parallel.size,
-                                                            enable_expert_parallel or defaults.parallel.expert))
+    chosen = serving.get_preset(settings_preset, serving.model_type_of(fp.model))
     given = {"utilization": gpu_memory_utilization,
              "max_model_len": parse_tokens(max_model_len) if max_model_len is not None else None,
              "kv_cache_dtype": kv_cache_dtype, "block_size": block_size, "batched_tokens": max_num_batched_tokens,
              "async_scheduling": async_scheduling,
              "cudagraph_sizes": vram.parse_sizes_list(sizes) if sizes is not None else None}
-    settings = replace(
-        defaults, **{k: v for k, v in given.items() if v is not None},
-        max_num_seqs=max_num_seqs, speculative=speculative, kv_bytes_per_token=kv_bytes_per_token,
-        cudagraph_reserve=parse_size(cudagraph_reserve, what="--cudagraph-reserve") if cudagraph_reserve else None,
-        activation_reserve=parse_size(activation_reserve, what="--activation-reserve") if activation_reserve else None)
+    card = resolve_plan_gpu(gpu, chosen.gpu or vram.DEFAULT_GPU)
+
+    def settings_for(drafter: DrafterLayout | None) -> vram.PlanSettings:   # the preset's, the flags given over them
+        defaults = serving.preset_plan_settings(fp.model, card, chosen.name, drafter=drafter)[1]
+        if tensor_parallel_size is not None or enable_expert_parallel:
+            defaults = replace(defaults, parallel=Parallel(tensor_parallel_size or defaults.parallel.size,
+                                                           enable_expert_parallel or defaults.parallel.expert))
+        return replace(
+            defaults, **{k: v for k, v in given.items() if v is not None},
+            max_num_seqs=max_num_seqs, speculative=str(drafter or vram.Speculative.NONE),
+            kv_bytes_per_token=kv_bytes_per_token,
+            cudagraph_reserve=parse_size(cudagraph_reserve, what="--cudagraph-reserve") if cudagraph_reserve else None,
+            activation_reserve=parse_size(activation_reserve, what="--activation-reserve") if activation_reserve else None)
+    fp, drafter, said = _drafter(fp, card, chosen.name, speculative, delta_budget is not None, settings_for)
+    preset = chosen.name
+    settings = settings_for(drafter)
     p = vram.make_plan(fp, settings)
     curve = packaged_curve()
     if out.json_mode:
-        out.json({**plan_document(p, curve), "preset": preset}, EXIT_OK if p.fits else EXIT_PROBLEM)
+        out.json({**plan_document(p, curve), "preset": preset, "speculative_choice": said},
+                 EXIT_OK if p.fits else EXIT_PROBLEM)
     else:
         out.print(f"settings: the {preset} preset `moet-cache serve` starts, with the flags given here")
+        if said:
+            out.print(said)
         show_plan(out, p, curve)
     raise typer.Exit(EXIT_OK if p.fits else EXIT_PROBLEM)

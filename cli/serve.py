@@ -25,13 +25,15 @@ def serve(
     force: Annotated[bool, typer.Option("--force", help="Serve an incomplete, stale or corrupt cache anyway (warns).")] = False,
     skip_flag_check: Annotated[bool, typer.Option("--skip-flag-check", help="Do not check the flags with vLLM's own parser.")] = False,
     stock: Annotated[bool, typer.Option("--stock", help="vLLM's own FP4 MoE on planes expanded to FP4 (costs FP4 VRAM; warns). Default: the moet method computes on the planes.")] = False,
+    no_speculative: Annotated[bool, typer.Option("--no-speculative", help="Do not start the cache's drafter. Default: speculative decoding (DSpark or MTP) is on when the cache holds the drafter's planes and the plan fits it.")] = False,
     json_: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
     """Start vLLM on a verified cache (it replaces this process); `--dry-run` only prints the command."""
     out = Output(json_, quiet)
     cmd = serving.build_serve_command(cache, settings, list(vllm_args or []), force=force,
-                                      skip_flag_check=skip_flag_check, require_vllm=not dry_run, stock=stock)
+                                      skip_flag_check=skip_flag_check, require_vllm=not dry_run, stock=stock,
+                                      speculative=not no_speculative)
     for w in cmd.warnings:
         out.warn(w)
     for n in cmd.notes:

@@ -21,17 +21,19 @@ import tempfile
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from . import layout as L
 from .errors import EnvironmentProblem, InputError, MissingDependencyError, VerificationError
+from .drafter_vram import DrafterLayout
 from .kv_v4 import REASONING_MAX_CONTEXT
 from .parallel import Parallel
 from .parallel import check as check_parallel
-from .units import parse_tokens
+from .units import GIB, parse_budget, parse_tokens
 from .version import __version__
-from .vram import (DEFAULT_GPU, GPU_PRESETS, GpuPreset, PlanSettings, Speculative, attention_from_config, detect_gpu,
-                   footprint_from_cache, footprint_of_view, make_plan, max_position_embeddings, parse_sizes_list)
+from .vram import (DEFAULT_GPU, GPU_PRESETS, Footprint, GpuPreset, PlanSettings, Speculative, attention_from_config,
+                   detect_gpu, footprint_from_cache, footprint_of_view, make_plan, max_position_embeddings,
+                   parse_sizes_list)
 
 if TYPE_CHECKING:
     from .cacheview import CacheView
@@ -67,6 +69,10 @@ class Preset:
     env: tuple[tuple[str, str], ...] = ()
     model_types: tuple[str, ...] = ()      # the config.json model_type values `--settings auto` picks it for
     gpu: str = ""                          # the GPU preset (vram.GPU_PRESETS) it is made for; "": one 96 GB card
+    # With the model's drafter on (serve's default when the plan fits it): these flags replace the preset's,
+    # --speculative-config is added, and a checkpoint is planned with this tier (the build's --delta-budget).
+    drafter_flags: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    drafter_delta_budget: str | None = None
 
 
 THINKING = ("--default-chat-template-kwargs", ('{"thinking": true}',))
@@ -93,7 +99,8 @@ PRESETS: dict[str, Preset] = {
         "v4-flash-96g",
         "DeepSeek-V4-Flash on one 96 GB GPU: 260K context, FP8 KV (vLLM's fp8_ds_mla "
         "layout) in blocks of 256, 2048 batched tokens (V4's windows are reserved for the tokens in flight), "
-        "4 CUDA-graph sizes, V4's tokenizer mode, thinking on.",
+        "4 CUDA-graph sizes, V4's tokenizer mode, thinking on; with the drafter (on when the plan fits it): "
+        "1024 batched tokens, a 2 GB tier.",
         (
             ("--tensor-parallel-size", ("1",)),
             ("--gpu-memory-utilization", ("0.96",)),
@@ -106,6 +113,10 @@ PRESETS: dict[str, Preset] = {
             THINKING,
         ),
         model_types=("deepseek_v4",),
+        # 260K with the DSpark drafter (docs/SERVING.md "Room for the drafter"): half the batched tokens (smaller
+        # window reservations and activations) and a 2 GB tier (317 experts instead of 715).
+        drafter_flags=(("--max-num-batched-tokens", ("1024",)),),
+        drafter_delta_budget="2GB",
     ),
     "v4-flash-2x96g": Preset(
         "v4-flash-2x96g",
@@ -170,16 +181,30 @@ def get_preset(name: str, model_type: str = "") -> Preset:
     return PRESETS[name]
 
 
-def fit_preset(preset: Preset, cfg: dict[str, Any], cpu: bool = False) -> tuple[list[Flag], list[str]]:
+def speculative_flag(layout: DrafterLayout, cfg: dict[str, Any]) -> Flag:
+    """vLLM 0.34's --speculative-config for the model's drafter: method `dspark` (the draft is the target
+    checkpoint's mtp.* blocks, num_speculative_tokens its block size) or `mtp` (one token a draft layer)."""
+    spec: dict[str, Any] = {"method": str(layout)}
+    if layout == DrafterLayout.MTP:
+        n = cfg.get("num_nextn_predict_layers")
+        spec["num_speculative_tokens"] = n if isinstance(n, int) and n > 0 else 1
+    return Flag("--speculative-config", (json.dumps(spec),))
+
+
+def fit_preset(preset: Preset, cfg: dict[str, Any], cpu: bool = False,
+               drafter: DrafterLayout | None = None) -> tuple[list[Flag], list[str]]:
     """The preset's flags fitted to the model, so that the command never asks what the plan says vLLM refuses:
     a context past the model's max_position_embeddings is capped there, and a KV dtype the model's attention
     does not run (fp8_ds_mla without a sparse indexer) becomes fp8. On vLLM's CPU build (`cpu`),
     --gpu-memory-utilization is a share of the host's RAM, which vLLM refuses when that much is not free: the
-    KV space is given in bytes instead (--kv-cache-memory-bytes). Returns the flags and a note per change."""
+    KV space is given in bytes instead (--kv-cache-memory-bytes). With a `drafter`, the preset's drafter flags
+    and the speculative config. Returns the flags and a note per change."""
     flags, notes = [], []
     mpe = max_position_embeddings(cfg)
     kv_dtypes = attention_from_config(cfg).kv_dtypes
+    with_drafter = dict(preset.drafter_flags) if drafter is not None else {}
     for opt, values in preset.flags:
+        values = with_drafter.get(opt, values)
         if opt == "--max-model-len" and mpe is not None and parse_tokens(values[0]) > mpe:
             notes.append(f"the {preset.name} preset's --max-model-len {values[0]} is past the model's "
                          f"max_position_embeddings {mpe}: --max-model-len {mpe}")
@@ -194,14 +219,73 @@ def fit_preset(preset: Preset, cfg: dict[str, Any], cpu: bool = False) -> tuple[
                          f"--kv-cache-memory-bytes {CPU_KV_BYTES} instead")
             opt, values = "--kv-cache-memory-bytes", (str(CPU_KV_BYTES),)
         flags.append(Flag(opt, values))
+    flags += [Flag(o, v) for o, v in preset.drafter_flags if drafter is not None and o not in dict(preset.flags)]
+    if drafter is not None:
+        flags.append(speculative_flag(drafter, cfg))
     return flags, notes
 
 
-def preset_plan_settings(cfg: dict[str, Any], gpu: GpuPreset, preset_name: str = "auto") -> tuple[str, PlanSettings]:
-    """What `moet-cache plan` plans by default: the preset serve would start for this model, fitted to it."""
+def preset_plan_settings(cfg: dict[str, Any], gpu: GpuPreset, preset_name: str = "auto",
+                         drafter: DrafterLayout | None = None) -> tuple[str, PlanSettings]:
+    """What `moet-cache plan` plans by default: the preset serve would start for this model, fitted to it
+    (with the drafter's flags when `drafter` is on)."""
     preset = get_preset(preset_name, model_type_of(cfg))
-    flags, _ = fit_preset(preset, cfg)
+    flags, _ = fit_preset(preset, cfg, drafter=drafter)
     return preset.name, settings_from_flags(flags, gpu)
+
+
+@dataclass(frozen=True)
+class DrafterChoice:
+    """Whether serve starts the model's drafter, and the one line that says why."""
+
+    layout: DrafterLayout | None     # None: speculative decoding off
+    reason: str
+    footprint: Footprint             # what was planned (a checkpoint: with the preset's drafter tier)
+    planned: bool = False            # decided by a plan (not by a missing drafter or vLLM build)
+
+
+def drafter_footprint(fp: Footprint, preset: Preset, tier_given: bool) -> Footprint:
+    """A checkpoint's future cache with the tier the preset plans with the drafter (a cache keeps its own, and
+    so does a checkpoint planned with --delta-budget)."""
+    if fp.source != "checkpoint" or tier_given or preset.drafter_delta_budget is None:
+        return fp
+    total = fp.total_experts * fp.expert_delta_bytes
+    return fp.with_tier(parse_budget(preset.drafter_delta_budget, total, what="delta budget"))
+
+
+def choose_drafter(fp: Footprint, gpu: GpuPreset, preset_name: str = AUTO_PRESET, *, cpu: bool = False,
+                   tier_given: bool = False,
+                   settings_for: Callable[[DrafterLayout], PlanSettings] | None = None) -> DrafterChoice:
+    """serve's default: the model's drafter when the cache holds its planes and the plan with the preset's
+    drafter settings (`settings_for`: with the user's flags over them) fits `gpu`; otherwise off, with the
+    reason. One source for plan and serve."""
+    preset = get_preset(preset_name, model_type_of(fp.model))
+    d = fp.drafter
+    if not preset.drafter_flags and preset.drafter_delta_budget is None:
+        return DrafterChoice(None, f"speculative decoding off: the {preset.name} preset serves no drafter", fp)
+    if d is None:
+        return DrafterChoice(None, "speculative decoding off: the cache holds no drafter (build with --include-drafter)",
+                             fp)
+    if not d.planed:
+        return DrafterChoice(None, "speculative decoding off: the cache holds no planes for the drafter's experts "
+                                   "(build with --include-drafter)", fp)
+    if cpu:
+        return DrafterChoice(None, "speculative decoding off: vLLM's CPU build has no DeepSeek-V4 drafter "
+                                   "(vllm/models/deepseek_v4/cpu/dspark.py and mtp.py raise NotImplementedError)", fp)
+    settings = settings_for(d.layout) if settings_for is not None else \
+        preset_plan_settings(fp.model, gpu, preset.name, d.layout)[1]
+    planned, p = fp, make_plan(fp, settings)
+    smaller = drafter_footprint(fp, preset, tier_given)   # a checkpoint's tier shrinks only when it must
+    if not p.fits and smaller.tier_experts < fp.tier_experts:
+        planned, p = smaller, make_plan(smaller, settings)
+    tier = "" if planned is fp else f", a {preset.drafter_delta_budget} tier ({planned.tier_experts} experts)"
+    if p.fits:
+        return DrafterChoice(d.layout, f"speculative decoding on: the {d.layout} drafter fits {gpu.name} "
+                                       f"with {p.margin / GIB:.2f} GiB to spare ({settings.batched_tokens} "
+                                       f"batched tokens{tier}; --no-speculative turns it off)", planned, True)
+    return DrafterChoice(None, f"speculative decoding off: with the {d.layout} drafter the plan does not fit "
+                               f"{gpu.name} (short by {-p.margin / GIB:.2f} GiB; {p.deciding}); "
+                               f"`moet-cache plan CACHE --speculative {d.layout}` says what would", fp, True)
 
 
 def check_reasoning_effort(flags: list[Flag], model_type: str) -> None:
@@ -758,12 +842,35 @@ def model_type_of(cfg: dict[str, Any]) -> str:
     return mt if isinstance(mt, str) else ""
 
 
+def serve_drafter(view: CacheView | None, preset_name: str, user_args: list[str], speculative: bool, cpu: bool) -> tuple[DrafterLayout | None, str | None]:
+    """The drafter serve starts and the line that says so: the plan's choice (choose_drafter) on the GPU
+    nvidia-smi sees, else the default card; none with --no-speculative or the user's own --speculative-config."""
+    if any(a.split("=")[0] in ("--speculative-config", "-sc", "--speculative_config") for a in user_args):
+        return None, None
+    if not speculative:
+        return None, "speculative decoding off (--no-speculative)"
+    if view is None:
+        return None, "speculative decoding off: the cache did not pass the boot check, no plan to decide it"
+    seen = detect_gpu(os.environ.get("CUDA_VISIBLE_DEVICES", ""))
+    gpu = seen or GPU_PRESETS[DEFAULT_GPU]
+    fp = footprint_of_view(view)
+    preset = get_preset(preset_name, model_type_of(fp.model))
+
+    def settings_for(layout: DrafterLayout) -> PlanSettings:   # the preset's drafter flags, the user's over them
+        flags = merge_flags(fit_preset(preset, fp.model, drafter=layout)[0], split_flags(user_args), None)
+        return settings_from_flags(flags, gpu)
+    choice = choose_drafter(fp, gpu, preset_name, cpu=cpu, settings_for=settings_for)
+    where = f" (no GPU seen: planned on {DEFAULT_GPU}, the default card)" if seen is None and choice.planned else ""
+    return choice.layout, choice.reason + where
+
+
 def build_serve_command(cache: str | os.PathLike[str], preset_name: str = DEFAULT_PRESET,
                         user_args: list[str] | None = None, *, force: bool = False,
                         skip_flag_check: bool = False, require_vllm: bool = True,
-                        stock: bool = False) -> ServeCommand:
+                        stock: bool = False, speculative: bool = True) -> ServeCommand:
     """Boot-check the cache, build the `vllm serve` argv, check it with vLLM's parser when installed.
     `stock`: vLLM's own FP4 MoE on expanded planes (FP4 VRAM) instead of the `moet` method (plan's VRAM).
+    `speculative`: start the cache's drafter when the plan fits it (serve_drafter); False: never.
 
     `require_vllm=False` is a dry run: a missing or broken vLLM (its parser does not load, moet-cache does not
     import there) is a warning and the command is still built; otherwise it is an error (exit 2 or 3)."""
@@ -802,7 +909,10 @@ def build_serve_command(cache: str | os.PathLike[str], preset_name: str = DEFAUL
             probe.close()
         probe = None
     try:
-        fitted, fit_notes = fit_preset(preset, cfg, cpu=install is not None and install.cpu)
+        cpu = install is not None and install.cpu
+        drafter, said = serve_drafter(view, preset.name, list(user_args or []), speculative, cpu)
+        notes += [said] if said else []
+        fitted, fit_notes = fit_preset(preset, cfg, cpu=cpu, drafter=drafter)
         notes += fit_notes
         base = fitted + integration_flags(root, unverified, warnings, stock, view, cfg)
         user = split_flags(list(user_args or []), table)
@@ -936,7 +1046,8 @@ def settings_from_flags(given: list[Flag], gpu: GpuPreset) -> PlanSettings:
             method = str(json.loads(spec[0]).get("method", ""))
         except (ValueError, AttributeError):
             method = ""
-        s["speculative"] = Speculative.MTP if "mtp" in method else Speculative.NONE
+        s["speculative"] = (Speculative.DSPARK if method == "dspark" else
+                            Speculative.MTP if "mtp" in method else Speculative.NONE)
     return PlanSettings(**s)
 
 

@@ -67,7 +67,7 @@ class MoetBlock:
             served = ", ".join(str(k) for k in sorted(self.layers)) or "none"
             raise InputError(f"vLLM builds routed experts at {prefix} (layer {index}), the cache holds no planes "
                              f"for that layer (cache layers: {served})",
-                             "rebuild the cache with that layer (--include-mtp for drafter blocks), or turn off "
+                             "rebuild the cache with that layer (--include-drafter for drafter blocks), or turn off "
                              "speculative decoding")
         return form
 

@@ -21,6 +21,8 @@ from .families import Family
 from .cacheview import CacheView, open_view
 from .manifest import CACHE_MANIFEST, COMMIT_RECORD, LayerKind
 from .modelconfig import ModelConfig
+from .drafter_vram import (BLOCK_WKV, CONTEXT_WKV, DrafterLayout, DrafterNeed, DrafterWeights,
+                           draft_layers, drafter_need, layout_of)
 from .kv_v4 import (BLOCK_SIZE_V4, KV_DTYPES_V4, V4_ATTENTION_MAJORS, V4Attention, V4Kv, compress_ratios_of,
                     longest_context, v4_kv)
 from .parallel import Parallel, allowed_sizes, fullest_rank_experts, is_split, share
@@ -90,7 +92,8 @@ class Speculative(StrEnum):
     """Speculative decoding the plan counts (--speculative)."""
 
     NONE = "none"
-    MTP = "mtp"                      # the MTP layer's weights and its KV
+    MTP = "mtp"                      # the MTP block(s): V4-Flash's mtp.0, V3's nextn layers
+    DSPARK = "dspark"                # V4-Flash-0731's DSpark drafter: mtp.0-2 and its head stack (drafter_vram.py)
 
 
 @dataclass(frozen=True)
@@ -201,6 +204,7 @@ class Footprint:
     tier_layers: tuple[tuple[int, tuple[int, ...]], ...] | None = None   # None: not known (a checkpoint's tier)
     parallel: Parallel = Parallel()   # one rank's share when size > 1 (rank_footprint)
     whole: Footprint | None = None    # a rank's footprint: the whole model's
+    drafter: DrafterWeights | None = None   # V4's mtp.K blocks (and DSpark's head stack), by term
 
     def with_tier(self, budget_bytes: int) -> Footprint:
         """The same cache with the tier a budget would choose (whole experts, at most every expert)."""
@@ -276,32 +280,48 @@ def footprint_from_checkpoint(path: str | os.PathLike[str], delta_budget: str | 
                   if any(n in ck.tensors for n in ck.expert_names(i, 0, PROJECTIONS[0]).values())]
         if not served:
             raise InputError(f"{path} has no routed-expert tensors in its MoE layers")
-        planed = ck.expert_tensor_names(served)
-        base = base_replicated = 0
-        for i in served:
-            fmt = ck.layer_format(i)
-            specs = LayerGeometry(m.n_routed_experts, m.hidden_size, m.moe_intermediate_size,
-                                  *ck.scale_forms(i, fmt), ck.has_input_scales(i, fmt)).base_specs()
-            base += sum(t.nbytes for t in specs)
-            base_replicated += sum(t.nbytes for t in specs if t.name not in SPLIT_BASE)
-        dense = mtp_dense = dense_split = 0
+        # V4's drafter blocks get planes too (a build with --include-drafter): counted base-only, apart.
+        drafters = [i for i in fam.mtp_layers if fam.name == "deepseek_v4" and i not in served]
+        planed = ck.expert_tensor_names(served + drafters)
+
+        def base_of(layers: list[int]) -> tuple[int, int]:
+            """The layers' base-plane bytes, and the part of them every tensor-parallel rank copies."""
+            n = replicated = 0
+            for i in layers:
+                fmt = ck.layer_format(i)
+                specs = LayerGeometry(m.n_routed_experts, m.hidden_size, m.moe_intermediate_size,
+                                      *ck.scale_forms(i, fmt), ck.has_input_scales(i, fmt)).base_specs()
+                n += sum(t.nbytes for t in specs)
+                replicated += sum(t.nbytes for t in specs if t.name not in SPLIT_BASE)
+            return n, replicated
+        (base, base_replicated), (drafter_base, _) = base_of(served), base_of(drafters)
+        dense = mtp_dense = wkv = dense_split = 0
         for name, info in ck.tensors.items():
             if name in planed:
                 continue
             n = _nbytes(info.dtype, info.shape)
             layer = _layer_of(name, fam)
-            if layer is not None and fam.is_mtp(layer):
+            if (layer is not None and fam.is_mtp(layer)) or CONTEXT_WKV.match(name):
                 mtp_dense += n
+                wkv += n if BLOCK_WKV.match(name) else 0
             else:
                 dense += n
                 dense_split += n if is_split(name) else 0
         cfg = dict(ck.config)
         source_format = ck.layer_format(served[0]).name
+        names = list(ck.tensors)
     edb = expert_delta_bytes(m)
     total_experts = len(served) * m.n_routed_experts
     budget = parse_budget(delta_budget or DEFAULT_DELTA_BUDGET, total_experts * edb, what="delta budget")
-    fp = Footprint("checkpoint", str(path), False, base, 0, dense, edb, 0, total_experts, len(served), mtp_dense,
-                   mtp_dense > 0, attention_from_config(cfg), cfg, source_format, base_replicated, dense_split)
+    drafter = None
+    if drafters:
+        drafter = DrafterWeights(layout_of(names), len(drafters), drafter_base, 0, 0,
+                                 len(drafters) * m.n_routed_experts, mtp_dense, wkv,
+                                 any(CONTEXT_WKV.match(n) for n in names), True)
+    mtp = drafter.stored if drafter is not None else mtp_dense
+    fp = Footprint("checkpoint", str(path), False, base, 0, dense, edb, 0, total_experts, len(served), mtp,
+                   mtp > 0, attention_from_config(cfg), cfg, source_format, base_replicated, dense_split,
+                   drafter=drafter)
     return fp.with_tier(budget)
 
 
@@ -332,15 +352,20 @@ def footprint_of_view(cf: CacheView, delta_budget: str | None = None) -> Footpri
             main_layers.append(layer)
     edb = next((lm.expert_delta_bytes for lm in cf.layers.values()), expert_delta_bytes(m))
     total_experts = sum(cf.layers[i].n_experts for i in main_layers)
+    drafter_layers = [i for i, lm in cf.layers.items() if lm.kind == LayerKind.MTP]
     index = cf.delta_index
     tier_layers = tuple((layer, tuple(ex)) for layer, ex in index.layers if layer in main_layers) if index else ()
     tier_experts = sum(len(ex) for _, ex in tier_layers)
-    dense = mtp_dense = dense_split = 0
+    drafter_tier = sum(len(ex) for layer, ex in index.layers if layer in drafter_layers) if index else 0
+    dense = mtp_dense = dense_split = wkv = 0
+    names: list[str] = []
     for part in cf.dense_parts:
         for t in part.tensors:
             layer = _layer_of(t.name, fam)
-            if layer is not None and layer >= m.num_hidden_layers:
+            if (layer is not None and layer >= m.num_hidden_layers) or CONTEXT_WKV.match(t.name):
                 mtp_dense += t.end - t.begin
+                wkv += t.end - t.begin if BLOCK_WKV.match(t.name) else 0
+                names.append(t.name)
             else:
                 dense += t.end - t.begin
                 dense_split += t.end - t.begin if is_split(t.name) else 0
@@ -348,12 +373,18 @@ def footprint_of_view(cf: CacheView, delta_budget: str | None = None) -> Footpri
     cfg = cf.manifest.model.to_dict() if served is None else served
     # MTP tensors are in the cache with --include-mtp (planes + the rest) or --lossless (all at FP4).
     mtp_exact = bool(mtp_dense)
-    mtp = mtp_base + mtp_dense if mtp_exact else 0
+    mtp = mtp_base + drafter_tier * edb + mtp_dense if mtp_exact else 0
     if not mtp_exact and m.num_nextn_predict_layers:
         mtp = _mtp_estimate(m, dense // max(1, m.num_hidden_layers))
+    drafter = None
+    if mtp_exact and fam is not None and fam.name == "deepseek_v4":
+        blocks = len({_layer_of(n, fam) for n in names} - {None})
+        drafter = DrafterWeights(layout_of(names), blocks, mtp_base, drafter_tier * edb, drafter_tier,
+                                 sum(cf.layers[i].n_experts for i in drafter_layers), mtp_dense, wkv,
+                                 any(CONTEXT_WKV.match(n) for n in names), bool(drafter_layers))
     fp = Footprint("cache", str(cf.root), True, base, tier_experts * edb, dense, edb, tier_experts,
                    total_experts, len(main_layers), mtp, mtp_exact, attention_from_config(cfg), cfg,
-                   _source_format(cf, main_layers), base_replicated, dense_split, tier_layers)
+                   _source_format(cf, main_layers), base_replicated, dense_split, tier_layers, drafter=drafter)
     if delta_budget is not None:
         fp = fp.with_tier(parse_budget(delta_budget, total_experts * edb, what="delta budget"))
     return fp
@@ -436,7 +467,7 @@ class PlanSettings:
         if self.batched_tokens < 1:
             raise InputError("--max-num-batched-tokens must be at least 1")
         if self.speculative not in Speculative.names():
-            raise InputError(f"--speculative {self.speculative!r}", "use mtp or none")
+            raise InputError(f"--speculative {self.speculative!r}", "use dspark, mtp or none")
         if self.kv_cache_dtype not in KV_DTYPES and self.kv_bytes_per_token is None:
             raise InputError(f"unknown --kv-cache-dtype {self.kv_cache_dtype!r}",
                              f"use one of {', '.join(KV_DTYPES)}, or give --kv-bytes-per-token")
@@ -495,7 +526,7 @@ class Plan:
     base: int
     delta: int
     dense: int
-    mtp_weights: int               # counted only with --speculative mtp
+    mtp_weights: int               # the drafter's weights (+ DSpark's wkv copies), counted only with --speculative
     cudagraph: int
     activations: int
     kv_per_token_layer: int        # MLA: bytes a token a layer; DeepSeek-V4: 0 (see kv_v4)
@@ -521,6 +552,8 @@ class Plan:
     thin: bool = False             # fits, by less than thin_margin(budget)
     context_limit: int = 0         # longest_context, capped at the model's max_position_embeddings
     comm: int = 0                  # more than one GPU: the communication buffers' reserve (in static)
+    drafter: DrafterNeed | None = None     # the model's drafter, by term (counted when speculating; drafter_vram)
+    drafter_reserves: int = 0      # its buffers, workspace lane and CUDA graphs, counted only with --speculative
 
     @property
     def warnings(self) -> tuple[str, ...]:
@@ -551,10 +584,12 @@ class _Kv:
     per_layer: int        # MLA (or given): bytes a token a layer; 0 for V4
     kv_layers: int
     spec: bool
+    draft_layers: int = 0  # the drafter's layers vLLM builds (V4: one sliding window each)
 
     @property
     def v4(self) -> V4Attention | None:
-        return self.fp.attention.v4 if self.per_layer == 0 else None
+        v4 = self.fp.attention.v4 if self.per_layer == 0 else None
+        return replace(v4, mtp_layers=self.draft_layers) if v4 is not None else None
 
     def v4_figures(self, seqs: int, max_len: int, batched: int | None = None) -> V4Kv:
         assert self.v4 is not None
@@ -584,8 +619,9 @@ class _Kv:
         return room // per_seq if per_seq else 0
 
 
-def make_plan(fp: Footprint, s: PlanSettings) -> Plan:
-    """The whole budget: terms, verdict, which term decides, what the free bytes buy or what would fit."""
+def make_plan(fp: Footprint, s: PlanSettings, advise: bool = True) -> Plan:
+    """The whole budget: terms, verdict, which term decides, what the free bytes buy or what would fit
+    (`advise` False: no suggestions, for planning a suggestion's own settings)."""
     s.check()
     check_parallel(fp.model, s.parallel)
     fp = rank_footprint(fp, s.parallel)
@@ -594,11 +630,17 @@ def make_plan(fp: Footprint, s: PlanSettings) -> Plan:
     if s.parallel.expert and fp.tier_layers is None and fp.tier_experts:
         notes.append("expert parallel: which experts the tier holds is chosen at build, so the fullest rank is "
                      "counted with as many tier experts as could land on it; plan the built cache for the exact figure")
-    spec = s.speculative == Speculative.MTP
+    spec = s.speculative != Speculative.NONE
+    layout = fp.drafter.layout if fp.drafter is not None else DrafterLayout.MTP
     if spec and not fp.mtp_bytes:
-        raise InputError("--speculative mtp: this model has no MTP layer (num_nextn_predict_layers is 0)")
+        raise InputError(f"--speculative {s.speculative}: this model has no drafter (no mtp.* blocks, "
+                         "num_nextn_predict_layers is 0)", "use --speculative none")
+    if spec and s.speculative != layout:
+        raise InputError(f"--speculative {s.speculative}: this model's drafter is {layout} "
+                         f"({'the DSpark head stack' if layout == DrafterLayout.DSPARK else 'no DSpark head stack'} "
+                         "in its mtp.* tensors)", f"use --speculative {layout}")
     layers = att.layers or fp.served_layers
-    mtp_layers = att.mtp_layers if fp.mtp_bytes else 0
+    mtp_layers = draft_layers(layout, fp.model) if fp.mtp_bytes else 0
     kv_layers = layers + (mtp_layers if spec else 0)
     v4 = att.v4 if s.kv_bytes_per_token is None else None
     if s.kv_bytes_per_token is not None:
@@ -624,7 +666,7 @@ def make_plan(fp: Footprint, s: PlanSettings) -> Plan:
     if past_positions:
         notes.append(f"--max-model-len {s.max_model_len} exceeds the model's max_position_embeddings {mpe}: "
                      "vLLM refuses it unless the rope scaling allows it (or VLLM_ALLOW_LONG_MAX_MODEL_LEN=1)")
-    kvm = _Kv(fp, s, per_layer, kv_layers, spec)
+    kvm = _Kv(fp, s, per_layer, kv_layers, spec, mtp_layers)
     v4f = kvm.v4_figures(s.max_num_seqs, s.max_model_len) if v4 is not None else None
     seq_tokens = s.max_model_len if v4 is not None else _round_up(s.max_model_len, s.block_size)
     kv_tokens = seq_tokens * s.max_num_seqs
@@ -633,11 +675,22 @@ def make_plan(fp: Footprint, s: PlanSettings) -> Plan:
     graphs = s.cudagraph_reserve if s.cudagraph_reserve is not None else cudagraph_reserve(len(s.cudagraph_sizes))
     acts = s.activation_reserve if s.activation_reserve is not None else \
         activation_reserve(fp.model, s.batched_tokens)
-    mtp_w = fp.mtp_bytes if spec else 0
+    drafter = None
+    if fp.drafter is not None and v4 is not None:
+        args = (replace(v4, mtp_layers=mtp_layers), s.max_model_len, s.max_num_seqs, s.batched_tokens,
+                s.async_scheduling)
+        drafter = drafter_need(fp.drafter, fp.model, s.batched_tokens, s.cudagraph_sizes, acts,
+                               0 if s.cudagraph_reserve is not None else CUDAGRAPH_PER_SIZE,
+                               v4_kv(*args, True).allocated - v4_kv(*args).allocated)
+    mtp_w = (drafter.weights + drafter.copies if drafter is not None else fp.mtp_bytes) if spec else 0
+    reserves = drafter.buffers + drafter.workspace + drafter.graphs if spec and drafter is not None else 0
     if spec and not fp.mtp_exact:
         notes.append("the MTP layer's weights are an estimate (the cache holds no MTP planes)")
+    elif spec and fp.drafter is not None and not fp.drafter.planed:
+        notes.append("the cache holds the drafter's tensors but no planes for its routed experts: the moet method "
+                     "cannot serve it; build the cache with --include-drafter")
     comm = COMM_RESERVE if s.parallel.size > 1 else 0
-    static = fp.base_bytes + fp.delta_tier_bytes + fp.dense_bytes + mtp_w + graphs + acts + comm
+    static = fp.base_bytes + fp.delta_tier_bytes + fp.dense_bytes + mtp_w + reserves + graphs + acts + comm
     need = static + kv
     margin = budget - need
     kv_room = budget - static
@@ -650,12 +703,15 @@ def make_plan(fp: Footprint, s: PlanSettings) -> Plan:
                     "(max_position_embeddings)")
     elif static > budget:
         terms = {"base planes": fp.base_bytes, "dense weights": fp.dense_bytes, "delta tier": fp.delta_tier_bytes,
-                 "MTP weights": mtp_w, "CUDA-graph reserve": graphs, "activation reserve": acts,
-                 "communication reserve": comm}
+                 "drafter weights": mtp_w, "drafter reserves": reserves, "CUDA-graph reserve": graphs,
+                 "activation reserve": acts, "communication reserve": comm}
         top = max(terms, key=terms.__getitem__)
         alone = " (it alone exceeds the budget)" if terms[top] > budget else ""
         deciding = (f"weights and reserves exceed the budget before any KV: the largest term is {top}, "
                     f"{terms[top] / GIB:.3f} GiB{alone}")
+    elif not fits and drafter is not None and spec and margin + drafter.total >= 0:
+        deciding = (f"the {layout} drafter: {drafter.total / GIB:.3f} GiB with its KV; without it the rest fits "
+                    f"with {(margin + drafter.total) / GIB:.3f} GiB to spare")
     elif not fits:
         deciding = "KV cache: the weights fit, the KV cache for these settings does not"
     else:
@@ -669,14 +725,17 @@ def make_plan(fp: Footprint, s: PlanSettings) -> Plan:
                         fp.total_experts - fp.tier_experts)
     if not fp.mtp_bytes:
         mtp_need = 0
+    elif drafter is not None:
+        mtp_need = drafter.total
     elif v4 is not None:  # the drafter's attention is a sliding window only (compress ratio 1 in vLLM)
-        args = (v4, s.max_model_len, s.max_num_seqs, s.batched_tokens, s.async_scheduling)
+        args = (replace(v4, mtp_layers=mtp_layers), s.max_model_len, s.max_num_seqs, s.batched_tokens,
+                s.async_scheduling)
         mtp_need = fp.mtp_bytes + v4_kv(*args, True).allocated - v4_kv(*args).allocated
     else:
         mtp_need = fp.mtp_bytes + mtp_layers * per_layer * kv_tokens
     mtp_fits = bool(fp.mtp_bytes) and not past_positions and (fits if spec else margin >= mtp_need)
     thin = fits and margin < thin_margin(budget)
-    if fits:
+    if fits or not advise:
         suggestions: tuple[Suggestion, ...] = ()
     elif refused is not None:
         suggestions = _cards_it_runs_on(fp, s)
@@ -687,7 +746,7 @@ def make_plan(fp: Footprint, s: PlanSettings) -> Plan:
     return Plan(fp, s, budget, fp.base_bytes, fp.delta_tier_bytes, fp.dense_bytes, mtp_w, graphs, acts,
                 per_layer, kv_layers, kv_tokens, kv, static, need, fits, margin, deciding, kv_room,
                 max_per_layer, longest, extra_seqs, extra_experts, mtp_need, mtp_fits, suggestions,
-                tuple(notes), v4f.raw if v4f is not None else kv, v4f, thin, limit, comm)
+                tuple(notes), v4f.raw if v4f is not None else kv, v4f, thin, limit, comm, drafter, reserves)
 
 
 def attention_refusal(att: Attention, gpu: GpuPreset) -> str | None:
@@ -757,11 +816,14 @@ def _suggestions(fp: Footprint, s: PlanSettings, kvm: _Kv, budget: int, static: 
             for b in (4096, 2048, 1024, 512):
                 if b >= s.batched_tokens:
                     continue
-                acts_b = acts if s.activation_reserve is not None else activation_reserve(fp.model, b)
-                m = budget - (static - acts + acts_b) - kvm.bytes(n, L, b)
+                m = make_plan(fp.whole or fp, replace(s, batched_tokens=b), advise=False).margin  # every term that scales with b
                 if m >= 0:
                     out.append(Suggestion("batched-tokens", f"--max-num-batched-tokens {b}", m))
                     break
+    if s.speculative != Speculative.NONE:
+        m = make_plan(fp.whole or fp, replace(s, speculative=Speculative.NONE), advise=False).margin
+        if m >= 0:
+            out.append(Suggestion("no-drafter", "--no-speculative", m))
     kv = kvm.bytes(n, L)
     short = static + kv - budget
     # Expert parallelism: which rank a tier expert lands on depends on the build's choice, so no smaller tier

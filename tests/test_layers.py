@@ -32,7 +32,7 @@ LAYERS = {
                      "checkpoint", "manifests", "quality_curve"], CACHE),
     # commands: what the CLI and vLLM call (the package's API loads them lazily)
     **dict.fromkeys(["", "build", "load", "runtime", "parsers", "verifier", "exporter", "inspection", "vram",
-                     "kv_v4", "serving", "synthetic", "expand", "vllm_config", "vllm_plugin", "vllm_quant",
+                     "kv_v4", "drafter_vram", "serving", "synthetic", "expand", "vllm_config", "vllm_plugin", "vllm_quant",
                      "vllm_parsers"], COMMANDS),
     "cli": CLI,
 }

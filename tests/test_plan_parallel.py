@@ -231,6 +231,8 @@ def test_plan_terms_and_suggestions_hold_per_rank_on_random_settings(flash: Path
                     s2 = replace(s2, max_num_seqs=int(value))
                 elif flag == "--kv-cache-dtype":
                     s2 = replace(s2, kv_cache_dtype=value)
+                elif flag == "--max-num-batched-tokens":
+                    s2 = replace(s2, batched_tokens=int(value))
                 elif flag == "--delta-budget":
                     f = f.with_tier(parse_size(value) if value != "0" else 0)
                 else:

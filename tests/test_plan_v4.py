@@ -74,7 +74,7 @@ def test_an_80_gb_card_does_not_fit_and_says_what_would(flash: Path) -> None:
 def test_plan_cli_on_the_full_size_checkpoint(flash: Path) -> None:
     args = [MOET, "plan", str(flash), "--json", "--gpu", "rtx-pro-6000", "--delta-budget", "4.5GB",
             "--max-model-len", "260000", "--kv-cache-dtype", "fp8", "--max-num-batched-tokens", "2048",
-            "--cudagraph-capture-sizes", "1", "2", "4", "8"]
+            "--cudagraph-capture-sizes", "1", "2", "4", "8", "--speculative", "none"]
     r = subprocess.run(args, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     doc = json.loads(r.stdout)
@@ -85,20 +85,28 @@ def test_plan_cli_on_the_full_size_checkpoint(flash: Path) -> None:
 
 
 def test_plan_given_nothing_plans_what_serve_starts(flash: Path) -> None:
-    """plan's defaults are the preset serve picks for the model (V4: 2,048 batched tokens, not vLLM's 8,192)."""
+    """plan's defaults are the preset serve picks for the model (V4: 2,048 batched tokens, not vLLM's 8,192), with
+    the drafter serve turns on when it fits: the release's MTP block, at the preset's 1,024 batched tokens."""
+    from moet_cache.drafter_vram import DrafterLayout
     from moet_cache.serving import fit_preset, get_preset, settings_from_flags
     r = subprocess.run([MOET, "plan", str(flash), "--json", "--gpu", "rtx-pro-6000"], capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == 0, r.stderr
     doc = json.loads(r.stdout)
-    assert doc["preset"] == "v4-flash-96g" and doc["fits"] is True and doc["margin_gib"] > 2.9
+    assert doc["preset"] == "v4-flash-96g" and doc["fits"] is True and doc["margin_gib"] > 2.6
+    assert doc["speculative_choice"].startswith("speculative decoding on: the mtp drafter fits rtx-pro-6000")
+    assert doc["drafter"]["layout"] == "mtp" and doc["drafter"]["counted"] and doc["drafter"]["layers"] == 1
     cfg = json.loads((flash / "config.json").read_text())
-    serve = settings_from_flags(fit_preset(get_preset("auto", cfg["model_type"]), cfg)[0], GPU_PRESETS["rtx-pro-6000"])
+    preset = get_preset("auto", cfg["model_type"])
+    serve = settings_from_flags(fit_preset(preset, cfg, drafter=DrafterLayout.MTP)[0], GPU_PRESETS["rtx-pro-6000"])
     s = doc["settings"]
     assert (s["gpu_memory_utilization"], s["max_model_len"], s["kv_cache_dtype"], s["block_size"],
-            s["max_num_batched_tokens"], tuple(s["cudagraph_capture_sizes"])) == \
+            s["max_num_batched_tokens"], tuple(s["cudagraph_capture_sizes"]), s["speculative"]) == \
         (serve.utilization, serve.max_model_len, serve.kv_cache_dtype, serve.block_size, serve.batched_tokens,
-         serve.cudagraph_sizes) == (0.96, 260_000, "fp8", 256, 2048, (1, 2, 4, 8))
+         serve.cudagraph_sizes, serve.speculative) == (0.96, 260_000, "fp8", 256, 1024, (1, 2, 4, 8), "mtp")
+    # Without the drafter, the preset's own settings: 2,048 batched tokens.
+    off = settings_from_flags(fit_preset(preset, cfg)[0], GPU_PRESETS["rtx-pro-6000"])
+    assert (off.batched_tokens, off.speculative) == (2048, "none")
 
 
 @pytest.mark.parametrize("variant", ["hybrid", "mxfp4"])

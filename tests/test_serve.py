@@ -146,7 +146,7 @@ def test_every_profile_flag_is_documented() -> None:
     doc = (Path(__file__).parents[1] / "docs" / "SERVING.md").read_text()
     for p in PRESETS.values():
         assert f"`{p.name}`" in doc
-        for opt, values in p.flags:
+        for opt, values in p.flags + p.drafter_flags:
             assert " ".join([opt, *values]) in doc, (p.name, opt)
 
 

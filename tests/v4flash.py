@@ -3,19 +3,26 @@
 Every shard is a real safetensors file whose header lists the tensors of the released checkpoint
 (DEEPSEEK_V4.md's names; shapes from the config below, the layout of vLLM 0.34's and NeMo AutoModel's V4
 loaders); the data region is a hole made by truncate, so ~150 GB of checkpoint costs a few MiB of disk.
-Reading a tensor's bytes gives zeros: the fixture is for what headers decide (plan, inspect of a
+Reading a tensor's bytes gives zeros, except the NVFP4 block scales: the -0731 release is a lossless cast
+of MXFP4, every e4m3 scale a power of two equal in pairs, which the build stores compact (e8m0). All of a
+shard's NVFP4 expert scales share one real 512 KiB region of 1.0s (safetensors allows a shared range), so
+plan reads them as the release's. The fixture is for what headers and scales decide (plan, inspect of a
 checkpoint), not for builds.
 
 variant "mxfp4": the official release (MXFP4 routed experts, FP8 attention and shared experts with e8m0
   scales, one drafter block mtp.0);
 variant "hybrid": the -0731-NVFP4 release (NVFP4 main-layer experts in the ModelOpt layout, MXFP4 drafter
-  experts, three drafter blocks).
+  experts, three drafter blocks): the DSpark drafter, its head stack named and shaped as vLLM 0.34's
+  `vllm/models/deepseek_v4/nvidia/dspark.py` builds it (`main_proj`/`main_norm` on mtp.0, the context
+  combiner; `norm`, `hc_head_*`, `markov_head`, `confidence_head` on the last block). Its DSpark config
+  values (DSPARK) are this fixture's: vLLM 0.34 reads them from the checkpoint and ships none for V4.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 from typing import Iterator
 
@@ -32,6 +39,10 @@ FLASH = {
     "max_position_embeddings": 1048576, "rms_norm_eps": 1e-6, "torch_dtype": "bfloat16", "expert_dtype": "fp4",
 }
 RATIOS = [0, 0] + [4, 128] * 20 + [4]
+# The DSpark drafter's config keys (DSparkDeepseekV4Model, DSparkSpeculatorConfig): three target layers feed
+# main_proj, a rank-256 Markov head, 4 tokens drafted a step, three draft layers.
+DSPARK = {"dspark_target_layer_ids": [2, 22, 42], "dspark_markov_rank": 256, "dspark_block_size": 4,
+          "n_mtp_layers": 3, "enable_confidence_head": True}
 
 
 def _fp8(name: str, out: int, inp: int) -> list[TensorSpec]:
@@ -84,6 +95,26 @@ def _block(c: dict, p: str, idx: int, ratio: int, fmt: str) -> list[TensorSpec]:
     return t
 
 
+def _hc_head(p: str, H: int, hc: int) -> list[TensorSpec]:
+    return [TensorSpec(f"{p}.hc_head_fn", "F32", (hc, hc * H)), TensorSpec(f"{p}.hc_head_base", "F32", (hc,)),
+            TensorSpec(f"{p}.hc_head_scale", "F32", (1,))]
+
+
+def _dspark_head(c: dict, k: int, blocks: int) -> list[TensorSpec]:
+    """DSpark's head stack: the context combiner on mtp.0, the heads on the last block (_remap_dspark_name)."""
+    H, hc, r, p = c["hidden_size"], c["hc_mult"], c["dspark_markov_rank"], f"mtp.{k}"
+    t = []
+    if k == 0:
+        t += _fp8(f"{p}.main_proj", H, H * len(c["dspark_target_layer_ids"]))
+        t += [TensorSpec(f"{p}.main_norm.weight", "BF16", (H,))]
+    if k == blocks - 1:
+        t += [TensorSpec(f"{p}.norm.weight", "BF16", (H,))] + _hc_head(p, H, hc)
+        t += [TensorSpec(f"{p}.markov_head.markov_w1.weight", "BF16", (c["vocab_size"], r)),
+              TensorSpec(f"{p}.markov_head.markov_w2.weight", "BF16", (c["vocab_size"], r)),
+              TensorSpec(f"{p}.confidence_head.proj.weight", "F32", (1, H + r))]
+    return t
+
+
 def shards(c: dict, main_fmt: str, mtp_blocks: int) -> Iterator[list[TensorSpec]]:
     """One shard a block (a layer's ~3.3 GiB), the embeddings and head in the first and last."""
     H, hc = c["hidden_size"], c["hc_mult"]
@@ -92,14 +123,42 @@ def shards(c: dict, main_fmt: str, mtp_blocks: int) -> Iterator[list[TensorSpec]
         yield _block(c, f"layers.{i}", i, RATIOS[i], main_fmt)
     for k in range(mtp_blocks):
         p = f"mtp.{k}"
-        head = _fp8(f"{p}.e_proj", H, H) + _fp8(f"{p}.h_proj", H, H)
-        head += [TensorSpec(f"{p}.{n}.weight", "BF16", (H,)) for n in ("enorm", "hnorm", "norm")]
-        head += [TensorSpec(f"{p}.hc_head_fn", "F32", (hc, hc * H)), TensorSpec(f"{p}.hc_head_base", "F32", (hc,)),
-                 TensorSpec(f"{p}.hc_head_scale", "F32", (1,))]
+        if "dspark_markov_rank" in c:
+            head = _dspark_head(c, k, mtp_blocks)
+        else:  # the MTP block: its own embedding and hidden projections, norms and hc head
+            head = _fp8(f"{p}.e_proj", H, H) + _fp8(f"{p}.h_proj", H, H)
+            head += [TensorSpec(f"{p}.{n}.weight", "BF16", (H,)) for n in ("enorm", "hnorm", "norm")]
+            head += _hc_head(p, H, hc)
         yield head + _block(c, p, c["num_hidden_layers"] + k, 0, "mxfp4")
     yield [TensorSpec("norm.weight", "BF16", (H,)), TensorSpec("head.weight", "BF16", (c["vocab_size"], H)),
            TensorSpec("hc_head_fn", "F32", (hc, hc * H)), TensorSpec("hc_head_base", "F32", (hc,)),
            TensorSpec("hc_head_scale", "F32", (1,))]
+
+
+NVFP4_SCALE = re.compile(r"\.ffn\.experts\.\d+\.w[123]\.weight_scale$")
+E4M3_ONE = 0x38     # 1.0 in e4m3: a power of two
+
+
+def _write_shard(path: Path, specs: list[TensorSpec]) -> int:
+    """A shard whose data region is a hole, but for one shared region holding its NVFP4 expert scales (1.0s)."""
+    scales = [s for s in specs if NVFP4_SCALE.search(s.name)]
+    rest = [s for s in specs if not NVFP4_SCALE.search(s.name)]
+    head, _ = header_bytes(rest, {"format": "pt"})
+    data = sum(s.nbytes for s in rest)
+    shared = max((s.nbytes for s in scales), default=0)
+    if scales:
+        header = json.loads(head[8:])
+        header.update({s.name: {"dtype": s.dtype, "shape": list(s.shape), "data_offsets": [data, data + s.nbytes]}
+                       for s in scales})
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-(len(raw) + 8) % 8)
+        head = len(raw).to_bytes(8, "little") + raw
+    with open(path, "wb") as f:
+        f.write(head)
+        f.truncate(len(head) + data)              # the data region is a hole: no disk
+        f.seek(len(head) + data)
+        f.write(bytes([E4M3_ONE]) * shared)
+    return data + shared
 
 
 def write_v4_flash(path: str | os.PathLike[str], variant: str = "mxfp4") -> Path:
@@ -114,18 +173,14 @@ def write_v4_flash(path: str | os.PathLike[str], variant: str = "mxfp4") -> Path
     else:
         cfg["quantization_config"] = {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16,
                                       "ignore": ["head", "embed", "*attn*", "*ffn.gate", "*shared_experts*", "mtp.*"]}
+        cfg.update(DSPARK)
     all_shards = list(shards(cfg, main_fmt, mtp_blocks))
     weight_map: dict[str, str] = {}
     total = 0
     for n, specs in enumerate(all_shards, 1):
         name = f"model-{n:05d}-of-{len(all_shards):05d}.safetensors"
-        head, _ = header_bytes(specs, {"format": "pt"})
-        data = sum(s.nbytes for s in specs)
-        with open(root / name, "wb") as f:
-            f.write(head)
-            f.truncate(len(head) + data)          # the data region is a hole: no disk
+        total += _write_shard(root / name, specs)
         weight_map.update({s.name: name for s in specs})
-        total += data
     (root / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total},
                                                                    "weight_map": weight_map}))
     (root / "config.json").write_text(json.dumps(cfg, indent=1))
