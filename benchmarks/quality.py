@@ -65,6 +65,10 @@ def v4_preset_fraction() -> float:
     return (parse_size(V4_BUDGET) // per_expert) / (V4_LAYERS * V4_EXPERTS)
 
 
+# the default build's rows (fitted tables, the tier by squared weight error): the curve plan and inspect read
+DEFAULT_SERIES = "tier by sq. weight error (the default)"
+DEFAULT_BASE_ROW = "base only, fitted tables"
+
 RoutedFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -215,6 +219,28 @@ class Ladder:
                 out[i, e] = ((tw[tok, k].unsqueeze(1) ** 2) * (y(f13, f2) - y(b13, b2)) ** 2).sum()
         return out
 
+    def activation_weighted_errors(self, codes: list[LayerCodes]) -> torch.Tensor:
+        """[L, E] each expert's base-only squared weight error, every input channel's weighted by the mean
+        squared input it meets on the calibration text (as llama.cpp's imatrix weights its quantization
+        error), each token's input counted by its top-k weight squared: for w13 the MoE input, for w2 the
+        FP4 expert's own SwiGLU activations. The per-projection, diagonal approximation of the routed output
+        error: it needs per-channel activation statistics a profile could record, not a forward at build."""
+        out = torch.zeros(self.spec.layers, self.spec.experts)
+        inter = self.spec.expert_width
+        for i, (x, tw, ti) in enumerate(self.calib_trace):
+            (f13, f2), (b13, b2) = form_weights(codes[i], "fp4"), form_weights(codes[i], "base")
+            for e in range(self.spec.experts):
+                tok, k = (ti == e).nonzero(as_tuple=True)
+                if tok.numel() == 0:
+                    continue
+                w = tw[tok, k].unsqueeze(1) ** 2
+                xs = x[tok]
+                gu = xs @ f13[e].T
+                act = torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:]
+                a13, a2 = (w * xs ** 2).sum(0), (w * act ** 2).sum(0)
+                out[i, e] = ((f13[e] - b13[e]) ** 2 * a13).sum() + ((f2[e] - b2[e]) ** 2 * a2).sum()
+        return out
+
     # --- rows computed here --------------------------------------------------------------------------
     def sim_row(self, name: str, bits: float, weights: list[tuple[torch.Tensor, torch.Tensor]],
                 series: str | None = None) -> Row:
@@ -294,14 +320,17 @@ def ladder_for(ckpt_dir: Path, work: Path, ev: EvalSet, calib: EvalSet, preset: 
     def budget(frac: float) -> str:
         return str(int(round(frac * n_experts)) * (lad.expert_weights // 4))
 
-    x4_all = lad.load(lad.build("lossless-x4", lossless=True, base_table="x4"), "all")
+    # the lossless caches: fitted tables (the build's default form; its planes and tables serve every
+    # "cache+sel" and "sim" row) and x4 tables (the faster GPU decode's form)
+    x4_lossless = lad.build("lossless-x4", lossless=True, base_table="x4")
     fitted = lad.build("lossless-fitted", lossless=True, base_table="fitted")
-    codes = [LayerCodes.from_tensors(i, t) for i, t in enumerate(x4_all)]
+    fitted_all = lad.load(fitted, "all")
+    codes = [LayerCodes.from_tensors(i, t) for i, t in enumerate(fitted_all)]
     # The cache's planes hold the checkpoint's FP4 values exactly (checked on the bytes loaded here).
     for (w13, w2), lc in zip(lad.ckpt.experts, codes):
         if not (torch.equal(lc.w13.fp4(), w13) and torch.equal(lc.w2.fp4(), w2)):
             raise SystemExit("the cache's planes do not decode to the checkpoint's FP4 values")
-    fixed = lad.fixed_bits(x4_all)
+    fixed = lad.fixed_bits(fitted_all)
     profile = lad.write_profile()
     counts = lad.routing_counts()
     default_frac = preset
@@ -313,30 +342,39 @@ def ladder_for(ckpt_dir: Path, work: Path, ev: EvalSet, calib: EvalSet, preset: 
 
     # the default cache: what `moet-cache build --delta-budget` writes at the preset's fraction
     default_cache = lad.build("default", delta_budget=budget(default_frac))
+    form = open_cache(default_cache).base_table
     default_layers = lad.load(default_cache, "tier")
-    default_row = lad.cache_row(f"default cache: x4 tables, tier {label('preset', default_frac)} by sq. error",
-                                default_layers, series="tier by sq. weight error (the default)")
+    default_row = lad.cache_row(f"default cache: {form} tables, tier {label('preset', default_frac)} by sq. error",
+                                default_layers, series=DEFAULT_SERIES)
     if args.short:
-        return {"rows": [r.to_dict() for r in lad.rows], "default_kl": default_row.metrics["kl"]}
+        return {"rows": [r.to_dict() for r in lad.rows], "default_kl": default_row.metrics["kl"],
+                "default_table_form": str(form)}
 
     lad.cache_row("FP4 (every delta plane)", lad.load(fitted, "all"))
     lad.cache_row("base only, fitted tables", lad.load(fitted, "none"))
-    lad.cache_row("base only, x4 tables", lad.load(lad.work / "lossless-x4", "none"))
+    lad.cache_row("base only, x4 tables", lad.load(x4_lossless, "none"))
     out_err = lad.output_errors(codes)
+    act_err = lad.activation_weighted_errors(codes)
     for tag, frac in fracs:
         n = int(round(frac * n_experts))
         if tag != "preset":
             lad.cache_row(f"tier {label(tag, frac)}: sq. weight error", lad.load(lad.build(f"sq-{tag}",
-                          delta_budget=budget(frac)), "tier"), series="tier by sq. weight error (the default)")
+                          delta_budget=budget(frac)), "tier"), series=DEFAULT_SERIES)
+        lad.cache_row(f"tier {label(tag, frac)}: sq. weight error, x4 tables",
+                      lad.load(lad.build(f"sq-x4-{tag}", delta_budget=budget(frac), base_table="x4"), "tier"),
+                      series="tier by sq. weight error, x4 tables")
         lad.cache_row(f"tier {label(tag, frac)}: sq. error x routing (--profile)",
                       lad.load(lad.build(f"prof-{tag}", delta_budget=budget(frac), profile=str(profile)), "tier"),
                       series="tier by sq. error x routing (--profile)")
         lad.cache_row(f"tier {label(tag, frac)}: routing frequency",
-                      lad.with_tier(x4_all, lad.top_experts(counts, n)), "cache+sel",
+                      lad.with_tier(fitted_all, lad.top_experts(counts, n)), "cache+sel",
                       series="tier by routing frequency")
         lad.cache_row(f"tier {label(tag, frac)}: routed output error",
-                      lad.with_tier(x4_all, lad.top_experts(out_err, n)), "cache+sel",
+                      lad.with_tier(fitted_all, lad.top_experts(out_err, n)), "cache+sel",
                       series="tier by routed output error")
+        lad.cache_row(f"tier {label(tag, frac)}: activation-weighted sq. error",
+                      lad.with_tier(fitted_all, lad.top_experts(act_err, n)), "cache+sel",
+                      series="tier by activation-weighted sq. error (imatrix-style)")
 
     # nested forms computed from the planes: 3-bit, mixes, 1-bit cold
     form_cache = [{f: form_weights(lc, f) for f in ("1bit", "base", "3bit", "fp4")} for lc in codes]
@@ -385,7 +423,7 @@ def ladder_for(ckpt_dir: Path, work: Path, ev: EvalSet, calib: EvalSet, preset: 
         lad.sim_row(f"Lloyd 4-level codebook per {block} weights (not nested)", 2 + 32 / block, weights,
                     "Lloyd codebooks, not nested")
     return {"rows": [r.to_dict() for r in lad.rows], "default_kl": default_row.metrics["kl"],
-            "check_sim_vs_cache_kl": [default_row.metrics["kl"], check.metrics["kl"]],
+            "default_table_form": str(form), "check_sim_vs_cache_kl": [default_row.metrics["kl"], check.metrics["kl"]],
             "delta_bytes_all_experts": delta_bytes}
 
 
@@ -433,23 +471,25 @@ def plot(result: dict[str, object], path: Path) -> bool:
 
 # --- the curve `moet-cache plan` and `inspect` read (moet_cache/quality_curve.py) ---------------------------
 
-DEFAULT_SERIES = "tier by sq. weight error (the default)"   # x4 tables, tier by squared weight error
 TIER_OF_ROW = re.compile(r"tier (\d+)/(\d+)")
 
 
 def curve_from_results(result: dict, results: str, commit: str, command: str) -> dict[str, object]:
     """The quality curve of the default build from a full ladder's results: per reference model, the KL at
-    tier 0 (base only, x4 tables), at each tier size chosen by squared weight error (the fraction read from
+    tier 0 (base only, fitted tables), at each tier size chosen by squared weight error (the fraction read from
     the row's "tier N/M"), and at 1 (every delta plane: the FP4 model, whose measured KL is float rounding
     of an exact 0 and is written as 0)."""
     curves: dict[str, list[dict[str, object]]] = {}
+    forms = {result["models"][ref].get("default_table_form") for ref in REFERENCE_MODELS}
+    if len(forms) != 1 or None in forms:
+        raise SystemExit(f"the results do not name one base-table form of the default build: {forms}")
     for ref in REFERENCE_MODELS:
         rows = result["models"][ref]["rows"]
         by_name = {r["name"]: r for r in rows}
         fp4 = by_name["FP4 (every delta plane)"]
         if abs(fp4["kl"]) > 1e-6:
             raise SystemExit(f"{ref}: the FP4 row's KL is {fp4['kl']}, not 0: the results are not the FP4 model's")
-        pts = {0.0: {"fraction": 0.0, "kl": by_name["base only, x4 tables"]["kl"], "row": "base only, x4 tables"},
+        pts = {0.0: {"fraction": 0.0, "kl": by_name[DEFAULT_BASE_ROW]["kl"], "row": DEFAULT_BASE_ROW},
                1.0: {"fraction": 1.0, "kl": 0.0, "row": fp4["name"]}}
         for r in rows:
             if r["series"] == DEFAULT_SERIES and r["path"] == "cache":
@@ -459,7 +499,7 @@ def curve_from_results(result: dict, results: str, commit: str, command: str) ->
                 frac = int(m.group(1)) / int(m.group(2))
                 pts[frac] = {"fraction": frac, "kl": r["kl"], "row": r["name"]}
         curves[ref] = [pts[f] for f in sorted(pts)]
-    doc = {"format": "moet-cache-quality-curve", "format_version": 1, "table_form": "x4",
+    doc = {"format": "moet-cache-quality-curve", "format_version": 1, "table_form": forms.pop(),
            "tier_policy": "squared weight error (moet-cache build --delta-budget, no --profile)",
            "measure": "mean KL(FP4 || cache) of the next-byte distributions, nats a byte, "
                       f"{result['eval']['sequences']} held-out windows of {result['eval']['length']} bytes",

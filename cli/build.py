@@ -50,7 +50,7 @@ def build(
     layers: Annotated[Optional[str], typer.Option(metavar="LAYERS", help="Served MoE layers, e.g. 3-60 or 3,5,7-9 (default: all).")] = None,
     include_mtp: Annotated[bool, typer.Option("--include-drafter", "--include-mtp", help="Also keep the speculative-decoding drafter (DSpark's or MTP's blocks mtp.K and head tensors), its routed experts as planes. --include-mtp is the same option.")] = False,
     wait: Annotated[bool, typer.Option("--wait", help="Wait for another build of this cache instead of failing.")] = False,
-    base_table: Annotated[BaseTable, typer.Option(metavar="[fitted|x4]", help="Base tables: x4, the default (a, 4a, -a, -4a: the GPU decodes them with bit arithmetic, 5-16% faster at up to 16 tokens, for ~1.5% more base-plane error: 0.4195 against 0.4133 a weight on t(5) weights), or fitted (the mean FP4 value of each base code: the smallest base error); docs/BUILD.md.")] = BaseTable.X4,
+    base_table: Annotated[BaseTable, typer.Option(metavar="[fitted|x4]", help="Base tables: fitted, the default (the mean FP4 value of each base code: the smallest error; on the reference models base-only KL to FP4 0.069 against x4's 0.079 on MXFP4, 0.089 against 0.091 on NVFP4, docs/QUALITY.md), or x4 (a, 4a, -a, -4a: the GPU decodes them with bit arithmetic, 5-16% faster at up to 16 tokens, for that larger error); docs/BUILD.md.")] = BaseTable.FITTED,
     json_: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:

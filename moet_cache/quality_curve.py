@@ -1,8 +1,8 @@
 """What the delta tier's size does to a model's output, in the quality ladder's terms.
 
 The ladder (benchmarks/quality.py, docs/QUALITY.md) measures the mean KL divergence of a small trained MoE
-model's next-byte distributions to its FP4 model, for caches built the default way (x4 base tables, the
-tier chosen by squared weight error) at several tier sizes, on two reference models: one MXFP4 (trained
+model's next-byte distributions to its FP4 model, for caches built the default way (fitted base tables,
+the tier chosen by squared weight error) at several tier sizes, on two reference models: one MXFP4 (trained
 quantization-aware, as DeepSeek-V4-Flash ships) and one NVFP4 (a post-training export, as the V3/R1 NVFP4
 releases). `quality_curve.json`, packaged beside this module, holds those points; `benchmarks/quality.py
 --write-curve` writes it from the ladder's results file. `plan` and `inspect` read it to say what a tier

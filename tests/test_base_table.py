@@ -82,9 +82,11 @@ def test_the_errors_and_the_tier_are_the_x4_tables(x4_lossless: Path, ckpt_model
         max(c.sq_error for c in cands if (c.layer, c.expert) not in chosen)
 
 
-def test_a_default_build_is_x4(built_cache: Path) -> None:
-    assert _form(built_cache) == "x4"
-    _assert_x4(built_cache)
+def test_a_default_build_is_fitted(built_cache: Path) -> None:
+    """fitted is the default: the lower KL to FP4 on the quality ladder's reference models (docs/QUALITY.md)."""
+    assert BuildOptions().base_table == BaseTable.FITTED
+    assert _form(built_cache) == "fitted" and open_cache(built_cache).base_table == BaseTable.FITTED
+    assert not any(has_x4_form(t) for ts in _tables(built_cache).values() for t in ts)
 
 
 def test_retier_keeps_the_caches_form(x4_lossless: Path, tmp_path: Path, ckpt_modelopt: Path) -> None:
@@ -100,18 +102,18 @@ def test_retier_keeps_the_caches_form(x4_lossless: Path, tmp_path: Path, ckpt_mo
 def test_a_rerun_with_the_other_form_rebuilds_every_layer(ckpt_modelopt: Path, cache: Path) -> None:
     """As a changed --lossless: the form is in each layer's key and in the build parameters, so no layer
     of the other form is reused and the cache never mixes forms."""
-    assert _form(cache) == "x4"  # the default
-    r = build_cache(ckpt_modelopt, cache, BuildOptions(delta_budget="25%", base_table="fitted"))
+    assert _form(cache) == "fitted"  # the default
+    r = build_cache(ckpt_modelopt, cache, BuildOptions(delta_budget="25%", base_table="x4"))
     assert not r.already_complete and r.layers_built == (1, 2, 3) and r.layers_reused == ()
-    assert _form(cache) == "fitted" and not any(has_x4_form(t) for ts in _tables(cache).values() for t in ts)
-    assert verify_against(cache, ckpt_modelopt).ok
-    assert build_cache(ckpt_modelopt, cache, BuildOptions(delta_budget="25%", base_table="fitted")).already_complete
-    # a killed fitted rerun (no commit record) finished with the default: again every layer
+    _assert_x4(cache)
+    assert _form(cache) == "x4" and verify_against(cache, ckpt_modelopt).ok
+    assert build_cache(ckpt_modelopt, cache, BuildOptions(delta_budget="25%", base_table="x4")).already_complete
+    # a killed x4 rerun (no commit record) finished with the default: again every layer
     (cache / "COMMIT.json").unlink()
     r = build_cache(ckpt_modelopt, cache, BuildOptions(delta_budget="25%"))
     assert r.layers_built == (1, 2, 3) and r.layers_reused == ()
-    _assert_x4(cache)
-    assert _form(cache) == "x4" and verify_against(cache, ckpt_modelopt).ok
+    assert _form(cache) == "fitted" and not any(has_x4_form(t) for ts in _tables(cache).values() for t in ts)
+    assert verify_against(cache, ckpt_modelopt).ok
 
 
 def test_an_older_cache_without_the_field_reads_as_fitted(ckpt_modelopt: Path, tmp_path: Path) -> None:
@@ -127,9 +129,10 @@ def test_an_older_cache_without_the_field_reads_as_fitted(ckpt_modelopt: Path, t
     recommit(cache)
     assert load_cache_files(cache).manifest.build.base_table == "fitted" and full_verify(cache).ok
     assert verify_against(cache, ckpt_modelopt).ok
-    # the same build confirms it (same parameters), and writes nothing
+    # the same build confirms it (same parameters), and writes nothing; so does a default build
     fitted = BuildOptions(delta_budget="25%", base_table="fitted")
     assert build_cache(ckpt_modelopt, cache, fitted).already_complete
+    assert build_cache(ckpt_modelopt, cache, BuildOptions(delta_budget="25%")).already_complete
     assert "base_table" not in json.loads((cache / "cache.json").read_text())["build"]
 
 

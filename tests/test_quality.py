@@ -17,6 +17,7 @@ from quality import mix_forms  # benchmarks/ is on the path: pyproject's [tool.p
 from quality_model.fp4export import mxfp4_export, mxfp4_fake
 from quality_model.reference import unpack_nibbles
 
+from moet_cache.build import BuildOptions
 from moet_cache.fp4 import E2M1_VALUES
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -31,6 +32,8 @@ def test_default_cache_kl_to_fp4_stays_within_10_percent_of_the_recorded_figure(
     got = json.loads(proc.stdout)["models"]["mxfp4"]
     recorded = json.loads(RECORDED.read_text())["result"]["models"]["mxfp4"]
     assert [r["name"] for r in got["rows"]] == [r["name"] for r in recorded["rows"]]
+    # the ladder's default cache is what the build writes by default (its manifest's base-table form)
+    assert got["default_table_form"] == recorded["default_table_form"] == str(BuildOptions().base_table)
     # the default cache is lossy (a KL of 0 would mean the base planes were never used) ...
     assert got["default_kl"] > 0
     # ... and no worse than recorded, by more than 10%

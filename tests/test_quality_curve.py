@@ -29,17 +29,19 @@ MXFP4_CKPT = REPO / "benchmarks" / "data" / "quality_model" / "mxfp4"
 
 def test_the_packaged_curve_is_the_ladders_results() -> None:
     """Every point is a row of results/quality.json with its KL as recorded and its fraction the row's N/M;
-    the points are base only (x4), every default-build tier and FP4 (KL 0, measured as float rounding of 0)."""
+    the points are base only (fitted tables: the build's default form), every default-build tier and FP4 (KL 0,
+    measured as float rounding of 0)."""
     results = json.loads(RESULTS.read_text())["result"]
     curve = packaged_curve()
-    assert curve.results == "benchmarks/results/quality.json" and curve.table_form == "x4"
+    assert curve.results == "benchmarks/results/quality.json" and curve.table_form == "fitted"
+    assert all(results["models"][ref]["default_table_form"] == "fitted" for ref in REFERENCE_MODELS)
     for ref in REFERENCE_MODELS:
         rows = {r["name"]: r for r in results["models"][ref]["rows"]}
         default_tiers = sorted(r["name"] for r in rows.values()
                                if r["series"] == "tier by sq. weight error (the default)")
         pts = curve.points(ref)
         assert sorted(p.row for p in pts[1:-1]) == default_tiers
-        assert pts[0].row == "base only, x4 tables" and pts[-1].row == "FP4 (every delta plane)"
+        assert pts[0].row == "base only, fitted tables" and pts[-1].row == "FP4 (every delta plane)"
         assert len(pts) == 6   # 0, 5%, the preset's 8/128, 10%, 25%, 100%
         for p in pts[:-1]:
             assert p.kl == rows[p.row]["kl"]
@@ -147,7 +149,7 @@ def nvfp4_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def reference_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The MXFP4 reference model built as the ladder's default cache row was: x4 tables, 8 of its 128
+    """The MXFP4 reference model built as the ladder's default cache row was: fitted tables, 8 of its 128
     experts (24,576 bytes of delta planes each) by squared weight error."""
     out = tmp_path_factory.mktemp("curve-ref") / "cache"
     build_cache(MXFP4_CKPT, out, BuildOptions(delta_budget=str(8 * 24576)))
@@ -166,14 +168,14 @@ def test_plan_says_what_the_free_bytes_tier_does_to_the_reference_kl(nvfp4_cache
     curve = packaged_curve()
     assert gain["reference_model"] == "nvfp4"   # a ModelOpt NVFP4 source
     assert gain["tier_fraction"] == 0.25 and gain["tier_fraction_after"] == 1.0
-    assert gain["kl_to_fp4"] == curve.kl_at(0.25, "nvfp4") == 0.0753221   # the ladder's 32/128 row
+    assert gain["kl_to_fp4"] == curve.kl_at(0.25, "nvfp4") == 0.0742765   # the ladder's 32/128 row
     assert gain["kl_to_fp4_after"] == 0.0 and gain["kl_change_percent"] == -100.0
     assert gain["tier_bytes_added"] == 12 * (doc["terms_bytes"]["delta_tier"] // 4)
     assert gain["results_commit"] == curve.results_commit and gain["doc"] == "docs/QUALITY.md"
     text = CliRunner().invoke(app, args)
     assert text.exit_code == 0
     assert ("25.0% -> 100.0% of experts: KL to FP4 -100.0% on the NVFP4 reference model "
-            "(0.0753 -> 0.0000 nats a byte; docs/QUALITY.md)") in " ".join(text.stdout.split())
+            "(0.0743 -> 0.0000 nats a byte; docs/QUALITY.md)") in " ".join(text.stdout.split())
 
 
 def test_plan_of_a_retiered_budget_interpolates_between_measured_tiers(nvfp4_cache: Path) -> None:
@@ -182,7 +184,7 @@ def test_plan_of_a_retiered_budget_interpolates_between_measured_tiers(nvfp4_cac
                                  "4096", "--delta-budget", "6.25%"])
     gain = json.loads(r.stdout)["buys"]["delta_experts_reference_kl"]
     want = tier_change(packaged_curve(), 1, 15, 16, "modelopt-nvfp4")
-    assert gain["tier_fraction"] == 1 / 16 and gain["kl_to_fp4"] == want.kl == 0.0883397   # the preset row
+    assert gain["tier_fraction"] == 1 / 16 and gain["kl_to_fp4"] == want.kl == 0.0868162   # the preset row
     assert gain["kl_change_percent"] == want.change_percent == -100.0
 
 
@@ -193,7 +195,7 @@ def test_plan_of_the_mxfp4_reference_checkpoint_uses_the_mxfp4_curve() -> None:
     buys = json.loads(r.stdout)["buys"]
     gain = buys["delta_experts_reference_kl"]
     assert buys["delta_experts"] == [8, 128] and gain["reference_model"] == "mxfp4"
-    assert gain["kl_to_fp4"] == 0.0768577   # the ladder's default cache row: this very build
+    assert gain["kl_to_fp4"] == 0.0667297   # the ladder's default cache row: this very build
     n = 8 + buys["extra_delta_experts"]
     assert gain["kl_to_fp4_after"] == packaged_curve().kl_at(n / 128, "mxfp4")
 
@@ -202,15 +204,15 @@ def test_inspect_says_the_reference_kl_at_the_caches_tier(reference_cache: Path)
     r = CliRunner().invoke(app, ["inspect", str(reference_cache), "--json"])
     assert r.exit_code == 0, r.output
     ref = json.loads(r.stdout)["reference_kl"]
-    assert ref == {"reference": "mxfp4", "fraction": 8 / 128, "kl": 0.0768577}
+    assert ref == {"reference": "mxfp4", "fraction": 8 / 128, "kl": 0.0667297}
     text = " ".join(CliRunner().invoke(app, ["inspect", str(reference_cache)]).stdout.split())
     assert ("tier 6.2% of the main layers' experts: on the MXFP4 reference model a default build's tier of "
-            "that fraction gives KL to FP4 0.0769 nats a byte (docs/QUALITY.md)") in text
+            "that fraction gives KL to FP4 0.0667 nats a byte (docs/QUALITY.md)") in text
 
 
 def test_inspect_of_an_nvfp4_cache_uses_the_nvfp4_curve(nvfp4_cache: Path) -> None:
     ref = json.loads(CliRunner().invoke(app, ["inspect", str(nvfp4_cache), "--json"]).stdout)["reference_kl"]
-    assert ref == {"reference": "nvfp4", "fraction": 0.25, "kl": 0.0753221}
+    assert ref == {"reference": "nvfp4", "fraction": 0.25, "kl": 0.0742765}
 
 
 def test_plan_says_what_a_smaller_tier_costs_when_it_does_not_fit(nvfp4_cache: Path) -> None:
@@ -231,15 +233,15 @@ def test_plan_says_what_a_smaller_tier_costs_when_it_does_not_fit(nvfp4_cache: P
     keep = int(tier["setting"].split("(")[1].split(" experts")[0])
     assert keep == 1 and tier["reference_kl"]["tier_fraction_after"] == keep / 16
     curve = packaged_curve()
-    assert tier["reference_kl"]["kl_to_fp4_after"] == curve.kl_at(1 / 16, "nvfp4") == 0.0883397
+    assert tier["reference_kl"]["kl_to_fp4_after"] == curve.kl_at(1 / 16, "nvfp4") == 0.0868162
     assert tier["reference_kl"]["tier_bytes_added"] == -3 * expert
     base = by_change["base-only"]["reference_kl"]
-    assert base["kl_to_fp4_after"] == 0.0905491 and base["tier_fraction_after"] == 0.0   # "base only, x4 tables"
-    assert base["kl_change_percent"] == pytest.approx((0.0905491 - 0.0753221) / 0.0753221 * 100)
+    assert base["kl_to_fp4_after"] == 0.0889559 and base["tier_fraction_after"] == 0.0   # "base only, fitted tables"
+    assert base["kl_change_percent"] == pytest.approx((0.0889559 - 0.0742765) / 0.0742765 * 100)
     text = " ".join(CliRunner().invoke(app, args).stdout.split())
-    assert ("tier 25.0% -> 6.2% of experts: KL to FP4 +17.3% on the NVFP4 reference model (0.0753 -> 0.0883 "
+    assert ("tier 25.0% -> 6.2% of experts: KL to FP4 +16.9% on the NVFP4 reference model (0.0743 -> 0.0868 "
             "nats a byte; docs/QUALITY.md)") in text
-    assert "tier 25.0% -> 0.0% of experts: KL to FP4 +20.2% on the NVFP4 reference model" in text
+    assert "tier 25.0% -> 0.0% of experts: KL to FP4 +19.8% on the NVFP4 reference model" in text
 
 
 def test_the_curve_writer_refuses_results_that_are_not_the_ladders() -> None:
@@ -254,3 +256,9 @@ def test_the_curve_writer_refuses_results_that_are_not_the_ladders() -> None:
     next(r for r in unnamed["models"]["mxfp4"]["rows"] if r["name"].startswith("tier 6/128"))["name"] = "six"
     with pytest.raises(SystemExit, match="does not say its tier"):
         curve_from_results(unnamed, "r.json", "0" * 40, "python benchmarks/quality.py")
+    # the default build's base-table form comes from the results, one for both models
+    for form in (None, "x4"):
+        mixed = copy.deepcopy(results)
+        mixed["models"]["nvfp4"]["default_table_form"] = form
+        with pytest.raises(SystemExit, match="one base-table form"):
+            curve_from_results(mixed, "r.json", "0" * 40, "python benchmarks/quality.py")

@@ -104,11 +104,12 @@ def read_window(workers: int, expert_bytes: int, ahead_bytes: int = BuildTuning.
 class BuildOptions:
     """What a build writes (BuildTuning: how it uses the machine).
 
-    base_table: the form of every base table (enums.BaseTable): x4, the default (a * X4_PATTERN, decoded
-      by the GPU with bit arithmetic: 5-16% faster decode at up to 16 tokens on an H200, for ~1.5% more
-      per-weight base error), or fitted (the mean FP4 value of each base code: the smallest base error).
-      Recorded in the cache manifest; a rerun with the other form rebuilds every layer, as a changed
-      --lossless does.
+    base_table: the form of every base table (enums.BaseTable): fitted, the default (the mean FP4 value of
+      each base code: the smallest base error, and on the quality ladder's reference models the lower KL to
+      the FP4 model: base only 0.0689 against x4's 0.0791 on MXFP4, 0.0890 against 0.0906 on NVFP4;
+      docs/QUALITY.md), or x4 (a * X4_PATTERN, decoded by the GPU with bit arithmetic: 5-16% faster decode
+      at up to 16 tokens on an H200, docs/RUNTIME.md). Recorded in the cache manifest; a rerun with the
+      other form rebuilds every layer, as a changed --lossless does.
     """
 
     delta_budget: str = DEFAULT_DELTA_BUDGET
@@ -119,7 +120,7 @@ class BuildOptions:
     wait: bool = False
     tuning: BuildTuning = field(default_factory=BuildTuning)
     kill_at: KillHook | None = None   # tests only: signal this process at a commit window (moet_cache.commit)
-    base_table: BaseTable | str = BaseTable.X4
+    base_table: BaseTable | str = BaseTable.FITTED
 
     def __post_init__(self) -> None:
         BaseTable.of(self.base_table, "base table")  # an InputError naming the forms for any other value

@@ -27,8 +27,8 @@ from .mma_prefill import Prefill
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 FORMAT = "moet-cache-launch-config"
 FORMAT_VERSION = 1
-#: the decode ladders a file holds, by launch.Config's field names: fitted tables; x4 tables with e8m0 scales
-#: and a tier (the build's default); the same without a tier; x4 tables with e4m3 scales
+#: the decode ladders a file holds, by launch.Config's field names: fitted tables (the build's default); x4
+#: tables with e8m0 scales and a tier; the same without a tier; x4 tables with e4m3 scales
 DECODE_LADDERS = ("mma", "mma_x4", "mma_x4_base", "mma_x4_e4m3")
 _HINT = "regenerate it with benchmarks/bench_moe.py --sweep --write-config, or remove it to run on the defaults"
 
