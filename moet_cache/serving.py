@@ -79,6 +79,23 @@ THINKING = ("--default-chat-template-kwargs", ('{"thinking": true}',))
 
 # Single-GPU settings for one 96 GB card (RTX PRO 6000): see docs/SERVING.md for each flag. fit_preset() fits
 # them to the model (its positions, its attention's KV dtypes) and to a CPU build of vLLM.
+def _v4_flash_flags(tensor_parallel: int, max_model_len: int) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """DeepSeek-V4-Flash's flags on cards where vLLM runs its attention: 0.96 of the memory, FP8 KV in blocks of
+    256, 2048 batched tokens (V4's windows are reserved for the tokens in flight), 4 CUDA-graph sizes, V4's
+    tokenizer mode, thinking on."""
+    return (
+        ("--tensor-parallel-size", (str(tensor_parallel),)),
+        ("--gpu-memory-utilization", ("0.96",)),
+        ("--max-model-len", (str(max_model_len),)),
+        ("--kv-cache-dtype", ("fp8",)),
+        ("--block-size", ("256",)),
+        ("--max-num-batched-tokens", ("2048",)),
+        ("--cudagraph-capture-sizes", ("1", "2", "4", "8")),
+        ("--tokenizer-mode", ("deepseek_v4",)),
+        THINKING,
+    )
+
+
 PRESETS: dict[str, Preset] = {
     "single-gpu-96g": Preset(
         "single-gpu-96g",
@@ -101,17 +118,7 @@ PRESETS: dict[str, Preset] = {
         "layout) in blocks of 256, 2048 batched tokens (V4's windows are reserved for the tokens in flight), "
         "4 CUDA-graph sizes, V4's tokenizer mode, thinking on; with the drafter (on when the plan fits it): "
         "1024 batched tokens, a 2 GB tier.",
-        (
-            ("--tensor-parallel-size", ("1",)),
-            ("--gpu-memory-utilization", ("0.96",)),
-            ("--max-model-len", ("260000",)),
-            ("--kv-cache-dtype", ("fp8",)),
-            ("--block-size", ("256",)),
-            ("--max-num-batched-tokens", ("2048",)),
-            ("--cudagraph-capture-sizes", ("1", "2", "4", "8")),
-            ("--tokenizer-mode", ("deepseek_v4",)),
-            THINKING,
-        ),
+        _v4_flash_flags(tensor_parallel=1, max_model_len=260000),
         model_types=("deepseek_v4",),
         # 260K with the DSpark drafter (docs/SERVING.md "Room for the drafter"): half the batched tokens (smaller
         # window reservations and activations) and a 2 GB tier (317 experts instead of 715).
@@ -123,17 +130,7 @@ PRESETS: dict[str, Preset] = {
         "DeepSeek-V4-Flash on two 96 GB GPUs (RTX PRO 6000), tensor parallel 2: room for the whole tier at FP4 "
         "(every delta plane: build with --delta-budget 100%) and the model's whole context (1M tokens), FP8 KV, "
         "2048 batched tokens, 4 CUDA-graph sizes, V4's tokenizer mode, thinking on.",
-        (
-            ("--tensor-parallel-size", ("2",)),
-            ("--gpu-memory-utilization", ("0.96",)),
-            ("--max-model-len", ("1048576",)),
-            ("--kv-cache-dtype", ("fp8",)),
-            ("--block-size", ("256",)),
-            ("--max-num-batched-tokens", ("2048",)),
-            ("--cudagraph-capture-sizes", ("1", "2", "4", "8")),
-            ("--tokenizer-mode", ("deepseek_v4",)),
-            THINKING,
-        ),
+        _v4_flash_flags(tensor_parallel=2, max_model_len=1048576),
         gpu="rtx-pro-6000",
     ),
     "v4-flash-4x32g": Preset(
@@ -141,17 +138,7 @@ PRESETS: dict[str, Preset] = {
         "DeepSeek-V4-Flash on four 32 GB GPUs (GeForce RTX 5090, compute capability 12.0, where vLLM's V4 "
         "attention runs), tensor parallel 4: 260K context, FP8 KV, 2048 batched tokens, 4 CUDA-graph sizes, V4's "
         "tokenizer mode, thinking on.",
-        (
-            ("--tensor-parallel-size", ("4",)),
-            ("--gpu-memory-utilization", ("0.96",)),
-            ("--max-model-len", ("260000",)),
-            ("--kv-cache-dtype", ("fp8",)),
-            ("--block-size", ("256",)),
-            ("--max-num-batched-tokens", ("2048",)),
-            ("--cudagraph-capture-sizes", ("1", "2", "4", "8")),
-            ("--tokenizer-mode", ("deepseek_v4",)),
-            THINKING,
-        ),
+        _v4_flash_flags(tensor_parallel=4, max_model_len=260000),
         gpu="rtx-5090",
     ),
     "eager-debug": Preset(
