@@ -40,8 +40,8 @@ if TYPE_CHECKING:
 VLLM_PIN = "0.34.0"
 TORCH_PIN = "2.14.0"          # vLLM 0.34.0's own pin (its wheel requires torch==2.14.0)
 PARSER_NAME = "moet_deepseek"
-PARSER_MODULE = "moet_cache.vllm_parsers"
-QUANT_MODULE = "moet_cache.vllm_quant"      # the vLLM quantization method `moet`
+PARSER_MODULE = "moet_cache.integrations.vllm.parsers"
+QUANT_MODULE = "moet_cache.integrations.vllm.method"      # the vLLM quantization method `moet`
 LOAD_FORMAT = "moet"
 PROBE_MARK = "MOET_CACHE_PROBE "
 PROBE_TIMEOUT_S = 300
@@ -457,12 +457,12 @@ try:
     env["entry_point"] = eps[0].value if eps else None
     if eps:
         eps[0].load()                  # the module with the moet loader and quantization method
-    import importlib, importlib.util, moet_cache, moet_cache.vllm_plugin
+    import importlib, importlib.util, moet_cache, moet_cache.integrations.vllm.loader
     env["moet_cache"] = moet_cache.__file__
     env["moet_version"] = getattr(moet_cache, "__version__", None)
-    env["moet_quant"] = importlib.util.find_spec("moet_cache.vllm_quant") is not None
+    env["moet_quant"] = importlib.util.find_spec("moet_cache.integrations.vllm.method") is not None
     if env["moet_quant"]:
-        importlib.import_module("moet_cache.vllm_quant")   # the quantization method `moet`
+        importlib.import_module("moet_cache.integrations.vllm.method")   # the quantization method `moet`
 except Exception as e:
     env["moet_error"] = f"{type(e).__name__}: {e}"
 print(M + json.dumps({"version": vllm.__version__, "options": opts, "env": env}), flush=True)
@@ -601,7 +601,7 @@ class ServeCommand:
 
 
 def parser_plugin_path() -> str | None:
-    """The file of moet_cache.vllm_parsers, found without importing it (it imports vLLM)."""
+    """The file of moet_cache.integrations.vllm.parsers, found without importing it (it imports vLLM)."""
     spec = importlib.util.find_spec(PARSER_MODULE)
     return str(Path(spec.origin).resolve()) if spec and spec.origin else None
 

@@ -26,7 +26,7 @@ from moet_cache.runtime import fused_moe
 from moet_cache.runtime.dequant import LayerPlanes
 from moet_cache.runtime.reference import fused_moe_reference
 from moet_cache.synthetic import dspark_v4_spec, make_v4_checkpoint, small_v4_spec
-from moet_cache.vllm_plugin import PluginOptions, load_into_model, register
+from moet_cache.integrations.vllm.loader import PluginOptions, load_into_model, register
 
 pytestmark = pytest.mark.vllm
 vllm = pytest.importorskip("vllm.model_executor.layers.quantization", reason="vLLM is not installed")

@@ -18,8 +18,8 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE_DIRS = {"moet_cache": ROOT / "moet_cache", "moet_cache.cli": ROOT / "cli",
                 "moet_cache.manifests": ROOT / "manifests"}
 
-SEAMS, FORMATS, CACHE, COMMANDS, CLI = range(5)
-LAYER_NAMES = ("seams", "formats", "the cache", "commands", "cli")
+SEAMS, FORMATS, CACHE, COMMANDS, INTEGRATIONS, CLI = range(6)
+LAYER_NAMES = ("seams", "formats", "the cache", "commands", "integrations", "cli")
 # a module's layer: its own entry, else its package's (the root package `moet_cache` counts only for itself)
 LAYERS = {
     # seams: no knowledge of models or caches
@@ -29,11 +29,12 @@ LAYERS = {
     **dict.fromkeys(["families", "formats", "modelconfig", "fp4", "planes", "_kernels", "parallel"], FORMATS),
     # the cache: its records and files, the commit, and the source reader (its fingerprint is a manifest record)
     **dict.fromkeys(["manifest", "layout", "geometry", "cacheview", "commit", "folders", "stread", "tiering",
-                     "checkpoint", "manifests", "quality_curve"], CACHE),
+                     "checkpoint", "manifests", "quality_curve", "quant_block"], CACHE),
     # commands: what the CLI and vLLM call (the package's API loads them lazily)
     **dict.fromkeys(["", "build", "load", "runtime", "parsers", "verifier", "exporter", "inspection", "vram",
-                     "kv_v4", "serving", "synthetic", "expand", "vllm_config", "vllm_plugin", "vllm_quant",
-                     "vllm_parsers"], COMMANDS),
+                     "kv_v4", "serving", "synthetic", "expand"], COMMANDS),
+    # integrations: the glue a serving program (vLLM) imports through its plugins; it may import vLLM
+    "integrations": INTEGRATIONS,
     "cli": CLI,
 }
 LAYERS = {("moet_cache." + k).rstrip("."): v for k, v in LAYERS.items()}
@@ -57,8 +58,9 @@ LAZY: dict[str, tuple[frozenset[str], str]] = {
                         "a plan from a checkpoint: " + _LIGHT_CLI),
     "moet_cache.serving": (frozenset({"moet_cache.cacheview", "moet_cache.verifier"}), _LIGHT_CLI),
     "moet_cache.commit": (frozenset({"moet_cache.verifier"}), "see UPWARD"),
-    "moet_cache.vllm_plugin": (frozenset({"moet_cache.vllm_quant"}), "registered in vLLM's process only"),
-    "moet_cache.vllm_quant": (frozenset({"moet_cache.runtime", "moet_cache.runtime.layout",
+    "moet_cache.integrations.vllm.loader": (frozenset({"moet_cache.integrations.vllm.method"}),
+                                            "registered in vLLM's process only"),
+    "moet_cache.integrations.vllm.method": (frozenset({"moet_cache.runtime", "moet_cache.runtime.layout",
                                          "moet_cache.runtime.dequant", "moet_cache.runtime.warm_up"}),
                               "the kernels at weight load, inside vLLM"),
     "moet_cache.runtime.triton_experts": (frozenset({"moet_cache.runtime.triton_moe"}),
@@ -232,7 +234,7 @@ def test_the_lists_name_only_what_is_there() -> None:
 def test_the_architecture_page_names_each_module_in_its_layer() -> None:
     page = (ROOT / "docs" / "ARCHITECTURE.md").read_text()
     table = page[page.index("## Layers"):].split("```")[1]
-    rows = table.split("---+")  # cli, commands, the cache, formats, seams: top to bottom
+    rows = table.split("---+")  # cli, integrations, commands, the cache, formats, seams: top to bottom
     assert len(rows) == len(LAYER_NAMES)
     text_of = {layer: rows[len(LAYER_NAMES) - 1 - layer] for layer in range(len(LAYER_NAMES))}
     for layer, name in enumerate(LAYER_NAMES):

@@ -26,8 +26,8 @@ from moet_cache.load import Shard
 from moet_cache.load import reads as load_reads
 from moet_cache.runtime.launch import Config, config_named
 from moet_cache.runtime.mma_moe import CHUNK_WORDS
-from moet_cache.vllm_plugin import PluginOptions, load_into_model, register
-from moet_cache.vllm_quant import TP_KERNEL_WIDTH, check_tp_width
+from moet_cache.integrations.vllm.loader import PluginOptions, load_into_model, register
+from moet_cache.integrations.vllm.method import TP_KERNEL_WIDTH, check_tp_width
 
 pytestmark = pytest.mark.vllm
 quantization = pytest.importorskip("vllm.model_executor.layers.quantization", reason="vLLM is not installed")

@@ -16,7 +16,7 @@ from torch import nn
 from moet_cache.checkpoint import open_checkpoint
 from moet_cache.errors import InputError
 from moet_cache.load import open_cache
-from moet_cache.vllm_plugin import LOAD_FORMAT, PluginOptions, load_into_model, register
+from moet_cache.integrations.vllm.loader import LOAD_FORMAT, PluginOptions, load_into_model, register
 
 E, H, I = 16, 256, 128  # small_spec
 
@@ -153,7 +153,7 @@ def test_options_from_extra_config() -> None:
 
 def test_imports_and_registers_nothing_without_vllm() -> None:
     code = ("import sys; sys.modules['vllm'] = None\n"
-            "import moet_cache.vllm_plugin as p\n"
+            "import moet_cache.integrations.vllm.loader as p\n"
             "print('registered:', p.register())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
@@ -177,7 +177,7 @@ def test_vllm_that_fails_part_way_is_named_at_registration(tmp_path, case: str) 
     (tmp_path / "vllm" / "__init__.py").write_text("")
     (tmp_path / "vllm" / "model_executor" / "__init__.py").write_text("")
     (loader / "__init__.py").write_text(body)
-    code = "import moet_cache.vllm_plugin as p\nprint('registered:', p.register())"
+    code = "import moet_cache.integrations.vllm.loader as p\nprint('registered:', p.register())"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env,
                          cwd=tmp_path)

@@ -19,7 +19,7 @@ from torch import nn
 
 from moet_cache.errors import InputError
 from moet_cache.load import open_cache
-from moet_cache.vllm_plugin import PluginOptions, load_into_model, register
+from moet_cache.integrations.vllm.loader import PluginOptions, load_into_model, register
 
 pytestmark = pytest.mark.vllm
 vllm = pytest.importorskip("vllm.model_executor.layers.quantization", reason="vLLM is not installed")

@@ -28,11 +28,11 @@ from typing import Any, Mapping
 
 import torch
 
-from .enums import DeltaMode, VerifyMode
-from .errors import InputError
-from .load import DELTA_EXPERTS, Shard, open_cache
-from .load.options import check_delta, check_inflight, check_verify, check_workers
-from .vllm_quant import layer_index
+from ...enums import DeltaMode, VerifyMode
+from ...errors import InputError
+from ...load import DELTA_EXPERTS, Shard, open_cache
+from ...load.options import check_delta, check_inflight, check_verify, check_workers
+from .method import layer_index
 
 _log = logging.getLogger(__name__)
 
@@ -249,7 +249,7 @@ def register() -> type | None:
     try:
         import vllm.model_executor.model_loader  # noqa: F401
 
-        from .vllm_quant import quant_classes
+        from .method import quant_classes
         quant_classes()  # imports vLLM's fused-MoE and quantization modules, which may fail the same way
     except ImportError as e:
         if vllm_installed():

@@ -34,14 +34,14 @@ from typing import Any
 
 import torch
 
-from .errors import InputError
-from .geometry import LayerGeometry
-from .load.assemble import DELTA_EXPERTS
-from .load.shard import Shard
-from .parallel import TP_KERNEL_WIDTH
-from .runtime.padding import to_local
-from .stheader import torch_dtype
-from .vllm_config import QUANT_METHOD, LayerForm, MoetBlock, parse_block
+from ...errors import InputError
+from ...geometry import LayerGeometry
+from ...load.assemble import DELTA_EXPERTS
+from ...load.shard import Shard
+from ...parallel import TP_KERNEL_WIDTH
+from ...runtime.padding import to_local
+from ...stheader import torch_dtype
+from ...quant_block import QUANT_METHOD, LayerForm, MoetBlock, parse_block
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
 # The methods vLLM may choose for a source block, by its quant_method, tried in the order of vLLM's own
@@ -148,7 +148,7 @@ def quant_classes() -> tuple[type, type]:
             # planes and block scales (base and scale parameters, tier buffers) are moved in place into
             # the kernels' layout, tiles (and for a --base-table x4 build the x4 decode's bits;
             # runtime/layout.py, docs/RUNTIME.md), and renamed so that what each name holds stays true.
-            from .runtime.layout import prepare_in_place
+            from ...runtime.layout import prepare_in_place
             names = prepare_in_place({n: getattr(layer, n) for n in layer.moet_tensor_names})
             for natural in set(names) & set(layer.moet_tensor_names):
                 is_param, tensor = natural in layer._parameters, getattr(layer, natural)
@@ -160,15 +160,15 @@ def quant_classes() -> tuple[type, type]:
             layer.moet_tensor_names = tuple(names.get(n, n) for n in layer.moet_tensor_names)
             # every kernel the layer can launch, compiled now rather than at its first forward (a no-op where
             # the plane kernels do not run, and for each layer after the first: runtime/warm_up.py)
-            from .runtime.dequant import LayerPlanes
-            from .runtime.warm_up import warm_up
+            from ...runtime.dequant import LayerPlanes
+            from ...runtime.warm_up import warm_up
             warm_up(LayerPlanes.from_tensors({n: getattr(layer, n) for n in layer.moet_tensor_names}),
                     dtype=layer.moet_act_dtype)
 
         def apply(self, layer: torch.nn.Module, x: torch.Tensor, topk_weights: torch.Tensor,
                   topk_ids: torch.Tensor, shared_experts: Any = None,
                   shared_experts_input: torch.Tensor | None = None) -> torch.Tensor:
-            from .runtime import fused_moe
+            from ...runtime import fused_moe
             tensors = {n: getattr(layer, n) for n in layer.moet_tensor_names}
             limit = getattr(layer, "swiglu_limit", None)
             if limit is None:
