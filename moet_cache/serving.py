@@ -456,13 +456,14 @@ try:
     eps = [ep for ep in entry_points(group="vllm.general_plugins") if ep.name == "moet_cache"]
     env["entry_point"] = eps[0].value if eps else None
     if eps:
-        eps[0].load()                  # the module with the moet loader and quantization method
-    import importlib, importlib.util, moet_cache, moet_cache.integrations.vllm.loader
+        eps[0].load()                  # the plugin module, which registers the moet loader and method
+    # moet_cache.load: what the loader reads the cache with (torch, numpy, safetensors must import here)
+    import importlib.util, moet_cache, moet_cache.load, moet_cache.integrations.vllm.plugin
     env["moet_cache"] = moet_cache.__file__
     env["moet_version"] = getattr(moet_cache, "__version__", None)
+    # the quantization method `moet`, found, not imported: it imports vLLM's fused-MoE layers, which the
+    # plugin imports in vLLM's own start (and warns there where they fail)
     env["moet_quant"] = importlib.util.find_spec("moet_cache.integrations.vllm.method") is not None
-    if env["moet_quant"]:
-        importlib.import_module("moet_cache.integrations.vllm.method")   # the quantization method `moet`
 except Exception as e:
     env["moet_error"] = f"{type(e).__name__}: {e}"
 print(M + json.dumps({"version": vllm.__version__, "options": opts, "env": env}), flush=True)

@@ -191,7 +191,7 @@ def test_serve_checks_that_moet_imports_where_vllm_runs(cache: Path, tmp_path: P
     # Importable but not installed (no entry point): vLLM would not load the moet loader either.
     table = OptionTable("0.34.0", "/x/python", {}, {"moet_cache": "/x/moet_cache/__init__.py", "entry_point": None})
     assert "entry point is not registered" in check_plugin_env(table)[0]
-    ok = {"moet_cache": "m", "entry_point": "moet_cache.integrations.vllm.loader:register", "moet_quant": True}
+    ok = {"moet_cache": "m", "entry_point": "moet_cache.integrations.vllm.plugin:register", "moet_quant": True}
     assert check_plugin_env(replace(table, environment=ok)) == []
     old = check_plugin_env(replace(table, environment={**ok, "moet_quant": False}))
     import importlib.util
