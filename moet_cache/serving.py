@@ -457,8 +457,9 @@ try:
     env["entry_point"] = eps[0].value if eps else None
     if eps:
         eps[0].load()                  # the plugin module, which registers the moet loader and method
-    # moet_cache.load: what the loader reads the cache with (torch, numpy, safetensors must import here)
-    import importlib.util, moet_cache, moet_cache.load, moet_cache.integrations.vllm.plugin
+    # moet_cache.load and .runtime: what the loader reads the cache with and what the method computes with
+    # (torch, numpy, safetensors must import here)
+    import importlib.util, moet_cache, moet_cache.load, moet_cache.runtime, moet_cache.integrations.vllm.plugin
     env["moet_cache"] = moet_cache.__file__
     env["moet_version"] = getattr(moet_cache, "__version__", None)
     # the quantization method `moet`, found, not imported: it imports vLLM's fused-MoE layers, which the
