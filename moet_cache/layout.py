@@ -27,7 +27,7 @@ class Role(StrEnum):
     DELTA_INDEX = "delta-index"      # which experts the tier holds
     SOURCE_MAP = "source-map"
     AUX = "aux"                      # the model folder's files
-    # The model folder's config.json is the one vLLM reads (quant_method moet, vllm_config.py); the source's
+    # The model folder's config.json is the one vLLM reads (quant_method moet, quant_block.py); the source's
     # own config.json is kept byte for byte beside it for export.
     SOURCE_CONFIG = "source-config"
     PART = "part-manifest"           # a finished piece of a build (dense shard, tier), for resume

@@ -42,8 +42,8 @@ if TYPE_CHECKING:
 VLLM_PIN = "0.34.0"
 TORCH_PIN = "2.14.0"          # vLLM 0.34.0's own pin (its wheel requires torch==2.14.0)
 PARSER_NAME = "moet_deepseek"
-PARSER_MODULE = "moet_cache.vllm_parsers"
-QUANT_MODULE = "moet_cache.vllm_quant"      # the vLLM quantization method `moet`
+PARSER_MODULE = "moet_cache.integrations.vllm.parsers"
+QUANT_MODULE = "moet_cache.integrations.vllm.method"      # the vLLM quantization method `moet`
 LOAD_FORMAT = "moet"
 PROBE_MARK = "MOET_CACHE_PROBE "
 PROBE_TIMEOUT_S = 300
@@ -527,13 +527,15 @@ try:
     eps = [ep for ep in entry_points(group="vllm.general_plugins") if ep.name == "moet_cache"]
     env["entry_point"] = eps[0].value if eps else None
     if eps:
-        eps[0].load()                  # the module with the moet loader and quantization method
-    import importlib, importlib.util, moet_cache, moet_cache.vllm_plugin
+        eps[0].load()                  # the plugin module, which registers the moet loader and method
+    # moet_cache.load and .runtime: what the loader reads the cache with and what the method computes with
+    # (torch, numpy, safetensors must import here)
+    import importlib.util, moet_cache, moet_cache.load, moet_cache.runtime, moet_cache.integrations.vllm.plugin
     env["moet_cache"] = moet_cache.__file__
     env["moet_version"] = getattr(moet_cache, "__version__", None)
-    env["moet_quant"] = importlib.util.find_spec("moet_cache.vllm_quant") is not None
-    if env["moet_quant"]:
-        importlib.import_module("moet_cache.vllm_quant")   # the quantization method `moet`
+    # the quantization method `moet`, found, not imported: it imports vLLM's fused-MoE layers, which the
+    # plugin imports in vLLM's own start (and warns there where they fail)
+    env["moet_quant"] = importlib.util.find_spec("moet_cache.integrations.vllm.method") is not None
 except Exception as e:
     env["moet_error"] = f"{type(e).__name__}: {e}"
 print(M + json.dumps({"version": vllm.__version__, "options": opts, "env": env}), flush=True)
@@ -672,7 +674,7 @@ class ServeCommand:
 
 
 def parser_plugin_path() -> str | None:
-    """The file of moet_cache.vllm_parsers, found without importing it (it imports vLLM)."""
+    """The file of moet_cache.integrations.vllm.parsers, found without importing it (it imports vLLM)."""
     spec = importlib.util.find_spec(PARSER_MODULE)
     return str(Path(spec.origin).resolve()) if spec and spec.origin else None
 

@@ -26,10 +26,11 @@ from moet_cache.runtime import fused_moe
 from moet_cache.runtime.dequant import LayerPlanes
 from moet_cache.runtime.reference import fused_moe_reference
 from moet_cache.synthetic import dspark_v4_spec, make_v4_checkpoint, small_v4_spec
-from moet_cache.vllm_plugin import PluginOptions, load_into_model, register
 
 pytestmark = pytest.mark.vllm
 vllm = pytest.importorskip("vllm.model_executor.layers.quantization", reason="vLLM is not installed")
+from moet_cache.integrations.vllm.loader import PluginOptions, load_into_model  # noqa: E402 (imports vLLM)
+from moet_cache.integrations.vllm.plugin import register  # noqa: E402
 
 E, H, I, TOP_K, N = 16, 256, 128, 4, 4    # the tiny V4's experts; N main layers, drafter blocks from layer N
 LIMIT = 10.0                              # the tiny V4's swiglu_limit

@@ -18,8 +18,8 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE_DIRS = {"moet_cache": ROOT / "moet_cache", "moet_cache.cli": ROOT / "cli",
                 "moet_cache.manifests": ROOT / "manifests"}
 
-SEAMS, FORMATS, CACHE, COMMANDS, CLI = range(5)
-LAYER_NAMES = ("seams", "formats", "the cache", "commands", "cli")
+SEAMS, FORMATS, CACHE, COMMANDS, INTEGRATIONS, CLI = range(6)
+LAYER_NAMES = ("seams", "formats", "the cache", "commands", "integrations", "cli")
 # a module's layer: its own entry, else its package's (the root package `moet_cache` counts only for itself)
 LAYERS = {
     # seams: no knowledge of models or caches
@@ -29,11 +29,12 @@ LAYERS = {
     **dict.fromkeys(["families", "formats", "modelconfig", "fp4", "planes", "_kernels", "parallel"], FORMATS),
     # the cache: its records and files, the commit, and the source reader (its fingerprint is a manifest record)
     **dict.fromkeys(["manifest", "layout", "geometry", "cacheview", "commit", "folders", "stread", "tiering",
-                     "checkpoint", "manifests", "quality_curve"], CACHE),
+                     "checkpoint", "manifests", "quality_curve", "quant_block"], CACHE),
     # commands: what the CLI and vLLM call (the package's API loads them lazily)
     **dict.fromkeys(["", "build", "load", "runtime", "parsers", "verifier", "exporter", "inspection", "vram",
-                     "kv_v4", "drafter_vram", "serving", "synthetic", "expand", "vllm_config", "vllm_plugin", "vllm_quant",
-                     "vllm_parsers"], COMMANDS),
+                     "kv_v4", "drafter_vram", "serving", "synthetic", "expand"], COMMANDS),
+    # integrations: the glue a serving program (vLLM) imports through its plugins; it may import vLLM
+    "integrations": INTEGRATIONS,
     "cli": CLI,
 }
 LAYERS = {("moet_cache." + k).rstrip("."): v for k, v in LAYERS.items()}
@@ -57,10 +58,11 @@ LAZY: dict[str, tuple[frozenset[str], str]] = {
                         "a plan from a checkpoint: " + _LIGHT_CLI),
     "moet_cache.serving": (frozenset({"moet_cache.cacheview", "moet_cache.verifier"}), _LIGHT_CLI),
     "moet_cache.commit": (frozenset({"moet_cache.verifier"}), "see UPWARD"),
-    "moet_cache.vllm_plugin": (frozenset({"moet_cache.vllm_quant"}), "registered in vLLM's process only"),
-    "moet_cache.vllm_quant": (frozenset({"moet_cache.runtime", "moet_cache.runtime.layout",
-                                         "moet_cache.runtime.dequant", "moet_cache.runtime.warm_up"}),
-                              "the kernels at weight load, inside vLLM"),
+    "moet_cache.integrations.vllm.plugin": (frozenset({"moet_cache.integrations.vllm.config",
+                                                       "moet_cache.integrations.vllm.loader",
+                                                       "moet_cache.integrations.vllm.parsers"}),
+                                            "they import vLLM, an optional dependency: the entry point "
+                                            "imports without it and says where vLLM fails to import"),
     "moet_cache.runtime.triton_experts": (frozenset({"moet_cache.runtime.triton_moe"}),
                                           "triton is optional: " + _CUDA),
     "moet_cache.cli._common": (frozenset({"moet_cache.commit", "moet_cache.version"}), _LIGHT_CLI),
@@ -219,6 +221,18 @@ def test_the_projects_modules_are_imported_at_the_top_unless_listed() -> None:
     assert not unlisted, "move the import to the top, or list it in LAZY with the reason:\n" + "\n".join(unlisted)
 
 
+def test_only_the_integrations_import_the_integrations() -> None:
+    """The engine and the CLI never import moet_cache.integrations (it imports vLLM, an optional dependency);
+    serve names its modules as strings and finds them without importing them."""
+    edges = import_edges()
+    assert any(e.importer == "moet_cache.integrations.vllm.config" and
+               e.imported == "moet_cache.integrations.vllm.method" for e in edges)  # the visitor sees them
+    outside = sorted({f"{e.importer}:{e.line} imports {e.imported}" for e in edges
+                      if e.imported.startswith("moet_cache.integrations")
+                      and not e.importer.startswith("moet_cache.integrations")})
+    assert not outside, "\n".join(outside)
+
+
 def test_the_lists_name_only_what_is_there() -> None:
     edges = {(e.importer, e.imported) for e in import_edges()}
     lazy = {(e.importer, e.imported) for e in import_edges() if e.in_function}
@@ -232,7 +246,7 @@ def test_the_lists_name_only_what_is_there() -> None:
 def test_the_architecture_page_names_each_module_in_its_layer() -> None:
     page = (ROOT / "docs" / "ARCHITECTURE.md").read_text()
     table = page[page.index("## Layers"):].split("```")[1]
-    rows = table.split("---+")  # cli, commands, the cache, formats, seams: top to bottom
+    rows = table.split("---+")  # cli, integrations, commands, the cache, formats, seams: top to bottom
     assert len(rows) == len(LAYER_NAMES)
     text_of = {layer: rows[len(LAYER_NAMES) - 1 - layer] for layer in range(len(LAYER_NAMES))}
     for layer, name in enumerate(LAYER_NAMES):

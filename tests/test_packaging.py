@@ -81,7 +81,7 @@ def test_wheel_names_the_console_script_and_the_vllm_plugin(wheel: zipfile.ZipFi
     cp = configparser.ConfigParser()
     cp.read_string(wheel.read(ep).decode())
     assert cp["console_scripts"]["moet-cache"] == "moet_cache.cli.app:run"
-    assert cp["vllm.general_plugins"]["moet_cache"] == "moet_cache.vllm_plugin:register"
+    assert cp["vllm.general_plugins"]["moet_cache"] == "moet_cache.integrations.vllm.plugin:register"
 
 
 def test_every_runtime_dependency_is_imported() -> None:

@@ -26,11 +26,12 @@ from moet_cache.load import Shard
 from moet_cache.load import reads as load_reads
 from moet_cache.runtime.launch import Config, config_named
 from moet_cache.runtime.mma_moe import CHUNK_WORDS
-from moet_cache.vllm_plugin import PluginOptions, load_into_model, register
-from moet_cache.vllm_quant import TP_KERNEL_WIDTH, check_tp_width
 
 pytestmark = pytest.mark.vllm
 quantization = pytest.importorskip("vllm.model_executor.layers.quantization", reason="vLLM is not installed")
+from moet_cache.integrations.vllm.loader import PluginOptions, load_into_model  # noqa: E402 (imports vLLM)
+from moet_cache.integrations.vllm.method import TP_KERNEL_WIDTH, check_tp_width  # noqa: E402 (imports vLLM)
+from moet_cache.integrations.vllm.plugin import register  # noqa: E402
 
 E, H, I, TOP_K = 16, 256, 128, 4        # small_spec
 LAYERS = (1, 2, 3)

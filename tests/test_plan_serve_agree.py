@@ -191,11 +191,11 @@ def test_serve_checks_that_moet_imports_where_vllm_runs(cache: Path, tmp_path: P
     # Importable but not installed (no entry point): vLLM would not load the moet loader either.
     table = OptionTable("0.34.0", "/x/python", {}, {"moet_cache": "/x/moet_cache/__init__.py", "entry_point": None})
     assert "entry point is not registered" in check_plugin_env(table)[0]
-    ok = {"moet_cache": "m", "entry_point": "moet_cache.vllm_plugin:register", "moet_quant": True}
+    ok = {"moet_cache": "m", "entry_point": "moet_cache.integrations.vllm.plugin:register", "moet_quant": True}
     assert check_plugin_env(replace(table, environment=ok)) == []
     old = check_plugin_env(replace(table, environment={**ok, "moet_quant": False}))
     import importlib.util
-    assert bool(old) == (importlib.util.find_spec("moet_cache.vllm_quant") is not None)   # an older install there
+    assert bool(old) == (importlib.util.find_spec("moet_cache.integrations.vllm.method") is not None)   # an older install there
 
 
 def test_dry_run_prints_the_command_when_vllm_is_broken(cache: Path, tmp_path: Path,

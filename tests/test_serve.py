@@ -91,7 +91,7 @@ def test_dry_run_default_preset_fitted_to_the_model(served: Path, monkeypatch: p
     assert f["--load-format"] == ["moet"]
     assert json.loads(f["--model-loader-extra-config"][0]) == {"cache": str(served.resolve())}
     assert f["--served-model-name"] == ["DeepSeek-Tiny-NVFP4"]
-    plugin = str((Path(__file__).parents[1] / "moet_cache" / "vllm_parsers.py").resolve())
+    plugin = str((Path(__file__).parents[1] / "moet_cache" / "integrations" / "vllm" / "parsers.py").resolve())
     assert f["--reasoning-parser"] == ["moet_deepseek"] and f["--reasoning-parser-plugin"] == [plugin]
     assert f["--tool-call-parser"] == ["moet_deepseek"] and f["--tool-parser-plugin"] == [plugin]
     assert f["--enable-auto-tool-choice"] == []
@@ -183,7 +183,7 @@ def test_a_changed_file_makes_the_loader_hash_every_tensor(cache_copy: Path, mon
     extra = json.loads(_flags(doc["argv"])["--model-loader-extra-config"][0])
     assert extra == {"cache": str(cache_copy.resolve()), "verify": "hash"}
     # The contract with the loader plugin: it takes this extra config as it stands.
-    from moet_cache.vllm_plugin import LOAD_FORMAT, PluginOptions
+    from moet_cache.integrations.vllm.loader import LOAD_FORMAT, PluginOptions
     opts = PluginOptions.from_extra(extra)
     assert opts.verify == "hash" and opts.cache == str(cache_copy.resolve())
     assert _flags(doc["argv"])["--load-format"] == [LOAD_FORMAT]

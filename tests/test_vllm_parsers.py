@@ -16,7 +16,7 @@ from vllm.parser.parser_manager import ParserManager
 from vllm.reasoning.abs_reasoning_parsers import ReasoningParserManager
 from vllm.tool_parsers.abstract_tool_parser import ToolParserManager
 
-from moet_cache import vllm_parsers as vp
+from moet_cache.integrations.vllm import parsers as vp
 from moet_cache.parsers import parse
 from moet_cache.parsers.markers import FIXED
 

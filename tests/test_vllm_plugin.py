@@ -1,5 +1,6 @@
-"""The vLLM model-loader plugin: its weight mapping against a fake model with vLLM's parameter names
-and shapes (no vLLM needed), importing without vLLM, and (marker vllm) vLLM's real loader registry."""
+"""The vLLM plugin and model loader: the loader's weight mapping against a fake model with vLLM's parameter
+names and shapes, the entry point importing without vLLM (and naming a vLLM that fails part-way), and
+(marker vllm) vLLM's real registries. The loader module imports vLLM: skipped without it."""
 
 from __future__ import annotations
 
@@ -16,7 +17,10 @@ from torch import nn
 from moet_cache.checkpoint import open_checkpoint
 from moet_cache.errors import InputError
 from moet_cache.load import open_cache
-from moet_cache.vllm_plugin import LOAD_FORMAT, PluginOptions, load_into_model, register
+from moet_cache.integrations.vllm.plugin import register
+
+pytest.importorskip("vllm.model_executor.model_loader", reason="vLLM is not installed")
+from moet_cache.integrations.vllm.loader import LOAD_FORMAT, PluginOptions, load_into_model  # noqa: E402
 
 E, H, I = 16, 256, 128  # small_spec
 
@@ -153,7 +157,7 @@ def test_options_from_extra_config() -> None:
 
 def test_imports_and_registers_nothing_without_vllm() -> None:
     code = ("import sys; sys.modules['vllm'] = None\n"
-            "import moet_cache.vllm_plugin as p\n"
+            "import moet_cache.integrations.vllm.plugin as p\n"
             "print('registered:', p.register())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
@@ -177,7 +181,7 @@ def test_vllm_that_fails_part_way_is_named_at_registration(tmp_path, case: str) 
     (tmp_path / "vllm" / "__init__.py").write_text("")
     (tmp_path / "vllm" / "model_executor" / "__init__.py").write_text("")
     (loader / "__init__.py").write_text(body)
-    code = "import moet_cache.vllm_plugin as p\nprint('registered:', p.register())"
+    code = "import moet_cache.integrations.vllm.plugin as p\nprint('registered:', p.register())"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env,
                          cwd=tmp_path)
@@ -196,7 +200,6 @@ def test_entry_point_declared() -> None:
 
 @pytest.mark.vllm
 def test_registers_with_vllms_real_loader_registry(lossless) -> None:
-    pytest.importorskip("vllm.model_executor.model_loader")
     from vllm.config.load import LoadConfig
     from vllm.model_executor.model_loader import BaseModelLoader, get_model_loader
 
@@ -211,3 +214,24 @@ def test_registers_with_vllms_real_loader_registry(lossless) -> None:
     assert model.model.layers[3].mlp.experts.w2_weight.abs().sum() > 0 and model.dense
     with pytest.raises(InputError, match="needs the cache"):
         get_model_loader(LoadConfig(load_format=LOAD_FORMAT))
+
+
+@pytest.mark.vllm
+def test_the_entry_point_registers_the_integrations_module_level_classes() -> None:
+    """In a fresh process (nothing registered yet): the entry point alone makes vLLM's registries name the
+    method's config, the loader and both parsers, each the class defined at the top of its module."""
+    code = ("from importlib.metadata import entry_points\n"
+            "[ep] = [e for e in entry_points(group='vllm.general_plugins') if e.name == 'moet_cache']\n"
+            "from vllm.model_executor.layers.quantization import get_quantization_config\n"
+            "from vllm.reasoning.abs_reasoning_parsers import ReasoningParserManager\n"
+            "from vllm.tool_parsers.abstract_tool_parser import ToolParserManager\n"
+            "from moet_cache.integrations.vllm import config, loader, parsers\n"
+            "assert ReasoningParserManager.reasoning_parsers.pop('moet_deepseek')  # registered on import\n"
+            "assert ToolParserManager.tool_parsers.pop('moet_deepseek')\n"
+            "cls = ep.load()()\n"
+            "print(cls is loader.MoetModelLoader, get_quantization_config('moet') is config.MoetConfig,\n"
+            "      ReasoningParserManager.get_reasoning_parser('moet_deepseek') is parsers.MoetDeepSeekReasoningParser,\n"
+            "      ToolParserManager.get_tool_parser('moet_deepseek') is parsers.MoetDeepSeekToolParser)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["True"] * 4

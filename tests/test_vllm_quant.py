@@ -19,10 +19,11 @@ from torch import nn
 
 from moet_cache.errors import InputError
 from moet_cache.load import open_cache
-from moet_cache.vllm_plugin import PluginOptions, load_into_model, register
 
 pytestmark = pytest.mark.vllm
 vllm = pytest.importorskip("vllm.model_executor.layers.quantization", reason="vLLM is not installed")
+from moet_cache.integrations.vllm.loader import PluginOptions, load_into_model  # noqa: E402 (imports vLLM)
+from moet_cache.integrations.vllm.plugin import register  # noqa: E402
 
 E, H, I, TOP_K = 16, 256, 128, 4        # small_spec
 LIMIT = 7.0

@@ -20,7 +20,7 @@ from ..errors import InputError
 from ..fsutil import read_all, refuse_links
 from ..manifest import FORMAT_VERSION, FileEntry, LayerManifest, PartManifest
 from ..stwriter import SafetensorsWriter, TensorSpec
-from ..vllm_config import SERVED_CONFIG, SOURCE_CONFIG, LayerForm, served_config_bytes
+from ..quant_block import SERVED_CONFIG, SOURCE_CONFIG, LayerForm, served_config_bytes
 from ..window import bounded_window
 from .parts import Counters, read_entry, reusable_part, write_bytes_entry, write_record_entry, \
     written_entries
@@ -117,7 +117,7 @@ def planned_paths(plan: BuildPlan, aux: list[tuple[str, Path]]) -> list[str]:
 
 def served_config(root: Path, files: list[FileEntry], layers: dict[int, LayerManifest]) -> list[FileEntry]:
     """model/config.json: what vLLM reads, the source's config.json with `quant_method: moet` and the
-    source's block inside (vllm_config.py); the source's own bytes stay in model/config.source.json."""
+    source's block inside (quant_block.py); the source's own bytes stay in model/config.source.json."""
     entry = next((f for f in files if f.role == L.Role.SOURCE_CONFIG), None)
     if entry is None:
         return files

@@ -1,8 +1,7 @@
-"""vLLM model-loader plugin: `vllm serve MODEL --load-format moet --model-loader-extra-config '{"cache": DIR}'`.
+"""vLLM's model loader for `vllm serve MODEL --load-format moet --model-loader-extra-config '{"cache": DIR}'`.
 
-Registered through the `vllm.general_plugins` entry point (pyproject.toml). This module imports
-without vLLM: the weight mapping (`load_into_model`) is plain torch and is tested against a fake
-model; the BaseModelLoader subclass is only defined when `register()` finds vLLM.
+`MoetModelLoader` (over vLLM's BaseModelLoader) is registered by plugin.register(); its work,
+`load_into_model`, is plain torch and is tested against a fake model with vLLM's parameter names.
 
 Mapping (docs/LOADER.md): each served layer's tensors go into the fused-MoE module of layer L
 (`model.layers.{L}.mlp.experts.` in vLLM's DeepSeek-V3 models, `model.layers.{L}.ffn.experts.routed_experts.`
@@ -18,23 +17,19 @@ is refused.
 
 from __future__ import annotations
 
-import functools
-import importlib.util
-import logging
 import re
 import time
 from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
 import torch
+from vllm.model_executor.model_loader import BaseModelLoader, register_model_loader
 
-from .enums import DeltaMode, VerifyMode
-from .errors import InputError
-from .load import DELTA_EXPERTS, Shard, open_cache
-from .load.options import check_delta, check_inflight, check_verify, check_workers
-from .vllm_quant import layer_index
-
-_log = logging.getLogger(__name__)
+from ...enums import DeltaMode, VerifyMode
+from ...errors import InputError
+from ...load import DELTA_EXPERTS, Shard, open_cache
+from ...load.options import check_delta, check_inflight, check_verify, check_workers
+from .method import layer_index
 
 LOAD_FORMAT = "moet"
 _TIER_SHAPED = ("w13_delta", "w2_delta", DELTA_EXPERTS)
@@ -97,7 +92,7 @@ def experts_prefixes(names: Any, built_as: Mapping[str, str] | None = None) -> d
     built_as: module path + "." -> the layer name vLLM built that experts module with (its `layer_name`),
     whose number wins over the path's: vLLM's DSpark draft model keeps drafter block K at `model.layers.K`
     but builds it as layer num_hidden_layers + K (vllm/models/deepseek_v4/nvidia/dspark.py), the cache's
-    number for mtp.K, as the moet method reads it (vllm_quant.layer_index)."""
+    number for mtp.K, as the moet method reads it (method.layer_index)."""
     out: dict[int, str] = {}
     for n in names:
         m = _EXPERTS.match(n)
@@ -211,55 +206,24 @@ def _load_shards(cache: Any, served: list[int], modules: dict[str, torch.nn.Modu
                               max_inflight=opts.max_inflight, expand=expand, layers=layers, shard=shard)
 
 
-@functools.lru_cache(maxsize=1)
-def _loader_class() -> type:
-    """Define and register the vLLM loader class (once; needs vLLM)."""
-    from vllm.model_executor.model_loader import BaseModelLoader, register_model_loader
+class MoetModelLoader(BaseModelLoader):  # type: ignore[misc]
+    """Loads a model's weights from a moet-cache folder instead of the checkpoint."""
 
-    class MoetModelLoader(BaseModelLoader):  # type: ignore[misc, valid-type]
-        """Loads a model's weights from a moet-cache folder instead of the checkpoint."""
+    def __init__(self, load_config: Any) -> None:
+        super().__init__(load_config)
+        self.options = PluginOptions.from_extra(load_config.model_loader_extra_config)
 
-        def __init__(self, load_config: Any) -> None:
-            super().__init__(load_config)
-            self.options = PluginOptions.from_extra(load_config.model_loader_extra_config)
+    def download_model(self, model_config: Any) -> None:
+        open_cache(self.options.cache)  # nothing to download: check the cache early instead
 
-        def download_model(self, model_config: Any) -> None:
-            open_cache(self.options.cache)  # nothing to download: check the cache early instead
+    def load_weights(self, model: torch.nn.Module, model_config: Any) -> None:
+        load_into_model(model, self.options)
 
-        def load_weights(self, model: torch.nn.Module, model_config: Any) -> None:
-            load_into_model(model, self.options)
 
+def register() -> type:
+    """Register MoetModelLoader as vLLM's `--load-format moet`."""
     return register_model_loader(LOAD_FORMAT)(MoetModelLoader)
 
 
-def vllm_installed() -> bool:
-    """Whether a vLLM package is there to import (not hidden by a None in sys.modules): then an ImportError
-    of its modules means it failed part-way (a compiled extension or a library it needs is missing)."""
-    try:
-        return importlib.util.find_spec("vllm") is not None
-    except (ImportError, ValueError):
-        return False
-
-
-def register() -> type | None:
-    """The `vllm.general_plugins` entry point: registers `--load-format moet` and the quantization method
-    `moet` (vllm_quant.py); returns the loader class, None without vLLM. Registering again changes nothing.
-    Where vLLM is installed but its import fails, a warning says what failed (vLLM would only say later
-    that `moet` is an invalid quantization method or load format)."""
-    try:
-        import vllm.model_executor.model_loader  # noqa: F401
-
-        from .vllm_quant import quant_classes
-        quant_classes()  # imports vLLM's fused-MoE and quantization modules, which may fail the same way
-    except ImportError as e:
-        if vllm_installed():
-            _log.warning("moet-cache: vLLM is installed but does not import (%s: %s), so --load-format moet and "
-                         "--quantization moet are not registered; reinstall the vLLM build that matches this "
-                         "torch and GPU, and check with: python -c 'import vllm.model_executor.model_loader'",
-                         type(e).__name__, str(e).replace("\n", " "))
-        return None
-    return _loader_class()
-
-
-__all__ = ["register", "load_into_model", "PluginOptions", "LoadSummary", "LOAD_FORMAT", "experts_prefix",
-           "experts_prefixes", "built_layer_names"]
+__all__ = ["MoetModelLoader", "register", "load_into_model", "PluginOptions", "LoadSummary", "LOAD_FORMAT",
+           "experts_prefix", "experts_prefixes", "built_layer_names"]

@@ -4,8 +4,8 @@ Both adapters are registered as "moet_deepseek" when this module is imported
 with vLLM installed. Serve with:
 
     vllm serve MODEL \\
-        --reasoning-parser-plugin moet_cache.vllm_parsers --reasoning-parser moet_deepseek \\
-        --tool-parser-plugin moet_cache.vllm_parsers --tool-call-parser moet_deepseek \\
+        --reasoning-parser-plugin moet_cache.integrations.vllm.parsers --reasoning-parser moet_deepseek \\
+        --tool-parser-plugin moet_cache.integrations.vllm.parsers --tool-call-parser moet_deepseek \\
         --enable-auto-tool-choice
 
 (a path to this file works for either plugin flag too).

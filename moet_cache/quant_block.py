@@ -13,7 +13,7 @@ NVFP4, DeepSeek-V4's FP8 config, ...). `layers` lists every cache layer (docs/FO
 V4 drafter block K is layer num_hidden_layers + K, which is where vLLM builds it too) with the form of
 each block-scale tensor (CONTRACT fact 2) and whether the cache holds input scales. The source's
 config.json itself is kept byte for byte beside it (`model/config.source.json`) for `export`.
-No vLLM import here: the builder writes the block, the vLLM method (vllm_quant.py) reads it.
+No vLLM import here: the builder writes the block, the vLLM method (integrations/vllm) reads it.
 """
 
 from __future__ import annotations
