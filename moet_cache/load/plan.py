@@ -95,9 +95,12 @@ def read_pack_header(root: Path, fe: FileEntry, opened: Mapping[str, FileId] | N
     return head
 
 
-def layer_job(lm: LayerManifest, delta: DeltaMode, experts: tuple[int, ...], pack: Header | None) -> Job:
+def layer_job(lm: LayerManifest, delta: DeltaMode, experts: tuple[int, ...], pack: Header | None,
+              mid: tuple[int, ...] = ()) -> Job:
     """Layer lm's reads for delta mode `delta`; `experts`: the tier's experts of this layer (the delta
-    index's); `pack`: the tier pack's header (needed only when delta is "tier" and experts is not empty)."""
+    index's); `mid`: its mid-tier experts, read with delta "tier" only (with "all" every expert is FP4, with
+    "none" none needs more than its base); `pack`: the tier pack's header (needed only when delta is "tier"
+    and experts or mid is not empty)."""
     roles = {f.path: f.role for f in lm.files}
     reads = [Read.of(t, lm.layer) for t in lm.tensors if roles[t.file] == L.Role.BASE]
     geo = lm.geometry()
@@ -122,6 +125,15 @@ def layer_job(lm: LayerManifest, delta: DeltaMode, experts: tuple[int, ...], pac
                     raise VerificationError(f"{L.PACK}: tensor {name} is missing or has the wrong shape "
                                             f"(the index names {len(experts)} experts)", "run moet-cache build again")
                 reads.append(Read(spec.name, L.PACK, got.begin, got.end, "U8", spec.shape, None, lm.layer))
+                uses_pack = True
+        if mid:
+            for spec in geo.mid_specs(len(mid)):
+                name = L.pack_tensor(lm.layer, spec.name)
+                got = pack.tensors.get(name) if pack is not None else None
+                if got is None or got.dtype != spec.dtype or got.shape != spec.shape:
+                    raise VerificationError(f"{L.PACK}: tensor {name} is missing or has the wrong shape "
+                                            f"(the index names {len(mid)} mid-tier experts)", "run moet-cache build again")
+                reads.append(Read(spec.name, L.PACK, got.begin, got.end, spec.dtype, spec.shape, None, lm.layer))
                 uses_pack = True
     return Job(tuple(reads), lm.layer, uses_pack)
 
