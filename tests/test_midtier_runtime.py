@@ -119,3 +119,38 @@ def test_fused_moe_cpu_reference_computes_mid_experts_at_3_bits(mid_cache: tuple
     base_only = {k: v for k, v in t.items() if "mid" not in k}
     assert not torch.allclose(fused_moe(x, base_only, w, ids), got, rtol=1e-3, atol=1e-4)
     assert planes.has_mid and not LayerPlanes.from_tensors(base_only).has_mid
+
+
+# --- the kernel paths: each says whether it decodes the mid tier; launch falls back where none does ---------
+E, H, I = 8, 512, 256
+
+
+def test_the_kernel_paths_refuse_a_mid_tier_layer_and_launch_falls_back_to_the_reference() -> None:
+    from moet_cache.runtime.launch import DEFAULT, cuda_experts
+    from moet_cache.runtime.mma_moe import DecodeExperts
+    from moet_cache.runtime.mma_prefill import Prefill, PrefillExperts
+    from moet_cache.runtime.reference import ReferenceExperts, fused_moe_reference
+    from moet_cache.runtime.synthetic_layer import random_layer
+    from moet_cache.runtime.triton_experts import TritonExperts
+    layer = random_layer(E, H, I, n_tier=2, e8m0=True, device="cpu", seed=5, n_mid=3)
+    planes = LayerPlanes.from_tensors(layer)
+    assert planes.has_mid
+    x = torch.randn(4, H).to(torch.bfloat16)
+    paths = [DecodeExperts(DEFAULT.pick(3, mma_runs=True)), PrefillExperts(Prefill())]
+    if not TritonExperts.decodes_mid:
+        paths.append(TritonExperts(DEFAULT.pick(3, mma_runs=False, prefill_runs=False)))
+    for path in paths:
+        assert path.unsupported(planes, x, 12) == f"{type(path).__name__} does not decode the mid tier this layer has"
+    assert ReferenceExperts().supports(planes, x, 12)
+    for pairs in (3, 60, 6000):
+        got = cuda_experts(x, planes, pairs, DEFAULT)
+        assert got.supports(planes, x, pairs) and got.decodes_mid
+    # the mid planes are used: the reference's output differs from the same layer without them
+    ids = torch.tensor([[int(e) for e in planes.mid.mid_experts[:2]]] * 4)
+    w = torch.rand(4, 2)
+    plain = {k: v for k, v in layer.items() if "mid" not in k}
+    assert not torch.equal(fused_moe_reference(x, planes, w, ids), fused_moe_reference(x, LayerPlanes.from_tensors(plain), w, ids))
+    # a layer whose mid tier is empty is no mid-tier layer: the Triton kernels still take it
+    empty = dict(layer, mid_experts=layer["mid_experts"][:0], w13_mid=layer["w13_mid"][:0], w2_mid=layer["w2_mid"][:0],
+                 w13_mid_table=layer["w13_mid_table"][:0], w2_mid_table=layer["w2_mid_table"][:0])
+    assert isinstance(cuda_experts(x, LayerPlanes.from_tensors(empty), 3, DEFAULT), TritonExperts)
