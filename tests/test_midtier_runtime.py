@@ -4,7 +4,12 @@ straight from the source checkpoint."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -136,15 +141,12 @@ def test_the_kernel_paths_refuse_a_mid_tier_layer_and_launch_falls_back_to_the_r
     planes = LayerPlanes.from_tensors(layer)
     assert planes.has_mid
     x = torch.randn(4, H).to(torch.bfloat16)
-    paths = [DecodeExperts(DEFAULT.pick(3, mma_runs=True)), PrefillExperts(Prefill())]
-    if not TritonExperts.decodes_mid:
-        paths.append(TritonExperts(DEFAULT.pick(3, mma_runs=False, prefill_runs=False)))
-    for path in paths:
+    for path in (DecodeExperts(DEFAULT.pick(3, mma_runs=True)), PrefillExperts(Prefill())):
         assert path.unsupported(planes, x, 12) == f"{type(path).__name__} does not decode the mid tier this layer has"
     assert ReferenceExperts().supports(planes, x, 12)
-    for pairs in (3, 60, 6000):
+    for pairs in (3, 60, 6000):  # the Triton kernels decode it (tested under the interpreter below)
         got = cuda_experts(x, planes, pairs, DEFAULT)
-        assert got.supports(planes, x, pairs) and got.decodes_mid
+        assert isinstance(got, TritonExperts) and got.supports(planes, x, pairs) and got.decodes_mid
     # the mid planes are used: the reference's output differs from the same layer without them
     ids = torch.tensor([[int(e) for e in planes.mid.mid_experts[:2]]] * 4)
     w = torch.rand(4, 2)
@@ -154,3 +156,43 @@ def test_the_kernel_paths_refuse_a_mid_tier_layer_and_launch_falls_back_to_the_r
     empty = dict(layer, mid_experts=layer["mid_experts"][:0], w13_mid=layer["w13_mid"][:0], w2_mid=layer["w2_mid"][:0],
                  w13_mid_table=layer["w13_mid_table"][:0], w2_mid_table=layer["w2_mid_table"][:0])
     assert isinstance(cuda_experts(x, LayerPlanes.from_tensors(empty), 3, DEFAULT), TritonExperts)
+
+
+TRITON_CHILD = textwrap.dedent("""
+    import torch
+    from moet_cache.runtime.dequant import LayerPlanes
+    from moet_cache.runtime.launch import Config, Grouped, Pairs, fused_moe_cuda
+    from moet_cache.runtime.reference import fused_moe_reference
+    from moet_cache.runtime.synthetic_layer import random_layer
+
+    E, H, I = 8, 64, 32
+    for e8m0 in (False, True):
+        layer = random_layer(E, H, I, n_tier=2, e8m0=e8m0, device="cpu", seed=6, n_mid=3)
+        planes = LayerPlanes.from_tensors(layer)
+        base = LayerPlanes.from_tensors({k: v for k, v in layer.items() if "mid" not in k})
+        for i, (T, cfg) in enumerate(((3, Config.only(Pairs(16, 2, 4))),
+                                      (9, Config.only(Grouped(16, 16, 2, 4, 2, False))),
+                                      (9, Config.only(Grouped(16, 16, 2, 4, 2, True))))):
+            g = torch.Generator().manual_seed(T)
+            x = torch.randn((T, H), generator=g)
+            ids = torch.randint(0, E, (T, 4), generator=g)
+            ids[:, 0] = planes.mid.mid_experts[torch.arange(T) % 3]  # every token routes to a mid expert
+            w = torch.rand((T, 4), generator=g)
+            limit = 0.05 if (i + e8m0) % 2 else None
+            got = fused_moe_cuda(x, planes, w, ids, limit, cfg)
+            ref = fused_moe_reference(x, planes, w, ids, limit)
+            rel = ((got - ref).norm() / ref.norm()).item()
+            assert rel < 1e-5, (e8m0, T, limit, rel)
+            off = ((got - fused_moe_reference(x, base, w, ids, limit)).norm() / ref.norm()).item()
+            assert off > 1e-2, (e8m0, T, off)  # the mid planes were decoded, not the base alone
+    print("ok")
+""")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton not installed")
+def test_the_triton_kernels_decode_mid_experts_as_the_reference_does() -> None:
+    """The pairs and both grouped kernels under Triton's interpreter (a child: TRITON_INTERPRET must be set
+    before Triton is imported), both scale forms, against the CPU reference."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    r = subprocess.run([sys.executable, "-c", TRITON_CHILD], env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]

@@ -150,8 +150,8 @@ def layer_form(planes: LayerPlanes) -> dict[str, bool]:
 def cuda_experts(x: torch.Tensor, planes: LayerPlanes, pairs: int, config: Config) -> Experts:
     """The Experts `config` picks for `pairs` routed pairs of this layer on x's device: from the first prefill
     step the prefill kernels where they run, below it (and where they do not) the decode kernels where
-    they run, else the Triton kernels with `config`'s block for the pair count where they run, else the
-    torch reference (a layer with a mid tier, which no kernel decodes)."""
+    they run, else the Triton kernels with `config`'s block for the pair count where they run (a layer with
+    a mid tier, which the plane kernels do not decode, comes here), else the torch reference."""
     form = layer_form(planes)
     c = config.pick(pairs, **form)
     if isinstance(c, Prefill):
