@@ -29,12 +29,13 @@ import torch
 from .enums import DeltaMode, VerifyMode
 from .errors import InputError
 from .load import DELTA_EXPERTS, open_cache
+from .load.assemble import MID_NAMES
 from .load.options import check_delta, check_inflight, check_verify, check_workers
 
 _log = logging.getLogger(__name__)
 
 LOAD_FORMAT = "moet"
-_TIER_SHAPED = ("w13_delta", "w2_delta", DELTA_EXPERTS)
+_TIER_SHAPED = ("w13_delta", "w2_delta", DELTA_EXPERTS, *MID_NAMES)
 
 
 @dataclass(frozen=True)

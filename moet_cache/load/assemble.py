@@ -16,7 +16,7 @@ from ..manifest import LayerManifest
 
 DELTA_EXPERTS = "delta_experts"  # int64 [n]: which experts the w13_delta / w2_delta rows belong to
 MID_EXPERTS = "mid_experts"      # int64 [m]: which experts the w13_mid / w2_mid rows (and mid tables) belong to
-_MID_NAMES = (L.W13_MID, L.W2_MID, L.W13_MID_TABLE, L.W2_MID_TABLE, MID_EXPERTS)
+MID_NAMES = (L.W13_MID, L.W2_MID, L.W13_MID_TABLE, L.W2_MID_TABLE, MID_EXPERTS)  # the mid tier's tensors
 
 
 def assemble_layer(lm: LayerManifest, t: dict[str, torch.Tensor], delta: DeltaMode, experts: tuple[int, ...],
@@ -58,7 +58,7 @@ def expand_layer(lm: LayerManifest, t: dict[str, torch.Tensor], experts: tuple[i
     # The mid tier has no stock NVFP4 form (its tables are not E2M1 values): its experts go out from their base.
     out = {k: (v.clone() if v.is_cuda else v) for k, v in t.items()
            if k not in (L.W13_BASE, L.W2_BASE, L.W13_DELTA, L.W2_DELTA, L.W13_TABLE, L.W2_TABLE, DELTA_EXPERTS,
-                        *_MID_NAMES)}
+                        *MID_NAMES)}
     tables13 = t[L.W13_TABLE].cpu().numpy()
     tables2 = t[L.W2_TABLE].cpu().numpy().reshape(lm.n_experts, 1, 4)
     rows13 = {e: t[L.W13_DELTA][k] for k, e in enumerate(experts)} if with_delta else {}
@@ -71,4 +71,4 @@ def expand_layer(lm: LayerManifest, t: dict[str, torch.Tensor], experts: tuple[i
     return out
 
 
-__all__ = ["DELTA_EXPERTS", "MID_EXPERTS", "assemble_layer", "expand_layer"]
+__all__ = ["DELTA_EXPERTS", "MID_EXPERTS", "MID_NAMES", "assemble_layer", "expand_layer"]
