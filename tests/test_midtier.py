@@ -213,3 +213,41 @@ def test_a_flipped_byte_in_a_mid_plane_is_caught(mid_cache: tuple[Path, Path], t
         (p,) = r.problems
         assert p.kind == "mismatch" and p.path == "delta/tier.safetensors" and p.tensor.endswith(".w13_mid") \
             and "mid plane" in p.detail
+
+
+# --- the build's command line, its reruns and retier ------------------------------------------------------
+def test_moet_cache_build_takes_mid_budget_and_says_what_it_built(tmp_path: Path) -> None:
+    from test_cli import run
+    r = run("build", str(MODELS / "mxfp4"), str(tmp_path / "c"), "--delta-budget", "0", "--mid-budget", "5%", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    index = _index(tmp_path / "c")
+    assert out["mid_experts"] == sum(len(ex) for _, ex in index.mid_layers) > 0
+    assert out["mid_bytes"] == index.mid_used_bytes and out["tier_experts"] == 0
+    r = run("build", str(MODELS / "mxfp4"), str(tmp_path / "d"), "--mid-budget", "lots")
+    assert r.returncode == 2 and "mid budget" in r.stderr
+
+
+def test_a_rerun_with_another_mid_budget_rewrites_the_tier_and_keeps_the_layers(tmp_path: Path) -> None:
+    src, cache = MODELS / "nvfp4", tmp_path / "c"
+    build_cache(src, cache, BuildOptions(delta_budget="5%", mid_budget="5%"))
+    small = sum(len(ex) for _, ex in _index(cache).mid_layers)
+    r = build_cache(src, cache, BuildOptions(delta_budget="5%", mid_budget="10%"))
+    assert not r.already_complete and len(r.layers_reused) == 4
+    assert r.mid_experts == sum(len(ex) for _, ex in _index(cache).mid_layers) > small
+    assert build_cache(src, cache, BuildOptions(delta_budget="5%", mid_budget="10%")).already_complete
+    r = build_cache(src, cache, BuildOptions(delta_budget="5%"))
+    assert r.mid_experts == 0 and _index(cache).mid_layers is None and boot_check(cache).ok
+    assert verify_against(cache, src).ok
+
+
+def test_retier_writes_a_tier_without_the_mid_tier_and_the_cache_stays_whole(mid_cache: tuple[Path, Path],
+                                                                               tmp_path: Path) -> None:
+    from moet_cache import retier_cache
+    _, built = mid_cache
+    cache = tmp_path / "cache"
+    shutil.copytree(built, cache)
+    retier_cache(cache, "10%")
+    assert _index(cache).mid_layers is None
+    assert "mid_budget_bytes" not in json.loads((cache / "cache.json").read_text())["build"]
+    assert boot_check(cache).ok and full_verify(cache).ok
