@@ -251,3 +251,50 @@ def test_retier_writes_a_tier_without_the_mid_tier_and_the_cache_stays_whole(mid
     assert _index(cache).mid_layers is None
     assert "mid_budget_bytes" not in json.loads((cache / "cache.json").read_text())["build"]
     assert boot_check(cache).ok and full_verify(cache).ok
+
+
+def _tampered_index(built: Path, tmp_path: Path, change) -> Path:
+    """A copy of the cache whose delta index `change` rewrote, re-sealed (cache.json's entry, COMMIT.json) as a
+    writer who can rewrite the manifests would: the boot check's coverage rules are what refuses it."""
+    from faults.campaign import recommit, rewrite_json
+    from moet_cache.hashing import xxh3_hex
+    cache = tmp_path / "cache"
+    shutil.copytree(built, cache)
+    doc = json.loads((cache / "delta/tier.json").read_text())
+    change(doc)
+    data = rewrite_json(cache / "delta/tier.json", doc)
+    manifest = json.loads((cache / "cache.json").read_text())
+    for f in manifest["files"]:
+        if f["path"] == "delta/tier.json":
+            f["size"], f["xxh3"] = len(data), xxh3_hex(data)
+    rewrite_json(cache / "cache.json", manifest)
+    recommit(cache)
+    return cache
+
+
+def _drop_mid(doc: dict) -> None:
+    for k in ("mid_budget_bytes", "mid_used_bytes", "mid_layers"):
+        del doc[k]
+
+
+def _both_tiers(doc: dict) -> None:
+    layer = next(x for x in doc["layers"] if x["experts"])
+    mid = next(x for x in doc["mid_layers"] if x["layer"] == layer["layer"])
+    mid["experts"] = sorted(set(mid["experts"]) | {layer["experts"][0]})
+
+
+def _no_such_expert(doc: dict) -> None:
+    doc["mid_layers"][0]["experts"] = doc["mid_layers"][0]["experts"] + [999]
+
+
+def _layer_left_out(doc: dict) -> None:
+    doc["mid_layers"] = doc["mid_layers"][1:]
+
+
+@pytest.mark.parametrize("change,says", [(_drop_mid, "asked for a mid tier"), (_both_tiers, "in both"),
+                                         (_no_such_expert, "expert >= 32"), (_layer_left_out, "no mid-tier entry")])
+def test_the_boot_check_refuses_a_mid_tier_index_that_does_not_cover_the_cache(mid_cache: tuple[Path, Path],
+                                                                                tmp_path: Path, change, says: str) -> None:
+    _, built = mid_cache
+    r = boot_check(_tampered_index(built, tmp_path, change))
+    assert not r.ok and any(p.kind == "coverage" and says in p.detail for p in r.problems), r.problems
