@@ -5,7 +5,6 @@ declares the mid tier's tensors, the moet loader fills them, and `apply` compute
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -29,7 +28,8 @@ def mid_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return work / "cache"
 
 
-def test_the_method_declares_loads_and_computes_the_mid_tier(mid_cache: Path, vllm_config: Any) -> None:
+@pytest.mark.usefixtures("vllm_config")
+def test_the_method_declares_loads_and_computes_the_mid_tier(mid_cache: Path) -> None:
     from moet_cache.runtime import fused_moe
     model = _model_on(mid_cache)
     want = {x.index: x.tensors for x in open_cache(mid_cache).load(delta="tier", workers=1)}
