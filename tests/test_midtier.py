@@ -298,3 +298,14 @@ def test_the_boot_check_refuses_a_mid_tier_index_that_does_not_cover_the_cache(m
     _, built = mid_cache
     r = boot_check(_tampered_index(built, tmp_path, change))
     assert not r.ok and any(p.kind == "coverage" and says in p.detail for p in r.problems), r.problems
+
+
+def test_plan_counts_the_mid_tier_as_resident_weights(mid_cache: tuple[Path, Path], tmp_path: Path) -> None:
+    from moet_cache.cacheview import open_view
+    from moet_cache.vram import footprint_of_view
+    src, cache = mid_cache
+    plain = tmp_path / "plain"
+    build_cache(src, plain, BuildOptions(delta_budget="5%", lossless=True))
+    with_mid, without = footprint_of_view(open_view(cache)), footprint_of_view(open_view(plain))
+    assert with_mid.base_bytes - without.base_bytes == _index(cache).mid_used_bytes > 0
+    assert with_mid.delta_tier_bytes == without.delta_tier_bytes
