@@ -58,7 +58,7 @@ class MidPlanes:
     mid_experts: torch.Tensor       # int64 [m]
 
     @classmethod
-    def from_tensors(cls, t: dict[str, torch.Tensor], E: int, H: int, I: int) -> "MidPlanes | None":
+    def from_tensors(cls, t: dict[str, torch.Tensor], H: int, I: int) -> "MidPlanes | None":
         """The mid tier of a loaded layer; None when it has no mid tensors (a cache without a mid tier)."""
         if "mid_experts" not in t:
             return None
@@ -66,9 +66,10 @@ class MidPlanes:
         m = idx.shape[0]
         got = tuple(t.get(n) for n in ("w13_mid", "w2_mid", "w13_mid_table", "w2_mid_table"))
         want = ((m, 2 * I, H // 8), (m, H, I // 8), (m, 2, 8), (m, 8))
+        # shapes and dtypes only: the expert numbers are the loader's (reading them would sync the device on
+        # every call, which a CUDA graph cannot capture), as delta_experts' are
         if any(g is None or tuple(g.shape) != w for g, w in zip(got, want)) or idx.dim() != 1 \
-                or got[0].dtype != torch.uint8 or got[1].dtype != torch.uint8 \
-                or (m and (int(idx.min()) < 0 or int(idx.max()) >= E)):
+                or got[0].dtype != torch.uint8 or got[1].dtype != torch.uint8:
             raise InputError("the layer's mid tier does not fit its mid_experts "
                              f"(w13_mid [m, 2I, H/8], w2_mid [m, H, I/8], tables [m, 2, 8] and [m, 8], m = {m})",
                              "pass what Cache.load(..., expand=False) yields")
@@ -148,7 +149,7 @@ class LayerPlanes:
         planes = cls(b13, b2, t[scale_names[0]], t[scale_names[1]],
                      t["w13_weight_scale_2"].float().reshape(E, 2), t["w2_weight_scale_2"].float().reshape(E),
                      t["w13_table"].float().reshape(E, 2, 4), t["w2_table"].float().reshape(E, 4),
-                     d13, d2, idx.long(), layout, MidPlanes.from_tensors(t, E, H, I))
+                     d13, d2, idx.long(), layout, MidPlanes.from_tensors(t, H, I))
         for name, s, rows, cols in ((scale_names[0], planes.w13_scale, two_i, H),
                                     (scale_names[1], planes.w2_scale, H, I)):
             if s.dim() != 3 or s.shape[:2] != (E, rows) or s.shape[2] == 0 or cols % s.shape[2]:
