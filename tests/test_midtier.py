@@ -309,3 +309,36 @@ def test_plan_counts_the_mid_tier_as_resident_weights(mid_cache: tuple[Path, Pat
     with_mid, without = footprint_of_view(open_view(cache)), footprint_of_view(open_view(plain))
     assert with_mid.base_bytes - without.base_bytes == _index(cache).mid_used_bytes > 0
     assert with_mid.delta_tier_bytes == without.delta_tier_bytes
+
+
+@pytest.mark.slow  # ~40 s: real build processes SIGKILLed
+def test_a_build_with_a_mid_tier_killed_anywhere_resumes_to_the_same_cache(tmp_path: Path) -> None:
+    """`moet-cache build --mid-budget` in a real process, SIGKILLed at random moments after it took the lock:
+    never complete before it is, and the rerun gives the delta pack and index a build never killed gives."""
+    import random
+    import signal
+    import subprocess
+    import sys
+    import time
+    src, args = MODELS / "nvfp4", ["--delta-budget", "3%", "--mid-budget", "10%", "--quiet"]
+    fresh = tmp_path / "fresh"
+    build_cache(src, fresh, BuildOptions(delta_budget="3%", mid_budget="10%"))
+    rng = random.Random(5)
+    unfinished = 0
+    for k in range(6):
+        cache = tmp_path / f"c{k}"
+        p = subprocess.Popen([sys.executable, "-m", "moet_cache.cli.app", "build", str(src), str(cache), *args],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 120
+        while not (cache / ".lock").exists() and p.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.005)
+        time.sleep(rng.uniform(0.0, 0.3))
+        p.send_signal(signal.SIGKILL)
+        if p.wait() == -signal.SIGKILL and boot_check(cache).complete:
+            assert full_verify(cache).ok  # complete only when it is
+        unfinished += not boot_check(cache).complete
+        build_cache(src, cache, BuildOptions(delta_budget="3%", mid_budget="10%"))
+        assert full_verify(cache).ok
+        for rel in ("delta/tier.safetensors", "delta/tier.json"):
+            assert (cache / rel).read_bytes() == (fresh / rel).read_bytes(), (k, rel)
+    assert unfinished >= 2  # the kills landed inside builds, not only after them
