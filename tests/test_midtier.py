@@ -342,3 +342,21 @@ def test_a_build_with_a_mid_tier_killed_anywhere_resumes_to_the_same_cache(tmp_p
         for rel in ("delta/tier.safetensors", "delta/tier.json"):
             assert (cache / rel).read_bytes() == (fresh / rel).read_bytes(), (k, rel)
     assert unfinished >= 2  # the kills landed inside builds, not only after them
+
+
+def test_inspect_says_what_the_mid_tier_holds(mid_cache: tuple[Path, Path]) -> None:
+    from moet_cache.inspection import inspect_cache
+    from test_cli import run
+    _, cache = mid_cache
+    index = _index(cache)
+    info = inspect_cache(cache)
+    n_mid = sum(len(ex) for _, ex in index.mid_layers)
+    assert info.mid_experts == n_mid and info.mid_tier_bytes == index.mid_used_bytes
+    lms = {layer: json.loads((cache / f"layers/layer-{layer:03d}.json").read_text()) for layer, _ in index.layers}
+    for li in info.layers:  # the served error counts the mid tier's experts at their 3-bit error
+        lm, mid, tier = lms[li.layer], set(index.mid_experts_of(li.layer)), set(index.experts_of(li.layer))
+        want = [0.0 if e in tier else (lm["mid_sq_error"][e] if e in mid else lm["sq_error"][e]) / lm["energy"][e]
+                for e in range(lm["n_experts"])]
+        assert li.rel_error_served == pytest.approx(sum(w ** 0.5 for w in want) / len(want))
+    r = run("inspect", str(cache))
+    assert r.returncode == 0 and f"mid tier: {n_mid}/128 experts at 3 bits" in r.stdout
