@@ -453,9 +453,10 @@ def _c_kernels(kernel: HostKernel | None) -> Any:
 
 
 def _sums_from_weighted(weighted: np.ndarray, table: np.ndarray) -> tuple[float, float]:
-    """(error, energy) from the scale^2-weighted code histogram W: sum W_c (v_c - t[c>>2])^2, sum W_c v_c^2."""
+    """(error, energy) from the scale^2-weighted code histogram W: sum W_c (v_c - t[c>>2])^2, sum W_c v_c^2
+    (an 8-entry table: t[c>>1]; per_code)."""
     v = E2M1_VALUES.astype(np.float64)
-    t = np.repeat(table.astype(np.float64), 4)
+    t = per_code(table).astype(np.float64)
     return float(weighted @ ((v - t) ** 2)), float(weighted @ (v**2))
 
 
@@ -517,15 +518,43 @@ def split_and_measure_e4m3(packed: np.ndarray, scale_bytes: np.ndarray, *, kerne
     copy of the scales and a cheaper inner loop. Planes and table are identical to split_and_measure's;
     error and energy agree to float rounding (the sums are taken in another order).
     """
-    c = _c_kernels(kernel)
-    if c is not None and hasattr(c, "split_measure_e4m3") and packed.dtype == np.uint8 \
-            and packed.ndim == 2 and packed.shape[1] % (BLOCK // 2) == 0 and scale_bytes.dtype == np.uint8 \
-            and scale_bytes.shape == (packed.shape[0], packed.shape[1] * 2 // BLOCK):
-        src = np.ascontiguousarray(packed)
-        base = np.empty((src.shape[0], src.shape[1] // 2), dtype=np.uint8)
-        delta = np.empty_like(base)
-        counts, weighted = c.split_measure_e4m3(src, np.ascontiguousarray(scale_bytes), base, delta)
-        table = fit_base_table(np.array(counts, dtype=np.int64), form)
-        er, eg = _sums_from_weighted(np.array(weighted, dtype=np.float64), table)
+    got = _split_counts_e4m3(packed, scale_bytes, kernel)
+    if got is not None:
+        base, delta, counts, weighted = got
+        table = fit_base_table(counts, form)
+        er, eg = _sums_from_weighted(weighted, table)
         return base, delta, table, er, eg
     return split_and_measure(packed, E4M3_VALUES[scale_bytes], kernel=kernel, form=form)
+
+
+def _split_counts_e4m3(packed: np.ndarray, scale_bytes: np.ndarray, kernel: HostKernel | None
+                       ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
+    """(base, delta, code counts int64[16], scale^2-weighted counts float64[16]) from the C kernel's one pass,
+    or None where it does not run (not built, not asked for, or shapes it does not take)."""
+    c = _c_kernels(kernel)
+    if c is None or not hasattr(c, "split_measure_e4m3") or packed.dtype != np.uint8 or packed.ndim != 2 \
+            or packed.shape[1] % (BLOCK // 2) or scale_bytes.dtype != np.uint8 \
+            or scale_bytes.shape != (packed.shape[0], packed.shape[1] * 2 // BLOCK):
+        return None
+    src = np.ascontiguousarray(packed)
+    base = np.empty((src.shape[0], src.shape[1] // 2), dtype=np.uint8)
+    delta = np.empty_like(base)
+    counts, weighted = c.split_measure_e4m3(src, np.ascontiguousarray(scale_bytes), base, delta)
+    return base, delta, np.array(counts, dtype=np.int64), np.array(weighted, dtype=np.float64)
+
+
+def split_and_measure_mid_e4m3(packed: np.ndarray, scale_bytes: np.ndarray, *, kernel: HostKernel | None = None,
+                               form: BaseTable | str = BaseTable.FITTED
+                               ) -> tuple[np.ndarray, np.ndarray, np.ndarray, float, float, float]:
+    """split_and_measure_e4m3 and the mid tier's squared error (the 3-bit codes through fit_mid_table, against
+    the FP4 values, before the global scale): from the same counts on the C kernel's one pass; two more
+    numpy passes over the codes where it does not run."""
+    got = _split_counts_e4m3(packed, scale_bytes, kernel)
+    if got is not None:
+        base, delta, counts, weighted = got
+        table = fit_base_table(counts, form)
+        er, eg = _sums_from_weighted(weighted, table)
+        return base, delta, table, er, eg, _sums_from_weighted(weighted, fit_mid_table(counts))[0]
+    base, delta, table, er, eg = split_and_measure(packed, E4M3_VALUES[scale_bytes], kernel=kernel, form=form)
+    mid = error_and_energy(packed, E4M3_VALUES[scale_bytes], fit_mid_table(code_histogram(packed)))[0]
+    return base, delta, table, er, eg, mid

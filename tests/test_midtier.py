@@ -67,6 +67,20 @@ def test_mid_table_is_the_count_weighted_mean_of_each_code_pair() -> None:
     assert np.array_equal(fit_mid_table(hist), np.array(want, dtype=np.float32))
 
 
+def test_the_one_pass_split_measures_the_mid_error_as_the_numpy_passes_do() -> None:
+    from moet_cache.build.layers import mid_error
+    from moet_cache.planes import HostKernel, split_and_measure_e4m3, split_and_measure_mid_e4m3
+    rng = np.random.default_rng(1)
+    codes = rng.integers(0, 256, (64, 128), dtype=np.uint8)
+    scales = rng.integers(0x20, 0x48, (64, 16), dtype=np.uint8)  # e4m3 bytes
+    want = mid_error(codes, scales)
+    for kernel in (HostKernel.C, HostKernel.NUMPY):
+        got = split_and_measure_mid_e4m3(codes, scales, kernel=kernel)
+        plain = split_and_measure_e4m3(codes, scales, kernel=kernel)
+        assert all(np.array_equal(a, b) for a, b in zip(got[:3], plain[:3])) and got[3:5] == plain[3:5]
+        assert got[5] == pytest.approx(want, rel=1e-9) and want > 0
+
+
 # --- real built caches -------------------------------------------------------------------------------------
 def test_mid_tier_nests_base_mid_and_the_delta_low_bit_into_the_fp4_code(mid_cache: tuple[Path, Path]) -> None:
     src, cache = mid_cache

@@ -29,7 +29,7 @@ from ..formats import E4M3_16, LAYOUT_FORMAT, ExpertFormat, TensorKind, e4m3_shi
 from ..geometry import LayerGeometry, is_w13
 from ..manifest import FileEntry, LayerManifest, write_record
 from ..planes import E4M3_VALUES, HostKernel, code_histogram, code_histogram_torch, error_and_energy, \
-    error_and_energy_torch, fit_base_table, fit_mid_table, split_and_measure_e4m3, split_planes_torch
+    error_and_energy_torch, fit_base_table, fit_mid_table, split_and_measure_mid_e4m3, split_planes_torch
 from ..stwriter import SafetensorsWriter
 from ..window import bounded_window
 from .parts import Counters, read_entry, reusable, written_entries
@@ -60,7 +60,7 @@ class _Planes:
 def mid_error(codes: np.ndarray, scale_bytes: np.ndarray) -> float:
     """The squared error left with the mid plane (base + the delta's high bit through fit_mid_table), from the
     codes and e4m3 scale bytes a projection's base error is measured with: what the mid tier is chosen by.
-    Two more numpy passes over the codes (the one-pass kernels measure the base only)."""
+    Two numpy passes over the codes: the GPU split's (the host split has it from its one pass)."""
     return error_and_energy(codes, E4M3_VALUES[scale_bytes], fit_mid_table(code_histogram(codes)))[0]
 
 
@@ -86,7 +86,8 @@ def plane_work(read: Future[list[RawExpert]], device: str | None = None, device_
     for x in read.result():
         scale_bytes, factor = measure_scales(x)
         if device is None or (device != "cpu" and x.codes.nbytes < device_min_bytes):
-            base, delta, table, er, eg = split_and_measure_e4m3(x.codes, scale_bytes, kernel=kernel, form=form)
+            base, delta, table, er, eg, mer = split_and_measure_mid_e4m3(x.codes, scale_bytes, kernel=kernel,
+                                                                         form=form)
         else:  # the same maths in torch on the device; the planes and table are bit-identical
             codes = torch.from_numpy(x.codes).to(device)
             tbase, tdelta = split_planes_torch(codes)
@@ -94,7 +95,8 @@ def plane_work(read: Future[list[RawExpert]], device: str | None = None, device_
             scales = torch.from_numpy(scale_bytes).view(torch.float8_e4m3fn).to(device).to(torch.float32)
             er, eg = error_and_energy_torch(codes, scales, table)
             base, delta = tbase.cpu().numpy(), tdelta.cpu().numpy()
-        out.append(_Planes(x, base, delta, table, er * factor, eg * factor, mid_error(x.codes, scale_bytes) * factor))
+            mer = mid_error(x.codes, scale_bytes)
+        out.append(_Planes(x, base, delta, table, er * factor, eg * factor, mer * factor))
     return out
 
 
