@@ -6,6 +6,7 @@ NVFP4 post-training export):
 
     python benchmarks/quality.py                       # the full ladder: table, results/quality.json, .png
     python benchmarks/quality.py --short --json-only   # the CI version (tests/test_quality.py)
+    python benchmarks/quality.py --mid-only            # the 3-bit mid tier's rows alone (results/quality-mid.json)
 
 Each row is one variant of the routed experts; everything else (attention, norms, router, shared
 expert, embeddings) is the model's own torch forward with the dense tensors the cache holds. The
@@ -160,6 +161,16 @@ class Ladder:
     def tier_bits(self, experts: int, bits_each: int = 2) -> float:
         return experts * self.expert_weights * bits_each / self.total_weights
 
+    def mid_bits(self, experts: int) -> float:
+        """The mid tier of `experts` experts, per weight: a bit a weight, and 4 more table entries than the base
+        table in each of its 3 tables (as the sim rows count a 3-bit expert)."""
+        return self.tier_bits(experts, 1) + experts * 3 * 4 * 4 * 8 / self.total_weights
+
+    @property
+    def expert_mid_bytes(self) -> int:
+        """What `build --mid-budget` counts for one expert: its mid planes and its three 8-entry tables."""
+        return self.expert_weights // 8 + 3 * 8 * 4
+
     # --- rows through the cache ----------------------------------------------------------------------
     def cache_row(self, name: str, layers: list[dict[str, torch.Tensor]], path: str = "cache",
                   series: str | None = None) -> Row:
@@ -168,7 +179,8 @@ class Ladder:
         the weights the runtime's own dequant_expert makes of the same planes, once; how far the two
         routes' logits are apart on the scored text is recorded with the row (routes_max_abs_diff)."""
         tier = sum(int(t["delta_experts"].numel()) if "delta_experts" in t else 0 for t in layers)
-        bits = 2 + self.fixed_bits(layers) + self.tier_bits(tier)
+        mid = sum(int(t["mid_experts"].numel()) if "mid_experts" in t else 0 for t in layers)
+        bits = 2 + self.fixed_bits(layers) + self.tier_bits(tier) + self.mid_bits(mid)
         fns = [routed_from_weights(*dequantized(t)) for t in layers]
 
         def by_weights(i: int, x: torch.Tensor, tw: torch.Tensor, ti: torch.Tensor) -> torch.Tensor:
@@ -246,6 +258,37 @@ class Ladder:
                 series: str | None = None) -> Row:
         fns = [routed_from_weights(w13, w2) for w13, w2 in weights]
         return self.measure(name, "sim", bits, lambda i, x, tw, ti: fns[i](x, tw, ti), series=series)
+
+
+def mid_cache_row(lad: Ladder, n: int, profile: Path, lbl: str) -> Row:
+    """The 3-bit mid tier as the cache holds it: `build --mid-budget` (n experts' bytes, --profile, no 4-bit
+    tier, x4 base tables as the sim rows' planes), the loader's delta="tier" and fused_moe."""
+    cache = lad.build(f"mid-{n}", delta_budget="0", mid_budget=str(n * lad.expert_mid_bytes), profile=str(profile),
+                      base_table="x4")
+    return lad.cache_row(f"3-bit tier, {n} experts (bytes of tier {lbl}): build --mid-budget --profile",
+                         lad.load(cache, "tier"), series="3-bit tier, the cache (--mid-budget --profile)")
+
+
+def mid_ladder(lad: Ladder, codes: list[LayerCodes], counts: torch.Tensor, profile: Path, fixed: float, lbl: str,
+               n4: int) -> dict[str, object]:
+    """--mid-only: the mid tier at the preset's bytes through the cache, and its sim row (the check)."""
+    s = lad.spec
+    form_cache = [{f: form_weights(lc, f) for f in ("base", "3bit", "fp4")} for lc in codes]
+    weight = counts / counts.sum(1, keepdim=True) * s.experts        # the build's --profile weights
+    errs = {f: torch.stack([sq_errors(lc, fc)[f] for lc, fc in zip(codes, form_cache)]) * weight
+            for f in ("base", "3bit")}
+    three = lad.top_experts(errs["base"] - errs["3bit"], 2 * n4)
+    forms3 = [["3bit" if e in three[i] else "base" for e in range(s.experts)] for i in range(s.layers)]
+    weights = [mixed_weights(lc, f, fc) for lc, f, fc in zip(codes, forms3, form_cache)]
+    extra = sum(fl.count("3bit") for fl in forms3)
+    sim = lad.sim_row(f"3-bit tier, {2 * n4} experts (bytes of tier {lbl})",
+                      2 + fixed + lad.mid_bits(extra), weights,
+                      "3-bit tier (sq. error x routing)")
+    cache = mid_cache_row(lad, 2 * n4, profile, lbl)
+    chosen = [sorted(t["mid_experts"].tolist()) for t in lad.load(lad.work / f"mid-{2 * n4}", "tier")]
+    return {"rows": [r.to_dict() for r in lad.rows],
+            "check_mid_sim_vs_cache_kl": [sim.metrics["kl"], cache.metrics["kl"]],
+            "mid_experts_same_as_sim": chosen == [sorted(x) for x in three]}
 
 
 def dequantized(tensors: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -340,6 +383,8 @@ def ladder_for(ckpt_dir: Path, work: Path, ev: EvalSet, calib: EvalSet, preset: 
         n = int(round(frac * n_experts))
         return f"{n}/{n_experts}" + (" (V4 preset)" if tag == "preset" else f" ({tag})")
 
+    if args.mid_only:
+        return mid_ladder(lad, codes, counts, profile, fixed, label("preset", preset), int(round(preset * n_experts)))
     # the default cache: what `moet-cache build --delta-budget` writes at the preset's fraction
     default_cache = lad.build("default", delta_budget=budget(default_frac))
     form = open_cache(default_cache).base_table
@@ -398,6 +443,8 @@ def ladder_for(ckpt_dir: Path, work: Path, ev: EvalSet, calib: EvalSet, preset: 
         forms3 = [["3bit" if e in three[i] else "base" for e in range(s.experts)] for i in range(s.layers)]
         lad.sim_row(f"3-bit tier, {2 * n4} experts (bytes of tier {label(tag, frac)})", bits_of(forms3),
                     weights_of(forms3), "3-bit tier (sq. error x routing)")
+        if tag == "preset":
+            mid_cache_row(lad, 2 * n4, profile, label(tag, frac))
         by_out = lad.top_experts(out_err, 2 * n4)
         forms3o = [["3bit" if e in by_out[i] else "base" for e in range(s.experts)] for i in range(s.layers)]
         lad.sim_row(f"3-bit tier by routed output error, {2 * n4} experts (bytes of tier {label(tag, frac)})",
@@ -539,6 +586,9 @@ def main() -> None:
     ap.add_argument("--workdir", default=None, help="where the caches are built (a temporary folder in it)")
     ap.add_argument("--json", type=Path, default=None, help="where to write the result (default results/quality.json)")
     ap.add_argument("--json-only", action="store_true", help="print the JSON result, no table or plot")
+    ap.add_argument("--mid-only", action="store_true",
+                    help="only the 3-bit mid tier at the V4 preset's bytes: its cache row (build --mid-budget, the "
+                         "loader, fused_moe) and the sim row it must equal (default --json results/quality-mid.json)")
     ap.add_argument("--write-curve", action="store_true",
                     help="run nothing: write moet_cache/quality_curve.json from the results (--json, default "
                          "results/quality.json) as last committed")
@@ -561,7 +611,7 @@ def main() -> None:
     if args.json_only:
         print(json.dumps(result, indent=1))
         return
-    path = args.json or RESULTS / "quality.json"
+    path = args.json or RESULTS / ("quality-mid.json" if args.mid_only else "quality.json")
     record.write(path, record.envelope(["benchmarks/quality.py", *sys.argv[1:]], result))
     print(table(result))
     plotted = plot(result, path.with_suffix(".png"))

@@ -51,6 +51,7 @@ def build(
     include_mtp: Annotated[bool, typer.Option("--include-drafter", "--include-mtp", help="Also keep the speculative-decoding drafter (DSpark's or MTP's blocks mtp.K and head tensors), its routed experts as planes. --include-mtp is the same option.")] = False,
     wait: Annotated[bool, typer.Option("--wait", help="Wait for another build of this cache instead of failing.")] = False,
     base_table: Annotated[BaseTable, typer.Option(metavar="[fitted|x4]", help="Base tables: fitted, the default (the mean FP4 value of each base code: the smallest error; on the reference models base-only KL to FP4 0.069 against x4's 0.079 on MXFP4, 0.089 against 0.091 on NVFP4, docs/QUALITY.md), or x4 (a, 4a, -a, -4a: the GPU decodes them with bit arithmetic, 5-16% faster at up to 16 tokens, for that larger error); docs/BUILD.md.")] = BaseTable.FITTED,
+    mid_budget: Annotated[Optional[str], typer.Option(metavar="SIZE", help="Bytes of the 3-bit mid tier (1GB, 5%): experts outside the delta tier that keep the delta's high bit (an eighth byte a weight) through a fitted 8-entry table; chosen as the delta tier is (default: none).")] = None,
     json_: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
@@ -59,6 +60,7 @@ def build(
     out = Output(json_, quiet)
     opts = BuildOptions(delta_budget=delta_budget, profile=str(profile) if profile else None,
                         lossless=lossless, layers=layers, include_mtp=include_mtp, wait=wait, base_table=base_table,
+                        mid_budget=mid_budget,
                         tuning=BuildTuning(split_device=split_device_from_env(), host_kernel=host_kernel_from_env()),
                         kill_at=kill_hook())
     r = build_cache(src, cache, opts, progress_for(out), cancel_token())
@@ -73,6 +75,8 @@ def build(
               f"{fmt_bytes(r.cache_bytes)} in {r.seconds:.1f} s ({rate:.2f} GB/s of source)")
     out.print(f"delta tier: {r.tier_experts} experts, {fmt_bytes(r.tier_bytes)} of delta planes (budget "
               f"{fmt_bytes(r.budget_bytes)}; the pack file adds a {fmt_bytes(r.tier_file_bytes - r.tier_bytes)} header)")
+    if r.mid_experts:
+        out.print(f"mid tier: {r.mid_experts} experts at 3 bits, {fmt_bytes(r.mid_bytes)} of mid planes and tables")
 
 
 def retier(

@@ -56,6 +56,9 @@ def inspect(
     out.print(f"totals: base {fmt_bytes(info.base_bytes)}, delta tier {fmt_bytes(info.delta_tier_bytes)} "
               f"({info.tier_experts}/{info.total_experts} experts), lossless deltas {fmt_bytes(info.delta_all_bytes)}, "
               f"dense {fmt_bytes(info.dense_bytes)}, all files {fmt_bytes(info.total_bytes)}")
+    if info.mid_experts:
+        out.print(f"mid tier: {info.mid_experts}/{info.total_experts} experts at 3 bits, {fmt_bytes(info.mid_tier_bytes)} "
+                  f"of mid planes and tables (budget {fmt_bytes(b.mid_budget_bytes)})")
     r = info.reference_kl
     if r is not None:
         out.print(f"tier {r.fraction:.1%} of the main layers' experts: on the {r.reference.upper()} reference model "

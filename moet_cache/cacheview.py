@@ -163,6 +163,11 @@ class CacheView:
         index = self.delta_index
         return (index.experts_of(layer) or ()) if index is not None else ()
 
+    def mid_experts(self, layer: int) -> tuple[int, ...]:
+        """The experts of `layer` whose mid planes and tables the pack holds (none without a mid tier)."""
+        index = self.delta_index
+        return index.mid_experts_of(layer) if index is not None else ()
+
     @cached_property
     def dense_parts(self) -> tuple[PartManifest, ...]:
         """The dense shards' part manifests (dense/*.json), which name every dense tensor's byte range."""

@@ -41,6 +41,14 @@ class LayerGeometry:
         H, I = self.hidden_size, self.intermediate_size
         return [TensorSpec(L.W13_DELTA, "U8", (E, 2 * I, H // 4)), TensorSpec(L.W2_DELTA, "U8", (E, H, I // 4))]
 
+    def mid_specs(self, n: int | None = None) -> list[TensorSpec]:
+        """The mid tier of `n` experts (all by default): mid planes (one bit a weight, rows packed
+        separately, w13 then w2), then their 8-entry tables."""
+        E = self.n_experts if n is None else n
+        H, I = self.hidden_size, self.intermediate_size
+        return [TensorSpec(L.W13_MID, "U8", (E, 2 * I, H // 8)), TensorSpec(L.W2_MID, "U8", (E, H, I // 8)),
+                TensorSpec(L.W13_MID_TABLE, "F32", (E, 2, 8)), TensorSpec(L.W2_MID_TABLE, "F32", (E, 8))]
+
     def required_shapes(self) -> dict[str, tuple[str, tuple[int, ...]]]:
         """name -> (dtype, shape) of what a loader must find in the base-plane file."""
         return {s.name: (s.dtype, s.shape) for s in self.base_specs()}
@@ -53,6 +61,11 @@ class LayerGeometry:
     def expert_delta_bytes(self) -> int:
         """The delta planes of one expert (w13 + w2): a quarter byte a weight."""
         return sum(s.nbytes for s in self.delta_specs(1))
+
+    @property
+    def expert_mid_bytes(self) -> int:
+        """The mid tier of one expert: its mid planes (an eighth byte a weight) and its three 8-entry tables."""
+        return sum(s.nbytes for s in self.mid_specs(1))
 
     @property
     def weights(self) -> int:

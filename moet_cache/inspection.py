@@ -24,10 +24,12 @@ class LayerInfo:
     rel_error_mean: float       # base-only relative error sqrt(sum err^2 / sum w^2), mean over experts
     rel_error_worst: float
     worst_expert: int
-    rel_error_served: float     # mean with the tier's experts at full FP4 (error 0)
+    rel_error_served: float     # mean with the tier's experts at full FP4 (error 0), the mid tier's at 3 bits
     source_format: str = ""     # the source's expert format (formats.FORMATS)
     scale_form: str = ""        # the block-scale forms, w13/w2 (e4m3-16 or e8m0-32)
     base_bytes_per_weight: float = 0.0
+    mid_experts: int = 0        # the mid tier's experts (3 bits a weight)
+    mid_bytes: int = 0          # their mid planes and tables
 
 
 @dataclass(frozen=True)
@@ -63,6 +65,8 @@ class CacheInfo:
     served_blocks: str = ""     # how the served layers relate to the model's blocks (main, drafters)
     reference_kl: TierKl | None = None  # the quality ladder's reference model at the main layers' tier fraction
     drafter: DrafterInfo | None = None  # None when the cache serves no drafter block
+    mid_tier_bytes: int = 0     # the mid tier's planes and tables, as --mid-budget counts them
+    mid_experts: int = 0
 
 
 def inspect_cache(root: str | os.PathLike[str]) -> CacheInfo:
@@ -78,15 +82,17 @@ def inspect_view(cf: CacheView) -> CacheInfo:
     infos = []
     for layer, lm in sorted(cf.layers.items()):
         rel = [math.sqrt(e / w) if w > 0 else 0.0 for e, w in zip(lm.sq_error, lm.energy)]
-        tier = set(cf.tier_experts(layer))
+        tier, mid = set(cf.tier_experts(layer)), set(cf.mid_experts(layer))
+        mid_rel = [math.sqrt(e / w) if w > 0 else 0.0 for e, w in zip(lm.mid_sq_error, lm.energy)]
+        served = [0.0 if e in tier else mid_rel[e] if e in mid and mid_rel else r for e, r in enumerate(rel)]
         worst = max(range(len(rel)), key=rel.__getitem__)
         geo = lm.geometry()
         base = sum(f.size for f in lm.files if f.role == L.Role.BASE)
         infos.append(LayerInfo(
             layer, lm.kind, lm.n_experts, base,
             len(tier), len(tier) * lm.expert_delta_bytes, sum(rel) / len(rel), rel[worst], worst,
-            sum(r for e, r in enumerate(rel) if e not in tier) / len(rel),
-            lm.source_format or m.source_layout, f"{geo.w13_form}/{geo.w2_form}", base / geo.weights))
+            sum(served) / len(rel), lm.source_format or m.source_layout, f"{geo.w13_form}/{geo.w2_form}",
+            base / geo.weights, len(mid), len(mid) * geo.expert_mid_bytes))
     fam = cf.family
     main = [i for i in infos if i.kind != LayerKind.MTP]
     ref_kl = tier_kl(packaged_curve(), sum(i.delta_experts for i in main), sum(i.experts for i in main),
@@ -95,7 +101,8 @@ def inspect_view(cf: CacheView) -> CacheInfo:
         str(root), m.source_path, m.source_layout, m.tool_version, m.created, m.build, tuple(infos),
         cf.bytes_of(L.Role.BASE), sum(i.delta_bytes for i in infos), cf.bytes_of(L.Role.DELTA_ALL),
         cf.bytes_of(L.Role.DENSE), cf.bytes_of(), sum(i.delta_experts for i in infos), sum(i.experts for i in infos),
-        fam.name, served_blocks(fam, m.build.layers), ref_kl, drafter_of(cf, infos))
+        fam.name, served_blocks(fam, m.build.layers), ref_kl, drafter_of(cf, infos),
+        sum(i.mid_bytes for i in infos), sum(i.mid_experts for i in infos))
 
 
 def drafter_of(cf: CacheView, infos: list[LayerInfo]) -> DrafterInfo | None:

@@ -42,6 +42,10 @@ W13_INPUT_SCALE, W2_INPUT_SCALE = "w13_input_scale", "w2_input_scale"
 W13_TABLE, W2_TABLE = "w13_table", "w2_table"
 # Delta planes (per-layer lossless file, and per layer inside the tier pack).
 W13_DELTA, W2_DELTA = "w13_delta", "w2_delta"
+# The mid tier (inside the tier pack): each chosen expert's mid plane (the delta's high bit, one bit a weight)
+# and its 8-entry tables by 3-bit code (code >> 1), w13 (gate, up) and w2.
+W13_MID, W2_MID = "w13_mid", "w2_mid"
+W13_MID_TABLE, W2_MID_TABLE = "w13_mid_table", "w2_mid_table"
 
 
 def layer_manifest(layer: int) -> str:

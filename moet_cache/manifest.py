@@ -187,6 +187,7 @@ class LayerManifest:
     energy: tuple[float, ...]       # per expert: sum of FP4 weight^2, for relative errors
     source_format: str = ""         # the source's expert format (formats.FORMATS); "" = the cache's layout's
     scale_forms: tuple[tuple[str, ScaleForm], ...] = ()  # (block-scale tensor, form); () = e4m3-16 for both
+    mid_sq_error: tuple[float, ...] = ()  # per expert: sum of (FP4 - 3-bit)^2; () in caches from before the mid tier
 
     def scale_form(self, tensor: str) -> ScaleForm:
         return dict(self.scale_forms).get(tensor, ScaleForm.E4M3_16)
@@ -205,6 +206,8 @@ class LayerManifest:
             extra["source_format"] = self.source_format
         if self.scale_forms:
             extra["scale_forms"] = dict(self.scale_forms)
+        if self.mid_sq_error:
+            extra["mid_sq_error"] = list(self.mid_sq_error)
         return {**extra, 
             "format": "moet-cache-layer", "format_version": FORMAT_VERSION,
             "layer": self.layer, "kind": self.kind, "n_experts": self.n_experts,
@@ -220,7 +223,7 @@ class LayerManifest:
     def parse(cls, d: Any, where: str) -> LayerManifest:
         d = _obj(d, where, ("format", "format_version", "layer", "kind", "n_experts", "hidden_size",
                             "intermediate_size", "build_key", "expert_delta_bytes", "source_bytes", "files",
-                            "tensors", "sq_error", "energy", "source_format", "scale_forms"))
+                            "tensors", "sq_error", "energy", "source_format", "scale_forms", "mid_sq_error"))
         _version(d, "moet-cache-layer", where)
         kind = _enum(d, "kind", where, LayerKind)
         n = _int(d, "n_experts", where, 1, 1 << 16)
@@ -234,6 +237,9 @@ class LayerManifest:
         energy = [_float({"v": v}, "v", where) for v in _list(d, "energy", where)]
         if len(err) != n or len(energy) != n:
             raise _fail(where, "sq_error and energy need one entry per expert")
+        mid_err = [_float({"v": v}, "v", where) for v in _list(d, "mid_sq_error", where)] if "mid_sq_error" in d else []
+        if mid_err and len(mid_err) != n:
+            raise _fail(where, "mid_sq_error needs one entry per expert")
         from .formats import FORMATS  # here: formats imports numpy, which the CLI does not load
         fmt = d.get("source_format", "")
         if not isinstance(fmt, str) or (fmt != "" and fmt not in FORMATS):  # a list or object: no crash
@@ -246,7 +252,7 @@ class LayerManifest:
                    _int(d, "hidden_size", where, 1), _int(d, "intermediate_size", where, 1),
                    _hex(d, "build_key", where), _int(d, "expert_delta_bytes", where),
                    _int(d, "source_bytes", where), files, tensors, tuple(err), tuple(energy),
-                   fmt, tuple(sorted((k, ScaleForm(v)) for k, v in forms.items())))
+                   fmt, tuple(sorted((k, ScaleForm(v)) for k, v in forms.items())), tuple(mid_err))
 
 
 @dataclass(frozen=True)
@@ -265,10 +271,13 @@ class BuildParams:
     delta_budget_bytes: int
     profile_xxh3: str | None
     base_table: BaseTable = BaseTable.FITTED  # every base table's form; written for x4 only (absent: fitted)
+    mid_budget_bytes: int = 0  # the mid tier's budget; written only when > 0 (absent: no mid tier)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["layers"] = list(self.layers)
+        if not self.mid_budget_bytes:
+            del d["mid_budget_bytes"]
         # written only for x4: a fitted cache's manifest stays what older moet-cache versions read
         if self.base_table == BaseTable.FITTED:
             del d["base_table"]
@@ -401,8 +410,9 @@ class CacheManifest:
             _hex(build, "profile_xxh3", where)
         # base_table: written for x4 caches only; a cache without it was built with fitted tables.
         form = _enum(build, "base_table", where, BaseTable) if "base_table" in build else BaseTable.FITTED
+        mid_budget = _int(build, "mid_budget_bytes", where, 1) if "mid_budget_bytes" in build else 0
         params = BuildParams(tuple(layers_sel), build["include_mtp"], build["lossless"],
-                             _int(build, "delta_budget_bytes", where), prof, form)
+                             _int(build, "delta_budget_bytes", where), prof, form, mid_budget)
         refs = []
         for x in _list(d, "layers", where, 1 << 16):
             x = _obj(x, where, tuple(f.name for f in fields(LayerRef)))
@@ -449,35 +459,59 @@ class DeltaIndex:
     used_bytes: int
     weighted_by_profile: bool
     layers: tuple[tuple[int, tuple[int, ...]], ...]
+    # The mid tier, in the same pack: its budget, bytes used (planes and tables) and experts per served layer;
+    # mid_layers None: no mid tier (the keys are not written, as in caches from before it).
+    mid_budget_bytes: int = 0
+    mid_used_bytes: int = 0
+    mid_layers: tuple[tuple[int, tuple[int, ...]], ...] | None = None
 
     def to_dict(self) -> dict[str, Any]:
+        mid = {} if self.mid_layers is None else {
+            "mid_budget_bytes": self.mid_budget_bytes, "mid_used_bytes": self.mid_used_bytes,
+            "mid_layers": [{"layer": layer, "experts": list(ex)} for layer, ex in self.mid_layers]}
         return {
             "format": "moet-cache-delta-index", "format_version": FORMAT_VERSION,
             "pack": self.pack, "budget_bytes": self.budget_bytes, "used_bytes": self.used_bytes,
             "weighted_by_profile": self.weighted_by_profile,
-            "layers": [{"layer": layer, "experts": list(ex)} for layer, ex in self.layers],
+            "layers": [{"layer": layer, "experts": list(ex)} for layer, ex in self.layers], **mid,
         }
 
     def experts_of(self, layer: int) -> tuple[int, ...] | None:
         return next((ex for lyr, ex in self.layers if lyr == layer), None)
 
+    def mid_experts_of(self, layer: int) -> tuple[int, ...]:
+        """The layer's mid-tier experts (none without a mid tier)."""
+        return next((ex for lyr, ex in self.mid_layers or () if lyr == layer), ())
+
     @classmethod
     def parse(cls, d: Any, where: str = "delta index") -> DeltaIndex:
+        mid_keys = ("mid_budget_bytes", "mid_used_bytes", "mid_layers")
         d = _obj(d, where, ("format", "format_version", "pack", "budget_bytes", "used_bytes", "weighted_by_profile",
-                            "layers"))
+                            "layers", *mid_keys))
         _version(d, "moet-cache-delta-index", where)
         if not isinstance(d.get("weighted_by_profile"), bool):
             raise _fail(where, "weighted_by_profile must be true or false")
-        layers = []
-        for x in _list(d, "layers", where, 1 << 16):
-            x = _obj(x, where, ("layer", "experts"))
-            ex = _list(x, "experts", where, 1 << 16)
-            if not all(isinstance(e, int) and not isinstance(e, bool) and 0 <= e < 1 << 16 for e in ex) \
-                    or sorted(set(ex)) != ex:
-                raise _fail(where, "experts must be a sorted list of distinct expert numbers")
-            layers.append((_int(x, "layer", where, 0, 1 << 16), tuple(ex)))
+        layers = _expert_lists(d, "layers", where)
+        present = [k in d for k in mid_keys]
+        if any(present) and not all(present):
+            raise _fail(where, "a mid tier needs mid_budget_bytes, mid_used_bytes and mid_layers together")
+        mid = (_int(d, "mid_budget_bytes", where), _int(d, "mid_used_bytes", where),
+               _expert_lists(d, "mid_layers", where)) if all(present) else (0, 0, None)
         return cls(_path(d, "pack", where), _int(d, "budget_bytes", where), _int(d, "used_bytes", where),
-                   d["weighted_by_profile"], tuple(layers))
+                   d["weighted_by_profile"], layers, *mid)
+
+
+def _expert_lists(d: dict[str, Any], key: str, where: str) -> tuple[tuple[int, tuple[int, ...]], ...]:
+    """[{layer, experts}] -> ((layer, sorted distinct experts), ...)."""
+    layers = []
+    for x in _list(d, key, where, 1 << 16):
+        x = _obj(x, where, ("layer", "experts"))
+        ex = _list(x, "experts", where, 1 << 16)
+        if not all(isinstance(e, int) and not isinstance(e, bool) and 0 <= e < 1 << 16 for e in ex) \
+                or sorted(set(ex)) != ex:
+            raise _fail(where, "experts must be a sorted list of distinct expert numbers")
+        layers.append((_int(x, "layer", where, 0, 1 << 16), tuple(ex)))
+    return tuple(layers)
 
 
 def loads_record(data: bytes, where: str) -> Any:

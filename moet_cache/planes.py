@@ -3,6 +3,10 @@
 Bit order (the contract with the runtime, docs/FORMAT.md): a plane packs four 2-bit codes per byte,
 element 4k+j in bits 2j..2j+1, so the element with the lowest index sits in the lowest bits, the
 same convention as the FP4 nibbles. code = (base << 2) | delta, for each element.
+
+The mid plane (the mid tier) packs one bit a weight, the delta's high bit (code bit 1), element 8k+j in bit j
+of byte k; base and mid give the 3-bit code (code >> 1) = (base << 1) | mid, and with the delta's low bit the
+FP4 code: code = (base << 2) | (mid << 1) | (delta & 1).
 """
 
 from __future__ import annotations
@@ -243,9 +247,19 @@ def _word_table(per_code: np.ndarray) -> np.ndarray:
 ERR_CHUNK = 1 << 16  # uint16 words per chunk (16384 blocks)
 
 
+def per_code(table: np.ndarray) -> np.ndarray:
+    """A reconstruction table by base code (4 entries) or by 3-bit code (8 entries) -> its value for each
+    of the 16 FP4 codes (code >> 2, or code >> 1)."""
+    t = np.asarray(table).reshape(-1)
+    if t.size not in (4, 8):
+        raise ValueError("a reconstruction table has 4 entries (base code) or 8 (3-bit code)")
+    return np.repeat(t, 16 // t.size)
+
+
 def error_and_energy(packed: np.ndarray, block_scales: np.ndarray, table: np.ndarray, *, small: int = SMALL_BYTES,
                      chunk: int = ERR_CHUNK) -> tuple[float, float]:
     """(sum of (FP4 - table[base])^2 * s^2, sum of FP4^2 * s^2) over a tensor, before the global scale.
+    `table`: 4 entries by base code, or 8 by 3-bit code (the mid tier's; per_code).
 
     packed: uint8 [rows, n/2]; block_scales: float32 [rows, n/16]. Under `small` bytes per code, else per
     uint16 word through a 64 Ki-entry table, `chunk` words (a multiple of 4: whole blocks) at a time.
@@ -255,7 +269,7 @@ def error_and_energy(packed: np.ndarray, block_scales: np.ndarray, table: np.nda
             or block_scales.shape != (rows, packed.shape[1] * 2 // BLOCK):
         return error_and_energy_reference(packed, block_scales, table)
     values = E2M1_VALUES.astype(np.float64)
-    per_err = (values - np.repeat(table.astype(np.float64), 4)) ** 2
+    per_err = (values - per_code(table).astype(np.float64)) ** 2
     s2 = block_scales.reshape(-1).astype(np.float64) ** 2
     if packed.size < small:  # per code through a 16-entry table: no 64 Ki-entry table to build
         codes = np.empty((packed.size, 2), dtype=np.intp)
@@ -282,13 +296,63 @@ def error_and_energy(packed: np.ndarray, block_scales: np.ndarray, table: np.nda
 def error_and_energy_reference(packed: np.ndarray, block_scales: np.ndarray,
                                table: np.ndarray) -> tuple[float, float]:
     """The plain float64 version of error_and_energy, kept as its reference."""
-    per_code = np.stack([(E2M1_VALUES - np.repeat(table, 4)) ** 2, E2M1_VALUES**2], axis=-1)  # [16, 2]
-    lut = np.stack([_word_sums(per_code[:, 0]), _word_sums(per_code[:, 1])], axis=-1)  # [65536, 2]
+    per_code_err = np.stack([(E2M1_VALUES - per_code(table)) ** 2, E2M1_VALUES**2], axis=-1)  # [16, 2]
+    lut = np.stack([_word_sums(per_code_err[:, 0]), _word_sums(per_code_err[:, 1])], axis=-1)  # [65536, 2]
     rows = packed.shape[0]
     per_word = np.take(lut, _as_u16(packed).reshape(-1), axis=0).reshape(rows, -1, BLOCK // 4, 2)
     per_block = per_word.sum(axis=2, dtype=np.float64)  # [rows, n/16, 2]
     s2 = block_scales.astype(np.float64) ** 2
     return float((per_block[..., 0] * s2).sum()), float((per_block[..., 1] * s2).sum())
+
+
+def fit_mid_table(hist: np.ndarray) -> np.ndarray:
+    """The mid tier's 8-entry table, fitted as fit_table fits the base's: for 3-bit code m (code >> 1), the
+    mean FP4 value of the codes 2m, 2m+1 weighted by how often each occurs (their plain mean if neither does)."""
+    counts = hist.reshape(8, 2).astype(np.float64)
+    pairs = E2M1_VALUES.reshape(8, 2).astype(np.float64)
+    n = counts.sum(axis=1)
+    table = np.where(n > 0, (counts * pairs).sum(axis=1) / np.maximum(n, 1), pairs.mean(axis=1))
+    return table.astype(np.float32)
+
+
+def _make_mid_lut() -> np.ndarray:
+    """delta-plane byte (four 2-bit codes) -> the nibble of their high bits, element j in bit j."""
+    d = np.arange(256)
+    return sum(((d >> (2 * j + 1)) & 1) << j for j in range(4)).astype(np.uint8)
+
+
+_MID_LUT = _make_mid_lut()
+
+
+def mid_plane(delta: np.ndarray) -> np.ndarray:
+    """Delta plane uint8 [..., n/4] -> mid plane uint8 [..., n/8]: each element's delta high bit, element 8k+j
+    in bit j of byte k (each row on its own: a row of n elements is n/8 bytes)."""
+    if delta.dtype != np.uint8 or delta.shape[-1] % 2:
+        raise ValueError("a delta plane must be uint8 with an even last dimension (rows of a multiple of 8)")
+    nib = np.take(_MID_LUT, delta)
+    return (nib[..., 0::2] | (nib[..., 1::2] << 4)).astype(np.uint8)
+
+
+def mid_plane_reference(packed: np.ndarray) -> np.ndarray:
+    """The mid plane straight from packed FP4 codes, bit by bit: kept as mid_plane's reference."""
+    bits = (unpack_codes(packed) >> 1) & 1
+    return np.packbits(bits, axis=-1, bitorder="little")
+
+
+def unpack_mid(mid: np.ndarray) -> np.ndarray:
+    """Mid plane uint8 [..., n/8] -> its bits uint8 [..., n] (0 or 1)."""
+    return np.unpackbits(mid, axis=-1, bitorder="little")
+
+
+def unpack_base(base: np.ndarray) -> np.ndarray:
+    """Base (or delta) plane uint8 [..., n/4] -> its 2-bit codes uint8 [..., n]."""
+    parts = [(base >> (2 * j)) & 3 for j in range(4)]
+    return np.stack(parts, axis=-1).reshape(base.shape[:-1] + (base.shape[-1] * 4,)).astype(np.uint8)
+
+
+def three_bit_codes(base: np.ndarray, mid: np.ndarray) -> np.ndarray:
+    """Base plane [..., n/4] and mid plane [..., n/8] -> the 3-bit codes (code >> 1) uint8 [..., n]."""
+    return (unpack_base(base) << 1) | unpack_mid(mid)
 
 
 def base_values(base: np.ndarray, table: np.ndarray) -> np.ndarray:
@@ -389,9 +453,10 @@ def _c_kernels(kernel: HostKernel | None) -> Any:
 
 
 def _sums_from_weighted(weighted: np.ndarray, table: np.ndarray) -> tuple[float, float]:
-    """(error, energy) from the scale^2-weighted code histogram W: sum W_c (v_c - t[c>>2])^2, sum W_c v_c^2."""
+    """(error, energy) from the scale^2-weighted code histogram W: sum W_c (v_c - t[c>>2])^2, sum W_c v_c^2
+    (an 8-entry table: t[c>>1]; per_code)."""
     v = E2M1_VALUES.astype(np.float64)
-    t = np.repeat(table.astype(np.float64), 4)
+    t = per_code(table).astype(np.float64)
     return float(weighted @ ((v - t) ** 2)), float(weighted @ (v**2))
 
 
@@ -453,15 +518,43 @@ def split_and_measure_e4m3(packed: np.ndarray, scale_bytes: np.ndarray, *, kerne
     copy of the scales and a cheaper inner loop. Planes and table are identical to split_and_measure's;
     error and energy agree to float rounding (the sums are taken in another order).
     """
-    c = _c_kernels(kernel)
-    if c is not None and hasattr(c, "split_measure_e4m3") and packed.dtype == np.uint8 \
-            and packed.ndim == 2 and packed.shape[1] % (BLOCK // 2) == 0 and scale_bytes.dtype == np.uint8 \
-            and scale_bytes.shape == (packed.shape[0], packed.shape[1] * 2 // BLOCK):
-        src = np.ascontiguousarray(packed)
-        base = np.empty((src.shape[0], src.shape[1] // 2), dtype=np.uint8)
-        delta = np.empty_like(base)
-        counts, weighted = c.split_measure_e4m3(src, np.ascontiguousarray(scale_bytes), base, delta)
-        table = fit_base_table(np.array(counts, dtype=np.int64), form)
-        er, eg = _sums_from_weighted(np.array(weighted, dtype=np.float64), table)
+    got = _split_counts_e4m3(packed, scale_bytes, kernel)
+    if got is not None:
+        base, delta, counts, weighted = got
+        table = fit_base_table(counts, form)
+        er, eg = _sums_from_weighted(weighted, table)
         return base, delta, table, er, eg
     return split_and_measure(packed, E4M3_VALUES[scale_bytes], kernel=kernel, form=form)
+
+
+def _split_counts_e4m3(packed: np.ndarray, scale_bytes: np.ndarray, kernel: HostKernel | None
+                       ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
+    """(base, delta, code counts int64[16], scale^2-weighted counts float64[16]) from the C kernel's one pass,
+    or None where it does not run (not built, not asked for, or shapes it does not take)."""
+    c = _c_kernels(kernel)
+    if c is None or not hasattr(c, "split_measure_e4m3") or packed.dtype != np.uint8 or packed.ndim != 2 \
+            or packed.shape[1] % (BLOCK // 2) or scale_bytes.dtype != np.uint8 \
+            or scale_bytes.shape != (packed.shape[0], packed.shape[1] * 2 // BLOCK):
+        return None
+    src = np.ascontiguousarray(packed)
+    base = np.empty((src.shape[0], src.shape[1] // 2), dtype=np.uint8)
+    delta = np.empty_like(base)
+    counts, weighted = c.split_measure_e4m3(src, np.ascontiguousarray(scale_bytes), base, delta)
+    return base, delta, np.array(counts, dtype=np.int64), np.array(weighted, dtype=np.float64)
+
+
+def split_and_measure_mid_e4m3(packed: np.ndarray, scale_bytes: np.ndarray, *, kernel: HostKernel | None = None,
+                               form: BaseTable | str = BaseTable.FITTED
+                               ) -> tuple[np.ndarray, np.ndarray, np.ndarray, float, float, float]:
+    """split_and_measure_e4m3 and the mid tier's squared error (the 3-bit codes through fit_mid_table, against
+    the FP4 values, before the global scale): from the same counts on the C kernel's one pass; two more
+    numpy passes over the codes where it does not run."""
+    got = _split_counts_e4m3(packed, scale_bytes, kernel)
+    if got is not None:
+        base, delta, counts, weighted = got
+        table = fit_base_table(counts, form)
+        er, eg = _sums_from_weighted(weighted, table)
+        return base, delta, table, er, eg, _sums_from_weighted(weighted, fit_mid_table(counts))[0]
+    base, delta, table, er, eg = split_and_measure(packed, E4M3_VALUES[scale_bytes], kernel=kernel, form=form)
+    mid = error_and_energy(packed, E4M3_VALUES[scale_bytes], fit_mid_table(code_histogram(packed)))[0]
+    return base, delta, table, er, eg, mid

@@ -22,7 +22,7 @@ from .folders import EMPTY_DETAIL, FolderKind, require_cache_folder
 from .fsutil import atomic_write_json, file_id, lock_is_held, open_regular, pread_into, read_json_file, refuse_links
 from .hashing import xxh3_file_hex, xxh3_hex
 from .machine import usable_cores
-from .manifest import CACHE_MANIFEST, COMMIT_RECORD, VERIFIED_STATE, CacheManifest, FileEntry, ManifestError, TensorEntry
+from .manifest import CACHE_MANIFEST, COMMIT_RECORD, VERIFIED_STATE, CacheManifest, DeltaIndex, FileEntry, ManifestError, TensorEntry
 from .cancel import CancelToken, check as check_cancel
 from .progress import NullProgress, Progress
 from .window import bounded_window
@@ -226,6 +226,27 @@ def _structure(cf: CacheView, reported: set[str]) -> list[Problem]:
         n = cf.layers[layer].n_experts if layer in cf.layers else 0
         if any(e >= n for e in experts):
             problems.append(Problem(ProblemKind.COVERAGE, idx.path, f"delta index names an expert >= {n}", layer))
+    return problems + _mid_structure(cf, index, idx.path)
+
+
+def _mid_structure(cf: CacheView, index: DeltaIndex, path: str) -> list[Problem]:
+    """The mid tier's coverage: there when the build asked for one, an entry per served layer, experts that
+    exist and are not also in the 4-bit tier."""
+    if index.mid_layers is None:
+        return [Problem(ProblemKind.COVERAGE, path, "the build asked for a mid tier and the delta index has none")] \
+            if cf.manifest.build.mid_budget_bytes else []
+    problems = []
+    have = {layer for layer, _ in index.mid_layers}
+    for layer in cf.manifest.build.layers:
+        if layer not in have:
+            problems.append(Problem(ProblemKind.COVERAGE, path, "served layer has no mid-tier entry", layer))
+    for layer, experts in index.mid_layers:
+        n = cf.layers[layer].n_experts if layer in cf.layers else 0
+        if any(e >= n for e in experts):
+            problems.append(Problem(ProblemKind.COVERAGE, path, f"the mid tier names an expert >= {n}", layer))
+        if set(experts) & set(index.experts_of(layer) or ()):
+            problems.append(Problem(ProblemKind.COVERAGE, path, "an expert is in both the delta and the mid tier",
+                                    layer))
     return problems
 
 
@@ -522,6 +543,7 @@ class _LayerAgainst:
     checked: dict[str, int]
     names: frozenset[str] = frozenset()  # the base file's tensor names
     form: str = "fitted"                 # the cache's base-table form (enums.BaseTable): the tables are refit in it
+    mid: tuple[int, ...] = ()            # the layer's mid-tier experts (their planes and tables in the pack)
 
     def expert(self, ck: Any, e: int, want_fmt: Any, progress: Progress) -> list[Problem]:
         """Every projection of expert e against the source, in order; the first one's problems, or none."""
@@ -544,7 +566,7 @@ class _LayerAgainst:
 
         from .formats import stored_scales
         from .geometry import is_w13, names_of
-        from .planes import code_histogram, fit_base_table, split_planes
+        from .planes import code_histogram, fit_base_table, fit_mid_table, mid_plane, split_planes
         problems: list[Problem] = []
         name = f"expert {e} {proj}"
 
@@ -592,6 +614,15 @@ class _LayerAgainst:
             if _differs(got, delta):
                 problems.append(Problem(ProblemKind.MISMATCH, path, f"{name}: delta plane differs from the source",
                                         self.layer, tensor))
+        if e in self.mid:
+            k = self.mid.index(e)
+            plane, table = (L.W13_MID, L.W13_MID_TABLE) if w13 else (L.W2_MID, L.W2_MID_TABLE)
+            plane, table = L.pack_tensor(self.layer, plane), L.pack_tensor(self.layer, table)
+            self.checked["mid_planes"] += 1
+            if _differs(self.pack.row(plane, k)[rows], mid_plane(delta)):
+                mismatch("mid plane", plane, L.PACK)
+            if _differs(self.pack.array(table)[(k, j) if w13 else (k,)], fit_mid_table(code_histogram(x.codes))):
+                mismatch("mid table (recomputed from the source's codes)", table, L.PACK)
         return problems
 
 
@@ -608,7 +639,7 @@ def _layer_against(root: Path, cf: CacheView, layer: int, ck: Any, pack: Any, ch
         allf = stack.enter_context(TensorFile(root, all_fe.path)) if all_fe else None
         la = _LayerAgainst(layer, lm, lm.geometry(), base_fe.path, bf, all_fe.path if all_fe else None, allf,
                            pack, list(cf.tier_experts(layer)), checked, frozenset(bf.keys()),
-                           cf.manifest.build.base_table)
+                           cf.manifest.build.base_table, cf.mid_experts(layer))
         for e in range(lm.n_experts):
             check_cancel(cancel)
             problems = la.expert(ck, e, want_fmt, progress)
@@ -639,6 +670,8 @@ def verify_against(root: str | os.PathLike[str], src: str | os.PathLike[str],
     if problems:
         return VerifyReport(Check.AGAINST, CORRUPT, tuple(problems), len(cf.files), seconds=time.perf_counter() - t0)
     checked = {"experts": 0, "delta_planes": 0, "scales": 0, "tables": 0, "dense_tensors": 0}
+    if cf.delta_index is not None and cf.delta_index.mid_layers is not None:
+        checked["mid_planes"] = 0
     with open_checkpoint(src) as ck:
         if ck.layout != cf.manifest.source_layout:
             return VerifyReport(Check.AGAINST, CORRUPT, (Problem(ProblemKind.MISMATCH, CACHE_MANIFEST,

@@ -185,7 +185,8 @@ class Footprint:
     source: str                   # "cache", "checkpoint" or "given"
     path: str
     exact: bool
-    base_bytes: int               # base planes (+ FP8 block scales, scalars, tables) of served main layers
+    base_bytes: int               # base planes (+ FP8 block scales, scalars, tables) of served main layers, and
+                                  # their mid tier's planes and tables (resident beside them, a fixed size)
     delta_tier_bytes: int         # the FP4 delta tier as built (or as a budget would choose)
     dense_bytes: int              # everything copied unchanged that the main model loads
     expert_delta_bytes: int       # one expert's delta planes (w13 + w2)
@@ -357,6 +358,9 @@ def footprint_of_view(cf: CacheView, delta_budget: str | None = None) -> Footpri
     tier_layers = tuple((layer, tuple(ex)) for layer, ex in index.layers if layer in main_layers) if index else ()
     tier_experts = sum(len(ex) for _, ex in tier_layers)
     drafter_tier = sum(len(ex) for layer, ex in index.layers if layer in drafter_layers) if index else 0
+    if index is not None:   # the mid tier is resident weight, as the base planes
+        base += sum(cf.layers[layer].geometry().expert_mid_bytes * len(ex) for layer, ex in index.mid_layers or ()
+                    if layer in main_layers)
     dense = mtp_dense = dense_split = wkv = 0
     names: list[str] = []
     for part in cf.dense_parts:

@@ -28,8 +28,8 @@ from ..errors import InputError
 from ..formats import E4M3_16, LAYOUT_FORMAT, ExpertFormat, TensorKind, e4m3_shift, e8m0_to_e4m3, stored_scales
 from ..geometry import LayerGeometry, is_w13
 from ..manifest import FileEntry, LayerManifest, write_record
-from ..planes import HostKernel, code_histogram_torch, error_and_energy_torch, fit_base_table, \
-    split_and_measure_e4m3, split_planes_torch
+from ..planes import E4M3_VALUES, HostKernel, code_histogram, code_histogram_torch, error_and_energy, \
+    error_and_energy_torch, fit_base_table, fit_mid_table, split_and_measure_mid_e4m3, split_planes_torch
 from ..stwriter import SafetensorsWriter
 from ..window import bounded_window
 from .parts import Counters, read_entry, reusable, written_entries
@@ -54,6 +54,14 @@ class _Planes:
     table: np.ndarray
     error: float   # before the global scale
     energy: float
+    mid_error: float  # (FP4 - 3-bit)^2 through the fitted 8-entry table, before the global scale
+
+
+def mid_error(codes: np.ndarray, scale_bytes: np.ndarray) -> float:
+    """The squared error left with the mid plane (base + the delta's high bit through fit_mid_table), from the
+    codes and e4m3 scale bytes a projection's base error is measured with: what the mid tier is chosen by.
+    Two numpy passes over the codes: the GPU split's (the host split has it from its one pass)."""
+    return error_and_energy(codes, E4M3_VALUES[scale_bytes], fit_mid_table(code_histogram(codes)))[0]
 
 
 def read_expert(reader: SourceReader, layer: int, expert: int, fmt: ExpertFormat) -> list[RawExpert]:
@@ -78,7 +86,8 @@ def plane_work(read: Future[list[RawExpert]], device: str | None = None, device_
     for x in read.result():
         scale_bytes, factor = measure_scales(x)
         if device is None or (device != "cpu" and x.codes.nbytes < device_min_bytes):
-            base, delta, table, er, eg = split_and_measure_e4m3(x.codes, scale_bytes, kernel=kernel, form=form)
+            base, delta, table, er, eg, mer = split_and_measure_mid_e4m3(x.codes, scale_bytes, kernel=kernel,
+                                                                         form=form)
         else:  # the same maths in torch on the device; the planes and table are bit-identical
             codes = torch.from_numpy(x.codes).to(device)
             tbase, tdelta = split_planes_torch(codes)
@@ -86,7 +95,8 @@ def plane_work(read: Future[list[RawExpert]], device: str | None = None, device_
             scales = torch.from_numpy(scale_bytes).view(torch.float8_e4m3fn).to(device).to(torch.float32)
             er, eg = error_and_energy_torch(codes, scales, table)
             base, delta = tbase.cpu().numpy(), tdelta.cpu().numpy()
-        out.append(_Planes(x, base, delta, table, er * factor, eg * factor))
+            mer = mid_error(x.codes, scale_bytes)
+        out.append(_Planes(x, base, delta, table, er * factor, eg * factor, mer * factor))
     return out
 
 
@@ -125,18 +135,19 @@ class _LayerFiles:
         self.raw_scalars: dict[tuple[str, str], list[np.ndarray]] = {}
         self.sq_error: list[float] = []
         self.energy: list[float] = []
+        self.mid_sq_error: list[float] = []
         self.source_bytes = 0
 
     def add(self, e: int, work: list[_Planes], reader: SourceReader, counters: Counters) -> None:
         """Write expert e's planes and block scales; gather its scalars and measures."""
         layer, fmt, bw, dw = self.layer, self.fmt, self.base, self.delta
-        err = en = 0.0
+        err = en = mid_err = 0.0
         for j, proj in enumerate(PROJECTIONS):
             x, w = work[j].x, work[j]
             g = x.scale_2
             _check_source_finite(layer, e, proj, g, w.error, w.energy,
                                  None if x.input_scale is None else fmt.multiply(x.input_scale))
-            err, en = err + w.error * g * g, en + w.energy * g * g
+            err, en, mid_err = err + w.error * g * g, en + w.energy * g * g, mid_err + w.mid_error * g * g
             w13 = is_w13(proj)
             bw.write(L.W13_BASE if w13 else L.W2_BASE, w.base)
             if dw is not None:
@@ -157,6 +168,7 @@ class _LayerFiles:
             counters.advance(n)
         self.sq_error.append(err)
         self.energy.append(en)
+        self.mid_sq_error.append(mid_err)
 
     def finish(self) -> None:
         """The per-layer tensors, once every expert is in; a short tensor is a bug: fail here, not on the
@@ -200,7 +212,7 @@ class _LayerFiles:
         lm = LayerManifest(self.layer, plan.kinds[self.layer], geo.n_experts, m.hidden_size, m.moe_intermediate_size,
                            plan.layer_key(self.layer), plan.expert_delta_bytes, self.source_bytes, tuple(files),
                            tuple(tensors), tuple(self.sq_error), tuple(self.energy), self.fmt.name,
-                           ((L.W13_SCALE, geo.w13_form), (L.W2_SCALE, geo.w2_form)))
+                           ((L.W13_SCALE, geo.w13_form), (L.W2_SCALE, geo.w2_form)), tuple(self.mid_sq_error))
         write_record(self.root / L.layer_manifest(self.layer), lm)
         return lm
 
@@ -226,8 +238,10 @@ def build_layer(plan: BuildPlan, root: Path, reader: SourceReader, counters: Cou
 
 
 def reusable_layer(plan: BuildPlan, root: Path, layer: int) -> LayerManifest | None:
-    """The manifest a killed build wrote for this layer, if it has this build's key and its files match."""
-    return reusable(root, L.layer_manifest(layer), plan.layer_key(layer), LayerManifest.parse)
+    """The manifest a killed build wrote for this layer, if it has this build's key and its files match (and,
+    for a build with a mid tier, its 3-bit errors: a layer written before the mid tier has none)."""
+    lm = reusable(root, L.layer_manifest(layer), plan.layer_key(layer), LayerManifest.parse)
+    return None if lm is not None and plan.opts.mid_budget and not lm.mid_sq_error else lm
 
 
 @dataclass

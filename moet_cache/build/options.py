@@ -121,6 +121,9 @@ class BuildOptions:
     tuning: BuildTuning = field(default_factory=BuildTuning)
     kill_at: KillHook | None = None   # tests only: signal this process at a commit window (moet_cache.commit)
     base_table: BaseTable | str = BaseTable.FITTED
+    # The mid tier's budget (bytes or a percentage of every expert's mid tier); None: no mid tier. Its experts
+    # (outside the 4-bit tier) keep base + the delta's high bit through a fitted 8-entry table: 3 bits a weight.
+    mid_budget: str | None = None
 
     def __post_init__(self) -> None:
         BaseTable.of(self.base_table, "base table")  # an InputError naming the forms for any other value
@@ -140,6 +143,8 @@ class BuildResult:
     tier_file_bytes: int    # delta/tier.safetensors on disk: the planes plus the file's header
     budget_bytes: int
     seconds: float
+    mid_experts: int = 0    # the mid tier's experts (3 bits a weight)
+    mid_bytes: int = 0      # their mid planes and tables (what --mid-budget counts)
 
 
 @dataclass(frozen=True)

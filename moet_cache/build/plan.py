@@ -65,9 +65,14 @@ class BuildPlan:
     def total_delta_bytes(self) -> int:
         return len(self.served) * self.ckpt.model.n_routed_experts * self.expert_delta_bytes
 
-    def build_params(self, budget: int, profile_digest: str | None) -> BuildParams:
+    @property
+    def total_mid_bytes(self) -> int:
+        """Every served expert's mid tier (planes and tables): what a --mid-budget percentage is of."""
+        return len(self.served) * self.ckpt.model.n_routed_experts * self.geometry().expert_mid_bytes
+
+    def build_params(self, budget: int, profile_digest: str | None, mid_budget: int = 0) -> BuildParams:
         return BuildParams(tuple(self.served), self.opts.include_mtp, self.opts.lossless, budget, profile_digest,
-                           BaseTable(self.opts.base_table))
+                           BaseTable(self.opts.base_table), mid_budget)
 
     # --- a layer's files ---------------------------------------------------------------------------
     def layer_key(self, layer: int) -> str:

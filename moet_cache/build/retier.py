@@ -51,7 +51,8 @@ def retier_cache(cache: str | os.PathLike[str], delta_budget: str, profile: str 
         tier = write_tier(root, cf.layers, chosen, deltas, budget, prof, key, cancel)
         keep = [f for f in m.files if f.role not in TIER_ROLES and f.path != TIER_PART]
         new = replace(m, created=utc_now(), files=(*keep, *tier),
-                      build=replace(m.build, delta_budget_bytes=budget, profile_xxh3=prof.digest if prof else None))
+                      build=replace(m.build, delta_budget_bytes=budget, profile_xxh3=prof.digest if prof else None,
+                                    mid_budget_bytes=0))  # the mid planes need the source: not carried
         if cancel is not None:
             cancel.check()  # the last moment a cancel is taken: from here the commit runs to its end
         commits.commit(new, partial(sweep, root))

@@ -50,14 +50,15 @@ def build_cache(src: str | os.PathLike[str], cache: str | os.PathLike[str], opti
         plan = make_plan(ckpt, opts)
         profile = _profile(plan)
         budget = parse_budget(opts.delta_budget, plan.total_delta_bytes, what="delta budget")
-        params = plan.build_params(budget, profile.digest if profile else None)
+        mid_budget = parse_budget(opts.mid_budget, plan.total_mid_bytes, what="mid budget") if opts.mid_budget else 0
+        params = plan.build_params(budget, profile.digest if profile else None, mid_budget)
         aux = aux_files(ckpt.root)  # a source file that cannot be carried is refused before any write
         done = _already_complete(root, plan, params)
         if done is not None:
             sweep(root, done)  # what a build killed after its commit left: the temp of .state/verified.json
             return _result(root, plan, done, None, 0, budget, t0)
         commits.uncommit()
-        _check_space(root, plan, budget)
+        _check_space(root, plan, budget + mid_budget)
         note_planned(root, planned_paths(plan, aux))  # the sweep's proof, before the first cache file
         counters = Counters(progress or NullProgress(), cancel)
         counters.progress.start(plan.planed_bytes + plan.dense_bytes, "build")
@@ -70,7 +71,7 @@ def build_cache(src: str | os.PathLike[str], cache: str | os.PathLike[str], opti
                 with counters.stopping_on_error():  # a failed layer stops the dense copy at its next chunk
                     layers = build_layers(plan, root, reader, counters)
                 files += [fe for part in dense for fe in part.result()]
-            files += build_tier(plan, root, reader, layers.done, budget, profile, cancel)
+            files += build_tier(plan, root, reader, layers.done, budget, profile, cancel, mid_budget)
         files.append(source_map(ckpt, root, plan.omitted))
         files = served_config(root, files, {layer: lm for layer, (lm, _) in layers.done.items()})
         manifest = _manifest(plan, params, layers, files)
@@ -159,7 +160,8 @@ def _result(root: Path, plan: BuildPlan, manifest: CacheManifest, layers: LayerR
         layers_built=tuple(layers.built) if layers else (), layers_reused=tuple(layers.reused) if layers else (),
         source_bytes=read_bytes, cache_bytes=sum(f.size for f in manifest.files) + sum(r.size for r in manifest.layers),
         tier_experts=sum(len(ex) for _, ex in index.layers), tier_bytes=index.used_bytes,
-        tier_file_bytes=pack.size if pack else 0, budget_bytes=budget, seconds=time.perf_counter() - t0)
+        tier_file_bytes=pack.size if pack else 0, budget_bytes=budget, seconds=time.perf_counter() - t0,
+        mid_experts=sum(len(ex) for _, ex in index.mid_layers or ()), mid_bytes=index.mid_used_bytes)
 
 
 __all__ = ["build_cache"]

@@ -1,13 +1,18 @@
 """The delta tier: which experts keep their FP4 delta planes (tiering.choose_tier, within the budget),
 written as one pack (delta/tier.safetensors), its index (delta/tier.json) and its part record. A build
 takes the chosen planes from the source (split again: the same planes, bit for bit) or, with --lossless,
-from the per-layer delta files; retier takes them from those files, without the source."""
+from the per-layer delta files; retier takes them from those files, without the source.
+
+With a mid budget the build also chooses a mid tier among the other experts (by the squared error their mid
+plane removes, the same policy) and writes their mid planes and 8-entry tables into the same pack, split
+again from the source."""
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -15,11 +20,11 @@ import numpy as np
 from .. import layout as L
 from ..cancel import CancelToken
 from ..checkpoint import SourceReader
-from ..errors import VerificationError
+from ..errors import InputError, VerificationError
 from ..fsutil import open_regular, pread_into, resolve_inside
 from ..hashing import new_hasher
 from ..manifest import DeltaIndex, FileEntry, LayerManifest, PartManifest
-from ..planes import HostKernel, split_planes
+from ..planes import HostKernel, code_histogram, fit_mid_table, mid_plane, split_planes
 from ..stwriter import SafetensorsWriter, TensorSpec
 from ..tiering import Candidate, RoutingProfile, choose_tier
 from ..window import bounded_window
@@ -31,12 +36,14 @@ TIER_ROLES = (L.Role.PACK, L.Role.DELTA_INDEX)
 
 #: (layer, w13_delta or w2_delta, experts) -> the experts' planes of that tensor, in order, as byte chunks.
 DeltaReader = Callable[[int, str, tuple[int, ...]], Iterable[np.ndarray]]
+#: (layer, w13_mid or w2_mid, experts) -> per expert and projection in order: (its mid plane, its 8-entry table).
+MidReader = Callable[[int, str, tuple[int, ...]], Iterable[tuple[np.ndarray, np.ndarray]]]
 
 
-def tier_key(layer_digests: dict[int, str], budget: int, profile_digest: str | None) -> str:
-    """What the tier's bytes depend on: the layer manifests, the budget and the profile."""
+def tier_key(layer_digests: dict[int, str], budget: int, profile_digest: str | None, mid_budget: int = 0) -> str:
+    """What the tier's bytes depend on: the layer manifests, the budgets and the profile."""
     return key_of({"layers": {str(k): v for k, v in sorted(layer_digests.items())}, "budget": budget,
-                   "profile": profile_digest})
+                   "profile": profile_digest, **({"mid_budget": mid_budget} if mid_budget else {})})
 
 
 def tier_candidates(layers: dict[int, LayerManifest], profile: RoutingProfile | None) -> list[Candidate]:
@@ -45,6 +52,40 @@ def tier_candidates(layers: dict[int, LayerManifest], profile: RoutingProfile | 
         weights = profile.weights(layer, lm.n_experts) if profile else (1.0,) * lm.n_experts
         out += [Candidate(layer, e, lm.expert_delta_bytes, lm.sq_error[e], weights[e]) for e in range(lm.n_experts)]
     return out
+
+
+def mid_candidates(layers: dict[int, LayerManifest], profile: RoutingProfile | None,
+                   chosen: dict[int, tuple[int, ...]]) -> list[Candidate]:
+    """Every expert outside the 4-bit tier, valued by the squared error its mid plane removes (base-only error
+    minus 3-bit error) times its routing weight, at the bytes of its mid planes and tables."""
+    out = []
+    for layer, lm in sorted(layers.items()):
+        if len(lm.mid_sq_error) != lm.n_experts:
+            raise InputError(f"layer {layer} was built without its 3-bit errors, so no mid tier can be chosen",
+                             "build the cache again with --mid-budget (its layers are rebuilt)")
+        weights = profile.weights(layer, lm.n_experts) if profile else (1.0,) * lm.n_experts
+        nbytes, tier = lm.geometry().expert_mid_bytes, set(chosen.get(layer, ()))
+        out += [Candidate(layer, e, nbytes, max(0.0, lm.sq_error[e] - lm.mid_sq_error[e]), weights[e])
+                for e in range(lm.n_experts) if e not in tier]
+    return out
+
+
+def source_mids(reader: SourceReader, workers: int, cancel: CancelToken | None = None,
+                kernel: HostKernel | None = None) -> MidReader:
+    """A MidReader that splits the experts again from the source: each projection's mid plane (the delta's
+    high bit) and its 8-entry table fitted to its codes, read and split on worker threads."""
+    def read(layer: int, which: str, experts: tuple[int, ...]) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        projs = ("gate_proj", "up_proj") if which == L.W13_MID else ("down_proj",)
+
+        def mid(item: tuple[int, str]) -> tuple[np.ndarray, np.ndarray]:
+            x = reader.read_expert(layer, *item)
+            out = mid_plane(split_planes(x.codes, kernel=kernel)[1]), fit_mid_table(code_histogram(x.codes))
+            reader.release(x.codes)
+            return out
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="moet-mid") as pool:
+            yield from bounded_window(lambda item: pool.submit(mid, item),
+                                      ((e, proj) for e in experts for proj in projs), 2 * workers + 1, cancel)
+    return read
 
 
 def file_deltas(root: Path, layers: dict[int, LayerManifest]) -> DeltaReader:
@@ -116,13 +157,18 @@ def source_deltas(reader: SourceReader, workers: int, cancel: CancelToken | None
 
 def write_delta_pack(root: Path, layers: dict[int, LayerManifest], chosen: dict[int, tuple[int, ...]],
                      deltas: DeltaReader, budget: int, weighted: bool,
-                     cancel: CancelToken | None = None) -> tuple[FileEntry, FileEntry]:
-    """Write delta/tier.safetensors (chosen experts' planes, layer by layer) and its index."""
+                     cancel: CancelToken | None = None, mid: MidTier | None = None) -> tuple[FileEntry, FileEntry]:
+    """Write delta/tier.safetensors (chosen experts' planes, layer by layer; then the mid tier's, when there
+    is one) and its index."""
     specs = []
     for layer, experts in sorted(chosen.items()):
         if experts:
             specs += [TensorSpec(L.pack_tensor(layer, sp.name), sp.dtype, sp.shape)
                       for sp in layers[layer].geometry().delta_specs(len(experts))]
+    for layer, experts in sorted(mid.chosen.items()) if mid else ():
+        if experts:
+            specs += [TensorSpec(L.pack_tensor(layer, sp.name), sp.dtype, sp.shape)
+                      for sp in layers[layer].geometry().mid_specs(len(experts))]
     with SafetensorsWriter(root / L.PACK, specs) as w:
         for layer, experts in sorted(chosen.items()):
             if not experts:
@@ -132,37 +178,72 @@ def write_delta_pack(root: Path, layers: dict[int, LayerManifest], chosen: dict[
                     if cancel is not None:
                         cancel.check()
                     w.write(L.pack_tensor(layer, which), chunk)
+        if mid is not None:
+            _write_mids(w, mid, cancel)
         written = w.commit()
     pack_fe = written_entries(L.PACK, written, L.Role.PACK)[0]
     used = sum(layers[layer].expert_delta_bytes * len(ex) for layer, ex in chosen.items())
-    index = DeltaIndex(L.PACK, budget, used, weighted, tuple(sorted(chosen.items())))
+    mid_fields = () if mid is None else (
+        mid.budget, sum(layers[layer].geometry().expert_mid_bytes * len(ex) for layer, ex in mid.chosen.items()),
+        tuple(sorted(mid.chosen.items())))
+    index = DeltaIndex(L.PACK, budget, used, weighted, tuple(sorted(chosen.items())), *mid_fields)
     index_fe = write_record_entry(root, L.DELTA_INDEX, index, L.Role.DELTA_INDEX)
     return pack_fe, index_fe
 
 
+@dataclass(frozen=True)
+class MidTier:
+    """The mid tier to write: its budget, its experts per layer and where their planes and tables come from."""
+
+    budget: int
+    chosen: dict[int, tuple[int, ...]]
+    read: MidReader
+
+
+def _write_mids(w: SafetensorsWriter, mid: MidTier, cancel: CancelToken | None) -> None:
+    """Each layer's mid planes (w13, then w2, as they are split), then its tables (gathered meanwhile)."""
+    for layer, experts in sorted(mid.chosen.items()):
+        if not experts:
+            continue
+        tables = {L.W13_MID: [], L.W2_MID: []}
+        for which in (L.W13_MID, L.W2_MID):
+            for plane, table in mid.read(layer, which, experts):
+                if cancel is not None:
+                    cancel.check()
+                w.write(L.pack_tensor(layer, which), plane)
+                tables[which].append(table)
+        w.write(L.pack_tensor(layer, L.W13_MID_TABLE), np.stack(tables[L.W13_MID]).reshape(len(experts), 2, 8))
+        w.write(L.pack_tensor(layer, L.W2_MID_TABLE), np.stack(tables[L.W2_MID]).reshape(len(experts), 8))
+
+
 def write_tier(root: Path, layers: dict[int, LayerManifest], chosen: dict[int, tuple[int, ...]],
                deltas: DeltaReader, budget: int, profile: RoutingProfile | None, key: str,
-               cancel: CancelToken | None = None) -> list[FileEntry]:
+               cancel: CancelToken | None = None, mid: MidTier | None = None) -> list[FileEntry]:
     """The pack, its index, then the part record naming both (a resumed build keeps a finished tier)."""
-    pack_fe, index_fe = write_delta_pack(root, layers, chosen, deltas, budget, profile is not None, cancel)
+    pack_fe, index_fe = write_delta_pack(root, layers, chosen, deltas, budget, profile is not None, cancel, mid)
     part_fe = write_record_entry(root, TIER_PART, PartManifest(key, (pack_fe, index_fe), ()), L.Role.PART)
     return [pack_fe, index_fe, part_fe]
 
 
 def build_tier(plan: BuildPlan, root: Path, reader: SourceReader, layers: dict[int, tuple[LayerManifest, FileEntry]],
-               budget: int, profile: RoutingProfile | None, cancel: CancelToken | None = None) -> list[FileEntry]:
-    """The build's tier: kept when a killed build finished it for the same layers, budget and profile."""
+               budget: int, profile: RoutingProfile | None, cancel: CancelToken | None = None,
+               mid_budget: int = 0) -> list[FileEntry]:
+    """The build's tier (and mid tier): kept when a killed build finished it for the same layers, budgets and
+    profile."""
     layer_mans = {layer: lm for layer, (lm, _) in layers.items()}
     key = tier_key({layer: fe.xxh3 for layer, (_, fe) in layers.items()}, budget,
-                   profile.digest if profile else None)
+                   profile.digest if profile else None, mid_budget)
     part = reusable_part(root, TIER_PART, key)
     if part is not None:
         return [*part.files, read_entry(root, TIER_PART, L.Role.PART)]
     chosen = choose_tier(tier_candidates(layer_mans, profile), budget)
     deltas = file_deltas(root, layer_mans) if plan.opts.lossless \
         else source_deltas(reader, plan.opts.tuning.workers(), cancel, plan.opts.tuning.kernel())
-    return write_tier(root, layer_mans, chosen, deltas, budget, profile, key, cancel)
+    mid = MidTier(mid_budget, choose_tier(mid_candidates(layer_mans, profile, chosen), mid_budget),
+                  source_mids(reader, plan.opts.tuning.workers(), cancel, plan.opts.tuning.kernel())) \
+        if mid_budget else None
+    return write_tier(root, layer_mans, chosen, deltas, budget, profile, key, cancel, mid)
 
 
-__all__ = ["TIER_PART", "TIER_ROLES", "DeltaReader", "build_tier", "file_deltas",
+__all__ = ["TIER_PART", "TIER_ROLES", "DeltaReader", "MidReader", "MidTier", "mid_candidates", "source_mids", "build_tier", "file_deltas",
            "source_deltas", "tier_candidates", "tier_key", "write_delta_pack", "write_tier"]

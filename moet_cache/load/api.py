@@ -168,19 +168,23 @@ class Cache:
         if missing:
             raise InputError(f"the cache has no layer {missing[0]}", f"its layers are {list(self.layers)}")
         pack_fe = None
-        if opts.delta == DeltaMode.TIER and any(self.view.tier_experts(x) for x in sel):
+        if opts.delta == DeltaMode.TIER and any(self.view.tier_experts(x) or self.view.mid_experts(x) for x in sel):
             pack_fe = self.view.manifest.file(L.Role.PACK)
             if pack_fe is None:
                 raise VerificationError("the delta index names tier experts, cache.json lists no delta pack",
                                         "run moet-cache build again")
         pack = read_pack_header(self.root, pack_fe, self.opened) if pack_fe is not None else None
-        jobs = [layer_job(self.view.layers[x], opts.delta, self.view.tier_experts(x), pack, opts.shard) for x in sel]
+        jobs = [layer_job(self.view.layers[x], opts.delta, self.view.tier_experts(x), pack, opts.shard,
+                          self.view.mid_experts(x)) for x in sel]
         return self._run_layers(jobs, opts, progress or NullProgress(), pack_fe, cancel)
 
     def _finish(self, opts: LoadOptions) -> Finish:
         def finish(job: Job, t: dict[str, torch.Tensor], stream: object) -> dict[str, torch.Tensor]:
             assert job.layer is not None
-            return assemble_layer(self.view.layers[job.layer], t, opts.delta, job.delta_experts, opts.expand, stream)
+            index = self.view.delta_index
+            mid = self.view.mid_experts(job.layer) if index is not None and index.mid_layers is not None else None
+            return assemble_layer(self.view.layers[job.layer], t, opts.delta, job.delta_experts, opts.expand, stream,
+                                  mid)
         return finish
 
     def _run_layers(self, jobs: list[Job], opts: LoadOptions, progress: Progress,

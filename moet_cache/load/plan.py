@@ -15,7 +15,7 @@ from typing import Mapping
 
 from .. import layout as L
 from ..enums import DeltaMode
-from ..errors import VerificationError
+from ..errors import InputError, VerificationError
 from ..fsutil import FileId, file_id, resolve_inside
 from ..manifest import FileEntry, LayerManifest, TensorEntry
 from ..stheader import DTYPES, Header, read_header
@@ -103,10 +103,17 @@ def read_pack_header(root: Path, fe: FileEntry, opened: Mapping[str, FileId] | N
 
 
 def layer_job(lm: LayerManifest, delta: DeltaMode, experts: tuple[int, ...], pack: Header | None,
-              shard: Shard = Shard()) -> Job:
+              shard: Shard = Shard(), mid: tuple[int, ...] = ()) -> Job:
     """Layer lm's reads for delta mode `delta`; `experts`: the tier's experts of this layer (the delta
-    index's); `pack`: the tier pack's header (needed only when delta is "tier" and experts is not empty);
-    `shard`: the rank's share of the experts (shard.py; by default all of every expert)."""
+    index's); `pack`: the tier pack's header (needed only when delta is "tier" and experts or mid is not
+    empty); `shard`: the rank's share of the experts (shard.py; by default all of every expert); `mid`: its
+    mid-tier experts, read with delta "tier" only (with "all" every expert is FP4, with "none" none needs
+    more than its base)."""
+    if mid and delta == DeltaMode.TIER and not shard.whole:
+        # the mid planes are not cut into a rank's share (shard.share) yet: refuse rather than load a wrong slice
+        raise InputError(f"layer {lm.layer} has a mid tier, which a rank's share under tensor or expert "
+                         "parallelism does not load yet",
+                         "serve this cache on one GPU, or build it without --mid-budget")
     roles = {f.path: f.role for f in lm.files}
     tensors = [t for t in lm.tensors if roles[t.file] == L.Role.BASE]
     geo = lm.geometry()
@@ -159,6 +166,14 @@ def layer_job(lm: LayerManifest, delta: DeltaMode, experts: tuple[int, ...], pac
                     reads.append(part(Read(spec.name, L.PACK, got.begin, got.end, "U8", spec.shape, None, lm.layer),
                                       rows))
                     uses_pack = True
+        for spec in geo.mid_specs(len(mid)) if mid else ():
+            name = L.pack_tensor(lm.layer, spec.name)
+            got = pack.tensors.get(name) if pack is not None else None
+            if got is None or got.dtype != spec.dtype or got.shape != spec.shape:
+                raise VerificationError(f"{L.PACK}: tensor {name} is missing or has the wrong shape "
+                                        f"(the index names {len(mid)} mid-tier experts)", "run moet-cache build again")
+            reads.append(Read(spec.name, L.PACK, got.begin, got.end, spec.dtype, spec.shape, None, lm.layer))
+            uses_pack = True
     else:
         delta_experts = ()
     return Job(tuple(reads), lm.layer, uses_pack, delta_experts)

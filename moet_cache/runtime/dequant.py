@@ -2,7 +2,8 @@
 
 Shared facts (CONTRACT.md fact 2, docs/FORMAT.md): element 4k+j of a plane row sits in bits 2j..2j+1
 of byte k; W[o, i] = v(code)[o, i] * float(block_scale[o, i // group]) * scale_2, with
-v = table[base] for a base-only expert and E2M1[(base << 2) | delta] for a tier expert. The group is
+v = table[base] for a base-only expert, E2M1[(base << 2) | delta] for a tier expert and
+mid_table[(base << 1) | mid] for a mid-tier expert (the mid plane: one bit a weight). The group is
 in_features // block_scale.shape[-1]: 16 for float8_e4m3fn scales, 32 for the compact
 float8_e8m0fnu form.
 """
@@ -39,6 +40,46 @@ def expand_block_scale(scale: torch.Tensor, in_features: int) -> torch.Tensor:
     return scale.float().repeat_interleave(in_features // groups, dim=-1)
 
 
+def unpack_mid(plane: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., n/8] mid plane -> uint8 [..., n] bits (element 8k+j from bit j of byte k)."""
+    shifts = torch.arange(8, dtype=torch.uint8, device=plane.device)
+    bits = (plane.unsqueeze(-1) >> shifts) & 1
+    return bits.reshape(plane.shape[:-1] + (plane.shape[-1] * 8,))
+
+
+@dataclass(frozen=True)
+class MidPlanes:
+    """A layer's mid tier as loaded (delta="tier" of a cache with one): m experts' mid planes and tables."""
+
+    w13_mid: torch.Tensor           # uint8 [m, 2I, H/8]
+    w2_mid: torch.Tensor            # uint8 [m, H, I/8]
+    w13_mid_table: torch.Tensor     # float32 [m, 2, 8] (gate, up), by 3-bit code
+    w2_mid_table: torch.Tensor      # float32 [m, 8]
+    mid_experts: torch.Tensor       # int64 [m]
+
+    @classmethod
+    def from_tensors(cls, t: dict[str, torch.Tensor], H: int, I: int) -> "MidPlanes | None":
+        """The mid tier of a loaded layer; None when it has no mid tensors (a cache without a mid tier)."""
+        if "mid_experts" not in t:
+            return None
+        idx = t["mid_experts"]
+        m = idx.shape[0]
+        got = tuple(t.get(n) for n in ("w13_mid", "w2_mid", "w13_mid_table", "w2_mid_table"))
+        want = ((m, 2 * I, H // 8), (m, H, I // 8), (m, 2, 8), (m, 8))
+        # shapes and dtypes only: the expert numbers are the loader's (reading them would sync the device on
+        # every call, which a CUDA graph cannot capture), as delta_experts' are
+        if any(g is None or tuple(g.shape) != w for g, w in zip(got, want)) or idx.dim() != 1 \
+                or got[0].dtype != torch.uint8 or got[1].dtype != torch.uint8:
+            raise InputError("the layer's mid tier does not fit its mid_experts "
+                             f"(w13_mid [m, 2I, H/8], w2_mid [m, H, I/8], tables [m, 2, 8] and [m, 8], m = {m})",
+                             "pass what Cache.load(..., expand=False) yields")
+        return cls(got[0], got[1], got[2].float(), got[3].float(), idx.long())
+
+    def rows(self) -> dict[int, int]:
+        """expert -> its row in the mid planes."""
+        return {int(e): k for k, e in enumerate(self.mid_experts.tolist())}
+
+
 @dataclass(frozen=True)
 class LayerPlanes:
     """One layer's tensors as `Cache.load(..., expand=False)` yields them, checked and named."""
@@ -55,6 +96,7 @@ class LayerPlanes:
     w2_delta: torch.Tensor          # uint8 [n, H, I/4]
     delta_experts: torch.Tensor     # int64 [n]
     layout: PlaneLayout = NATURAL   # how the planes and block scales are laid out (plane_layout.py)
+    mid: MidPlanes | None = None    # the mid tier (None: the cache has none); its planes always natural
 
     @property
     def num_experts(self) -> int:
@@ -107,7 +149,7 @@ class LayerPlanes:
         planes = cls(b13, b2, t[scale_names[0]], t[scale_names[1]],
                      t["w13_weight_scale_2"].float().reshape(E, 2), t["w2_weight_scale_2"].float().reshape(E),
                      t["w13_table"].float().reshape(E, 2, 4), t["w2_table"].float().reshape(E, 4),
-                     d13, d2, idx.long(), layout)
+                     d13, d2, idx.long(), layout, MidPlanes.from_tensors(t, H, I))
         for name, s, rows, cols in ((scale_names[0], planes.w13_scale, two_i, H),
                                     (scale_names[1], planes.w2_scale, H, I)):
             if s.dim() != 3 or s.shape[:2] != (E, rows) or s.shape[2] == 0 or cols % s.shape[2]:
@@ -142,6 +184,11 @@ class LayerPlanes:
         """expert -> its row in the tier planes."""
         return {int(e): k for k, e in enumerate(self.delta_experts.tolist())}
 
+    @property
+    def has_mid(self) -> bool:
+        """Whether some expert of the layer is in the mid tier (a path that does not decode it must refuse)."""
+        return self.mid is not None and self.mid.mid_experts.shape[0] > 0
+
 
 def _values(base: torch.Tensor, delta: torch.Tensor | None, table: torch.Tensor) -> torch.Tensor:
     """Code values before scales: E2M1[(base << 2) | delta], or table[base] with one [4] table a row."""
@@ -158,17 +205,30 @@ def _natural_row(planes: LayerPlanes, t: torch.Tensor, i: int, delta: bool = Fal
     return planes.natural_of(t[i : i + 1], delta, [i])[0]
 
 
+def _mid_values(base: torch.Tensor, mid: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """Code values before scales of a mid-tier expert: table[(base << 1) | mid], one [8] table a row."""
+    codes = (unpack_plane(base).long() << 1) | unpack_mid(mid).long()
+    return torch.gather(table, 1, codes)
+
+
 def dequant_expert(planes: LayerPlanes, expert: int, tier_row: int | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """float32 (w13 [2I, H], w2 [H, I]) of one expert: its FP4 codes when tier_row is given, else its tables."""
+    """float32 (w13 [2I, H], w2 [H, I]) of one expert: its FP4 codes when tier_row is given, else its 3-bit
+    codes through its 8-entry tables when it is in the layer's mid tier, else its base tables."""
     I, H = planes.inter, planes.hidden
     b13, b2 = (_natural_row(planes, p, expert) for p in (planes.w13_base, planes.w2_base))
-    d13 = d2 = None
-    if tier_row is not None:
-        d13, d2 = (_natural_row(planes, p, tier_row, True) for p in (planes.w13_delta, planes.w2_delta))
-    t13 = planes.w13_table[expert]  # [2, 4]: gate rows take row 0, up rows row 1
-    row_table = t13.repeat_interleave(I, dim=0)  # [2I, 4]
-    v13 = _values(b13, d13, row_table)
-    v2 = _values(b2, d2, planes.w2_table[expert].expand(H, 4))
+    mid_row = planes.mid.rows().get(expert) if planes.mid is not None and tier_row is None else None
+    if mid_row is not None:
+        m = planes.mid
+        v13 = _mid_values(b13, m.w13_mid[mid_row], m.w13_mid_table[mid_row].repeat_interleave(I, dim=0))
+        v2 = _mid_values(b2, m.w2_mid[mid_row], m.w2_mid_table[mid_row].expand(H, 8))
+    else:
+        d13 = d2 = None
+        if tier_row is not None:
+            d13, d2 = (_natural_row(planes, p, tier_row, True) for p in (planes.w13_delta, planes.w2_delta))
+        t13 = planes.w13_table[expert]  # [2, 4]: gate rows take row 0, up rows row 1
+        row_table = t13.repeat_interleave(I, dim=0)  # [2I, 4]
+        v13 = _values(b13, d13, row_table)
+        v2 = _values(b2, d2, planes.w2_table[expert].expand(H, 4))
     s2_13 = planes.w13_scale_2[expert].repeat_interleave(I).unsqueeze(1)  # [2I, 1]
     s13, s2 = (_natural_row(planes, s, expert) for s in (planes.w13_scale, planes.w2_scale))
     w13 = v13 * expand_block_scale(s13, H) * s2_13

@@ -26,10 +26,15 @@ class Experts(ABC):
     devices: ClassVar[frozenset[str]]
     #: the layouts it reads as they are; a layer in another is put back to the natural one on every call
     layouts: ClassVar[frozenset[PlaneLayout]] = frozenset(LAYOUTS)
+    #: whether it decodes a layer's mid-tier experts at 3 bits (a path that does not refuses such a layer
+    #: rather than compute them from their base)
+    decodes_mid: ClassVar[bool] = False
 
     def unsupported(self, planes: LayerPlanes, x: torch.Tensor, pairs: int) -> str | None:
         """Why it cannot run this layer for `pairs` routed pairs of x here, or None where it can. Host-side
         facts only: no device sync (a CUDA graph captures the call)."""
+        if planes.has_mid and not self.decodes_mid:
+            return f"{type(self).__name__} does not decode the mid tier this layer has"
         if x.device.type not in self.devices:
             return f"{type(self).__name__} does not run on {x.device.type}"
         return self._unsupported(planes, x, pairs)

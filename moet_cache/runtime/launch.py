@@ -150,7 +150,8 @@ def layer_form(planes: LayerPlanes) -> dict[str, bool]:
 def cuda_experts(x: torch.Tensor, planes: LayerPlanes, pairs: int, config: Config) -> Experts:
     """The Experts `config` picks for `pairs` routed pairs of this layer on x's device: from the first prefill
     step the prefill kernels where they run, below it (and where they do not) the decode kernels where
-    they run, else the Triton kernels with `config`'s block for the pair count."""
+    they run, else the Triton kernels with `config`'s block for the pair count where they run (a layer with
+    a mid tier, which the plane kernels do not decode, comes here), else the torch reference."""
     form = layer_form(planes)
     c = config.pick(pairs, **form)
     if isinstance(c, Prefill):
@@ -163,7 +164,8 @@ def cuda_experts(x: torch.Tensor, planes: LayerPlanes, pairs: int, config: Confi
         if (decode := DecodeExperts(c)).supports(planes, x, pairs):
             return decode
         c = config.pick(pairs, mma_runs=False, prefill_runs=False)
-    return TritonExperts(c)
+    triton = TritonExperts(c)
+    return triton if triton.supports(planes, x, pairs) else ReferenceExperts()
 
 
 def fused_moe_cuda(x: torch.Tensor, planes: LayerPlanes, topk_weights: torch.Tensor, topk_ids: torch.Tensor,

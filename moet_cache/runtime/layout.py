@@ -22,7 +22,8 @@ def kernels_take(tensors: dict[str, torch.Tensor]) -> bool:
     on every call (slow, and not in a CUDA graph), so a layer is tiled only where they never do."""
     planes = LayerPlanes.from_tensors(tensors)
     device = planes.w13_base.device
-    return all(supported(planes, device, block) for block in config_for(device).decode_blocks())
+    # a layer with mid-tier experts goes to the Triton kernels (the plane kernels do not decode them)
+    return not planes.has_mid and all(supported(planes, device, block) for block in config_for(device).decode_blocks())
 
 
 def layout_for(tensors: dict[str, torch.Tensor]) -> PlaneLayout:

@@ -23,7 +23,6 @@ from .dequant import LayerPlanes, dequant_expert
 from .experts import Experts
 
 
-
 def fused_moe_reference(x: torch.Tensor, planes: LayerPlanes, topk_weights: torch.Tensor,
                         topk_ids: torch.Tensor, swiglu_limit: float | None = None) -> torch.Tensor:
     """float32 [T, H] routed-expert output (the caller casts). Repeated experts in a row count twice; a pair
@@ -55,6 +54,7 @@ class ReferenceExperts(Experts):
     put back one at a time), padding pairs (-1) and T = 0 included. The CPU runtime."""
 
     devices = frozenset({"cpu", "cuda"})
+    decodes_mid = True
 
     def _unsupported(self, planes: LayerPlanes, x: torch.Tensor, pairs: int) -> str | None:
         return None

@@ -10,8 +10,9 @@ import torch
 
 
 def random_layer(E: int, H: int, I: int, n_tier: int, e8m0: bool, device: str | torch.device,
-                 seed: int = 0) -> dict[str, torch.Tensor]:
-    """Tensors named as Cache.load(..., expand=False) names them; `n_tier` random tier experts."""
+                 seed: int = 0, n_mid: int = 0) -> dict[str, torch.Tensor]:
+    """Tensors named as Cache.load(..., expand=False) names them; `n_tier` random tier experts and, with
+    `n_mid`, that many random mid-tier experts among the others (the same tensors as before otherwise)."""
     g = torch.Generator(device=device).manual_seed(seed)
 
     def plane(*shape: int) -> torch.Tensor:
@@ -35,4 +36,12 @@ def random_layer(E: int, H: int, I: int, n_tier: int, e8m0: bool, device: str | 
     t["delta_experts"] = tier.long()
     t["w13_delta"] = plane(n_tier, 2 * I, H // 4)
     t["w2_delta"] = plane(n_tier, H, I // 4)
+    if n_mid:
+        rest = torch.tensor([e for e in range(E) if e not in set(tier.tolist())], device=device)
+        mid = rest[torch.randperm(rest.numel(), generator=g, device=device)[:n_mid]].sort().values
+        mid_tab = torch.tensor([0.3, 1.2, 2.5, 5.0, -0.3, -1.2, -2.5, -5.0], device=device)
+        t["mid_experts"] = mid.long()
+        t["w13_mid"], t["w2_mid"] = plane(n_mid, 2 * I, H // 8), plane(n_mid, H, I // 8)
+        t["w13_mid_table"] = mid_tab + 0.1 * torch.randn((n_mid, 2, 8), generator=g, device=device)
+        t["w2_mid_table"] = mid_tab + 0.1 * torch.randn((n_mid, 8), generator=g, device=device)
     return t

@@ -49,6 +49,22 @@ def _words(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.int32)
 
 
+def _mid_args(planes: LayerPlanes, E: int, like: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    """The kernels' mid-tier arguments: expert -> mid row (-1: none), the mid planes as int16 words (16 bits for
+    the 16 codes of a base word) and the tables; without a mid tier, stand-ins the kernels never decode from
+    (the tables are read before the branch: 16 zeros)."""
+    dev = like.device
+    mids = torch.full((E,), -1, dtype=torch.int32, device=dev)
+    if not planes.has_mid:
+        words = torch.zeros((1, 1, 1), dtype=torch.int16, device=dev)
+        zeros = torch.zeros(16, dtype=torch.float32, device=dev)
+        return mids, (words, words, zeros, zeros)
+    m = planes.mid
+    mids[m.mid_experts] = torch.arange(m.mid_experts.numel(), dtype=torch.int32, device=dev)
+    return mids, (m.w13_mid.contiguous().view(torch.int16), m.w2_mid.contiguous().view(torch.int16),
+                  m.w13_mid_table.contiguous(), m.w2_mid_table.contiguous())
+
+
 @dataclass(frozen=True)
 class TritonExperts(Experts):
     """The Triton kernels with one block: the pairs kernels (`Pairs`, decode) or the grouped ones (`Grouped`,
@@ -57,6 +73,7 @@ class TritonExperts(Experts):
     block: Pairs | Grouped
     devices = frozenset({"cuda", "cpu"})
     layouts = frozenset({NATURAL})
+    decodes_mid = True
 
     def _unsupported(self, planes: LayerPlanes, x: torch.Tensor, pairs: int) -> str | None:
         if planes.hidden % 16 or planes.inter % 16:
@@ -80,6 +97,7 @@ class TritonExperts(Experts):
         b13, b2 = _words(planes.w13_base), _words(planes.w2_base)
         d13 = _words(planes.w13_delta) if n else b13  # never read without a tier row
         d2 = _words(planes.w2_delta) if n else b2
+        mids, (m13, m2, mt13, mt2) = _mid_args(planes, E, b13)
         s13, s2 = planes.w13_scale.contiguous().view(torch.uint8), planes.w2_scale.contiguous().view(torch.uint8)
         g13, g2 = H // s13.shape[-1], I // s2.shape[-1]
         e8_13, e8_2 = planes.e8m0
@@ -94,12 +112,14 @@ class TritonExperts(Experts):
             k.w13_pairs_kernel[(P, I // bn13)](
                 x, ids, tier, b13, d13, s13, s2_13, t13, act, top_k, H, I, limit,
                 b13.stride(0), b13.stride(1), s13.stride(0), s13.stride(1),
+                mids, m13, mt13, m13.stride(0), m13.stride(1),
                 GROUP=g13, E8M0=e8_13, HAS_LIMIT=swiglu_limit is not None, BN=bn13, BKW=bkw13,
                 num_warps=c.warps)
             bn2, bkw2 = _fit(H, c.bn), _fit(I // 16, c.bkw)
             k.w2_pairs_kernel[(P, H // bn2)](
                 act, ids, wts, tier, b2, d2, s2, s2_2, t2, out, H, I,
                 b2.stride(0), b2.stride(1), s2.stride(0), s2.stride(1),
+                mids, m2, mt2, m2.stride(0), m2.stride(1),
                 GROUP=g2, E8M0=e8_2, BN=bn2, BKW=bkw2, num_warps=c.warps)
         else:
             blocks = align_pairs(topk_ids, E, c.bm)
@@ -110,11 +130,13 @@ class TritonExperts(Experts):
             k.w13_grouped_kernel[(blocks.max_blocks, I // bn13)](
                 xk, blocks.sorted_pairs, blocks.block_expert, tier, b13, d13, s13, s2_13, t13, act, top_k, H, I,
                 limit, b13.stride(0), b13.stride(1), s13.stride(0), s13.stride(1),
+                mids, m13, mt13, m13.stride(0), m13.stride(1),
                 GROUP=g13, E8M0=e8_13, HAS_LIMIT=swiglu_limit is not None, BM=c.bm, BN=bn13, BKW=bkw13,
                 BKW2=bkw2, DOT_F32=not x.is_cuda, V2=c.v2, num_warps=c.warps, num_stages=c.stages)
             k.w2_grouped_kernel[(blocks.max_blocks, H // bn2)](
                 act, blocks.sorted_pairs, blocks.block_expert, wts, tier, b2, d2, s2, s2_2, t2, out, H, I,
                 b2.stride(0), b2.stride(1), s2.stride(0), s2.stride(1),
+                mids, m2, mt2, m2.stride(0), m2.stride(1),
                 GROUP=g2, E8M0=e8_2, BM=c.bm, BN=bn2, BKW=bkw2, DOT_F32=not x.is_cuda, V2=c.v2,
                 num_warps=c.warps, num_stages=c.stages)
         return out.view(T, top_k, H).sum(1).to(x.dtype)

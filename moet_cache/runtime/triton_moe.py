@@ -11,8 +11,12 @@ Dequantization, per element, on int32 words of 16 codes (element 16w+j in bits 2
 base-only experts: c = (word >> 2j) & 3 becomes a float by the 2^23 trick (c | 0x4B000000, minus
 2^23) and the table by a cubic through its 4 points (Horner, 3 FMAs): exact at c = 0..3 up to fp32
 rounding. Tier experts: the 4-bit code (base << 2 | delta) becomes its E2M1 value by placing its bits
-into an fp32 (exact). The block scale multiplies once per 16 codes (pairs: the per-word partial sum)
-or per element (grouped: the tile before the dot); scale_2 multiplies the result once.
+into an fp32 (exact). Mid-tier experts: the 3-bit code (base << 1) | mid through the 8-entry table, as
+two cubics in the base code (through the table's even and odd entries) and the mid bit choosing between
+them: lo(c) + mid * (hi(c) - lo(c)), exact at the 8 codes up to fp32 rounding; the mid plane is read as
+int16 words, 16 bits for the 16 codes of a base word. The block scale multiplies once per 16 codes
+(pairs: the per-word partial sum) or per element (grouped: the tile before the dot); scale_2 multiplies
+the result once.
 """
 
 from __future__ import annotations
@@ -51,6 +55,30 @@ def _cubic(tab_ptr):
 
 
 @triton.jit
+def _cubic_mid(tab_ptr, odd):
+    """Horner coefficients of the cubic through (c, table8[2c + odd]), c = 0..3 (a mid table's even or odd
+    entries)."""
+    t0 = tl.load(tab_ptr + odd)
+    t1 = tl.load(tab_ptr + 2 + odd)
+    t2 = tl.load(tab_ptr + 4 + odd)
+    t3 = tl.load(tab_ptr + 6 + odd)
+    b = t1 - t0
+    c = (t2 - 2.0 * t1 + t0) * 0.5
+    d = (t3 - 3.0 * t2 + 3.0 * t1 - t0) * (1.0 / 6.0)
+    return t0, b - c + 2.0 * d, c - 3.0 * d, d
+
+
+@triton.jit
+def _mid_values(w, m, sh, j, l0, l1, l2, l3, h0, h1, h2, h3):
+    """[.., 16] mid-table values of the 3-bit codes (base << 1) | mid: base code at shift sh of words w,
+    mid bit j of the 16-bit words m."""
+    cf = (((w >> sh) & 3) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+    lo = l0 + cf * (l1 + cf * (l2 + cf * l3))
+    hi = h0 + cf * (h1 + cf * (h2 + cf * h3))
+    return tl.where(((m >> j) & 1) != 0, hi, lo)
+
+
+@triton.jit
 def _base_values(w, sh, k0, k1, k2, k3):
     """[.., 16] table values of the 2-bit codes at shifts sh of words w (broadcast)."""
     cf = (((w >> sh) & 3) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
@@ -69,7 +97,7 @@ def _fp4_values(w, d, sh):
 @triton.jit
 def _gemv_rows(xrow_ptr, base_ptr, delta_ptr, scale_ptr, tab_ptr, rows, is_tier, K: tl.constexpr,
                stride_bn, stride_sn, GROUP: tl.constexpr, E8M0: tl.constexpr, BN: tl.constexpr,
-               BKW: tl.constexpr):
+               BKW: tl.constexpr, mid_ptr, mtab_ptr, is_mid, stride_mn):
     """sum_k W[rows, k] * x[k] in float32 for one expert's BN rows, without scale_2.
 
     2-D tiles only ([BN, BKW] words; the 16 codes of a word in an unrolled loop with constant
@@ -78,6 +106,8 @@ def _gemv_rows(xrow_ptr, base_ptr, delta_ptr, scale_ptr, tab_ptr, rows, is_tier,
     """
     acc = tl.zeros([BN, BKW], dtype=tl.float32)
     k0, k1, k2, k3 = _cubic(tab_ptr)
+    l0, l1, l2, l3 = _cubic_mid(mtab_ptr, 0)
+    h0, h1, h2, h3 = _cubic_mid(mtab_ptr, 1)
     for kw in range(0, K // 16, BKW):
         wi = kw + tl.arange(0, BKW)
         w = tl.load(base_ptr + rows[:, None] * stride_bn + wi[None, :])
@@ -87,6 +117,11 @@ def _gemv_rows(xrow_ptr, base_ptr, delta_ptr, scale_ptr, tab_ptr, rows, is_tier,
             for j in tl.static_range(16):
                 xj = tl.load(xrow_ptr + wi * 16 + j).to(tl.float32)
                 part += _fp4_values(w, d, 2 * j) * xj[None, :]
+        elif is_mid:
+            m = tl.load(mid_ptr + rows[:, None] * stride_mn + wi[None, :]).to(tl.int32) & 0xFFFF
+            for j in tl.static_range(16):
+                xj = tl.load(xrow_ptr + wi * 16 + j).to(tl.float32)
+                part += _mid_values(w, m, 2 * j, j, l0, l1, l2, l3, h0, h1, h2, h3) * xj[None, :]
         else:
             for j in tl.static_range(16):
                 xj = tl.load(xrow_ptr + wi * 16 + j).to(tl.float32)
@@ -107,6 +142,7 @@ def _swiglu(g, u, limit, HAS_LIMIT: tl.constexpr):
 @triton.jit
 def w13_pairs_kernel(x_ptr, ids_ptr, tier_ptr, b_ptr, d_ptr, s_ptr, s2_ptr, tab_ptr, act_ptr,
                      top_k, H: tl.constexpr, I: tl.constexpr, limit, stride_be, stride_bn, stride_se, stride_sn,
+                     mids_ptr, m_ptr, mtab_ptr, stride_me, stride_mn,
                      GROUP: tl.constexpr, E8M0: tl.constexpr, HAS_LIMIT: tl.constexpr,
                      BN: tl.constexpr, BKW: tl.constexpr):
     """act[p, n] = swiglu(gate_e x_t, up_e x_t)[n] for pair p = (t, slot), e = ids[p]."""
@@ -117,11 +153,16 @@ def w13_pairs_kernel(x_ptr, ids_ptr, tier_ptr, b_ptr, d_ptr, s_ptr, s2_ptr, tab_
     row = tl.load(tier_ptr + e)
     is_tier = row >= 0
     rowc = tl.maximum(row, 0).to(tl.int64)
+    mrow = tl.load(mids_ptr + e)
+    mrowc = tl.maximum(mrow, 0).to(tl.int64)
+    mp = m_ptr + mrowc * stride_me
     xrow = x_ptr + t.to(tl.int64) * H
     g = _gemv_rows(xrow, b_ptr + e * stride_be, d_ptr + rowc * stride_be, s_ptr + e * stride_se,
-                   tab_ptr + e * 8, n, is_tier, H, stride_bn, stride_sn, GROUP, E8M0, BN, BKW)
+                   tab_ptr + e * 8, n, is_tier, H, stride_bn, stride_sn, GROUP, E8M0, BN, BKW,
+                   mp, mtab_ptr + mrowc * 16, mrow >= 0, stride_mn)
     u = _gemv_rows(xrow, b_ptr + e * stride_be, d_ptr + rowc * stride_be, s_ptr + e * stride_se,
-                   tab_ptr + e * 8 + 4, n + I, is_tier, H, stride_bn, stride_sn, GROUP, E8M0, BN, BKW)
+                   tab_ptr + e * 8 + 4, n + I, is_tier, H, stride_bn, stride_sn, GROUP, E8M0, BN, BKW,
+                   mp, mtab_ptr + mrowc * 16 + 8, mrow >= 0, stride_mn)
     g = g * tl.load(s2_ptr + e * 2)
     u = u * tl.load(s2_ptr + e * 2 + 1)
     a = _swiglu(g, u, limit, HAS_LIMIT)
@@ -131,6 +172,7 @@ def w13_pairs_kernel(x_ptr, ids_ptr, tier_ptr, b_ptr, d_ptr, s_ptr, s2_ptr, tab_
 @triton.jit
 def w2_pairs_kernel(act_ptr, ids_ptr, wts_ptr, tier_ptr, b_ptr, d_ptr, s_ptr, s2_ptr, tab_ptr, out_ptr,
                     H: tl.constexpr, I: tl.constexpr, stride_be, stride_bn, stride_se, stride_sn,
+                    mids_ptr, m_ptr, mtab_ptr, stride_me, stride_mn,
                     GROUP: tl.constexpr, E8M0: tl.constexpr, BN: tl.constexpr, BKW: tl.constexpr):
     """out[p, n] = topk_weights[p] * (down_e act[p])[n]."""
     p = tl.program_id(0)
@@ -138,16 +180,19 @@ def w2_pairs_kernel(act_ptr, ids_ptr, wts_ptr, tier_ptr, b_ptr, d_ptr, s_ptr, s2
     e = tl.load(ids_ptr + p).to(tl.int64)
     row = tl.load(tier_ptr + e)
     rowc = tl.maximum(row, 0).to(tl.int64)
+    mrow = tl.load(mids_ptr + e)
+    mrowc = tl.maximum(mrow, 0).to(tl.int64)
     y = _gemv_rows(act_ptr + p.to(tl.int64) * I, b_ptr + e * stride_be, d_ptr + rowc * stride_be,
                    s_ptr + e * stride_se, tab_ptr + e * 4, n, row >= 0, I, stride_bn, stride_sn,
-                   GROUP, E8M0, BN, BKW)
+                   GROUP, E8M0, BN, BKW, m_ptr + mrowc * stride_me, mtab_ptr + mrowc * 8, mrow >= 0, stride_mn)
     y = y * tl.load(s2_ptr + e) * tl.load(wts_ptr + p).to(tl.float32)
     tl.store(out_ptr + p.to(tl.int64) * H + n, y)
 
 
 @triton.jit
 def _tile(base_ptr, delta_ptr, scale_ptr, rows, wi, is_tier, k0, k1, k2, k3, stride_bn, stride_sn,
-          GROUP: tl.constexpr, E8M0: tl.constexpr, BN: tl.constexpr, BKW: tl.constexpr):
+          GROUP: tl.constexpr, E8M0: tl.constexpr, BN: tl.constexpr, BKW: tl.constexpr,
+          mid_ptr, is_mid, l0, l1, l2, l3, h0, h1, h2, h3, stride_mn):
     """float32 [BN, 16 * BKW] tile of scaled weights (without scale_2), elements in natural K order.
 
     Base-only: the block scale is folded into the cubic's coefficients once per word (16 codes).
@@ -159,6 +204,9 @@ def _tile(base_ptr, delta_ptr, scale_ptr, rows, wi, is_tier, k0, k1, k2, k3, str
     if is_tier:
         d = tl.load(delta_ptr + rows[:, None] * stride_bn + wi[None, :])[:, :, None]
         v = _fp4_values(w, d, sh) * s
+    elif is_mid:
+        m = (tl.load(mid_ptr + rows[:, None] * stride_mn + wi[None, :]).to(tl.int32) & 0xFFFF)[:, :, None]
+        v = _mid_values(w, m, sh, tl.arange(0, 16)[None, None, :], l0, l1, l2, l3, h0, h1, h2, h3) * s
     else:
         v = _base_values(w, sh, k0 * s, k1 * s, k2 * s, k3 * s)
     return tl.reshape(v, (BN, 16 * BKW))
@@ -170,6 +218,14 @@ def _dot_in(v, DOT_F32: tl.constexpr):
     if DOT_F32:
         return v.to(tl.float32)
     return v.to(tl.bfloat16)
+
+
+@triton.jit
+def _mid_of(mids_ptr, m_ptr, mtab_ptr, e, stride_me, ntab: tl.constexpr):
+    """Whether expert e is in the mid tier, its mid plane and its mid table (of `ntab` entries) pointers."""
+    mrow = tl.load(mids_ptr + e)
+    mrowc = tl.maximum(mrow, 0).to(tl.int64)
+    return mrow >= 0, m_ptr + mrowc * stride_me, mtab_ptr + mrowc * ntab
 
 
 @triton.jit
@@ -196,14 +252,15 @@ def _store_down(out_ptr, acc, s2, wts_ptr, pc, valid, n, H: tl.constexpr):
 @triton.jit
 def _tile_steps(acc, a_ptr, rows_a, valid, lda, base_ptr, delta_ptr, scale_ptr, rows, is_tier, k0, k1, k2, k3,
                 stride_bn, stride_sn, K: tl.constexpr, GROUP: tl.constexpr, E8M0: tl.constexpr,
-                BN: tl.constexpr, BKW: tl.constexpr, DOT_F32: tl.constexpr):
+                BN: tl.constexpr, BKW: tl.constexpr, DOT_F32: tl.constexpr,
+                mid_ptr, is_mid, l0, l1, l2, l3, h0, h1, h2, h3, stride_mn):
     """acc[BM, BN] += A[rows_a, :K] @ W[rows, :K]^T (scaled, without scale_2), whole [BN, 16 * BKW] tiles."""
     kk = tl.arange(0, 16 * BKW)
     for kw in range(0, K // 16, BKW):
         wi = kw + tl.arange(0, BKW)
         a = tl.load(a_ptr + rows_a[:, None] * lda + kw * 16 + kk[None, :], mask=valid[:, None], other=0.0)
         w = _tile(base_ptr, delta_ptr, scale_ptr, rows, wi, is_tier, k0, k1, k2, k3, stride_bn, stride_sn,
-                  GROUP, E8M0, BN, BKW)
+                  GROUP, E8M0, BN, BKW, mid_ptr, is_mid, l0, l1, l2, l3, h0, h1, h2, h3, stride_mn)
         acc = tl.dot(_dot_in(a, DOT_F32), tl.trans(_dot_in(w, DOT_F32)), acc)
     return acc
 
@@ -225,7 +282,8 @@ def _perm_col(n, BKW: tl.constexpr):
 @triton.jit
 def _dot_steps(acc, a_ptr, rows_a, valid, lda, base_ptr, delta_ptr, scale_ptr, rows, is_tier, k0, k1, k2, k3,
                stride_bn, stride_sn, K: tl.constexpr, GROUP: tl.constexpr, E8M0: tl.constexpr,
-               BKW: tl.constexpr, DOT_F32: tl.constexpr):
+               BKW: tl.constexpr, DOT_F32: tl.constexpr,
+               mid_ptr, is_mid, l0, l1, l2, l3, h0, h1, h2, h3, stride_mn):
     """acc[BM, BN] += A[rows_a, :K] (K-permuted) @ W[rows, :K]^T (scaled, without scale_2)."""
     wk = tl.arange(0, BKW)
     for kw in range(0, K // 16, BKW):
@@ -239,6 +297,12 @@ def _dot_steps(acc, a_ptr, rows_a, valid, lda, base_ptr, delta_ptr, scale_ptr, r
                 a = tl.load(a_row + j * BKW, mask=valid[:, None], other=0.0)
                 v = _fp4_values(w, d, 2 * j) * s
                 acc = tl.dot(_dot_in(a, DOT_F32), tl.trans(_dot_in(v, DOT_F32)), acc)
+        elif is_mid:
+            m = tl.load(mid_ptr + rows[:, None] * stride_mn + wi[None, :]).to(tl.int32) & 0xFFFF
+            for j in tl.static_range(16):
+                a = tl.load(a_row + j * BKW, mask=valid[:, None], other=0.0)
+                v = _mid_values(w, m, 2 * j, j, l0, l1, l2, l3, h0, h1, h2, h3) * s
+                acc = tl.dot(_dot_in(a, DOT_F32), tl.trans(_dot_in(v, DOT_F32)), acc)
         else:
             for j in tl.static_range(16):
                 a = tl.load(a_row + j * BKW, mask=valid[:, None], other=0.0)
@@ -250,20 +314,23 @@ def _dot_steps(acc, a_ptr, rows_a, valid, lda, base_ptr, delta_ptr, scale_ptr, r
 @triton.jit
 def _steps(acc, a_ptr, rows_a, valid, lda, bp, dp, sp, rows, is_tier, k0, k1, k2, k3, stride_bn, stride_sn,
            K: tl.constexpr, GROUP: tl.constexpr, E8M0: tl.constexpr, BN: tl.constexpr, BKW: tl.constexpr,
-           DOT_F32: tl.constexpr, V2: tl.constexpr):
+           DOT_F32: tl.constexpr, V2: tl.constexpr, mid_ptr, is_mid, mtab_ptr, stride_mn):
     """The K loop of the grouped kernels: version 2 (2-D, K-permuted) or version 1 (whole tiles)."""
+    l0, l1, l2, l3 = _cubic_mid(mtab_ptr, 0)
+    h0, h1, h2, h3 = _cubic_mid(mtab_ptr, 1)
     if V2:
         acc = _dot_steps(acc, a_ptr, rows_a, valid, lda, bp, dp, sp, rows, is_tier, k0, k1, k2, k3, stride_bn,
-                         stride_sn, K, GROUP, E8M0, BKW, DOT_F32)
+                         stride_sn, K, GROUP, E8M0, BKW, DOT_F32, mid_ptr, is_mid, l0, l1, l2, l3, h0, h1, h2, h3, stride_mn)
     else:
         acc = _tile_steps(acc, a_ptr, rows_a, valid, lda, bp, dp, sp, rows, is_tier, k0, k1, k2, k3, stride_bn,
-                          stride_sn, K, GROUP, E8M0, BN, BKW, DOT_F32)
+                          stride_sn, K, GROUP, E8M0, BN, BKW, DOT_F32, mid_ptr, is_mid, l0, l1, l2, l3, h0, h1, h2, h3, stride_mn)
     return acc
 
 
 @triton.jit
 def w13_grouped_kernel(x_ptr, sorted_ptr, bexp_ptr, tier_ptr, b_ptr, d_ptr, s_ptr, s2_ptr, tab_ptr, act_ptr,
                        top_k, H: tl.constexpr, I: tl.constexpr, limit, stride_be, stride_bn, stride_se, stride_sn,
+                       mids_ptr, m_ptr, mtab_ptr, stride_me, stride_mn,
                        GROUP: tl.constexpr, E8M0: tl.constexpr, HAS_LIMIT: tl.constexpr,
                        BM: tl.constexpr, BN: tl.constexpr, BKW: tl.constexpr, BKW2: tl.constexpr,
                        DOT_F32: tl.constexpr, V2: tl.constexpr):
@@ -274,12 +341,15 @@ def w13_grouped_kernel(x_ptr, sorted_ptr, bexp_ptr, tier_ptr, b_ptr, d_ptr, s_pt
         n, valid, pc, is_tier, bp, dp, sp = _block(sorted_ptr, tier_ptr, b_ptr, d_ptr, s_ptr, e, stride_be,
                                                    stride_se, BM, BN)
         tok = pc // top_k
+        is_mid, mp, mt = _mid_of(mids_ptr, m_ptr, mtab_ptr, e, stride_me, 16)
         g0, g1, g2, g3 = _cubic(tab_ptr + e * 8)
         u0, u1, u2, u3 = _cubic(tab_ptr + e * 8 + 4)
         acc_g = _steps(tl.zeros([BM, BN], dtype=tl.float32), x_ptr, tok, valid, H, bp, dp, sp, n, is_tier,
-                       g0, g1, g2, g3, stride_bn, stride_sn, H, GROUP, E8M0, BN, BKW, DOT_F32, V2)
+                       g0, g1, g2, g3, stride_bn, stride_sn, H, GROUP, E8M0, BN, BKW, DOT_F32, V2,
+                       mp, is_mid, mt, stride_mn)
         acc_u = _steps(tl.zeros([BM, BN], dtype=tl.float32), x_ptr, tok, valid, H, bp, dp, sp, n + I, is_tier,
-                       u0, u1, u2, u3, stride_bn, stride_sn, H, GROUP, E8M0, BN, BKW, DOT_F32, V2)
+                       u0, u1, u2, u3, stride_bn, stride_sn, H, GROUP, E8M0, BN, BKW, DOT_F32, V2,
+                       mp, is_mid, mt + 8, stride_mn)
         a = _swiglu(acc_g * tl.load(s2_ptr + e * 2), acc_u * tl.load(s2_ptr + e * 2 + 1), limit, HAS_LIMIT)
         col = n
         if V2:
@@ -290,6 +360,7 @@ def w13_grouped_kernel(x_ptr, sorted_ptr, bexp_ptr, tier_ptr, b_ptr, d_ptr, s_pt
 @triton.jit
 def w2_grouped_kernel(act_ptr, sorted_ptr, bexp_ptr, wts_ptr, tier_ptr, b_ptr, d_ptr, s_ptr, s2_ptr, tab_ptr,
                       out_ptr, H: tl.constexpr, I: tl.constexpr, stride_be, stride_bn, stride_se, stride_sn,
+                      mids_ptr, m_ptr, mtab_ptr, stride_me, stride_mn,
                       GROUP: tl.constexpr, E8M0: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                       BKW: tl.constexpr, DOT_F32: tl.constexpr, V2: tl.constexpr):
     """out[pair, n] = topk_weight[pair] * (down_e act[pair])[n] for the BM pairs of one expert."""
@@ -298,6 +369,8 @@ def w2_grouped_kernel(act_ptr, sorted_ptr, bexp_ptr, wts_ptr, tier_ptr, b_ptr, d
         n, valid, pc, is_tier, bp, dp, sp = _block(sorted_ptr, tier_ptr, b_ptr, d_ptr, s_ptr, e, stride_be,
                                                    stride_se, BM, BN)
         k0, k1, k2, k3 = _cubic(tab_ptr + e * 4)
+        is_mid, mp, mt = _mid_of(mids_ptr, m_ptr, mtab_ptr, e, stride_me, 8)
         acc = _steps(tl.zeros([BM, BN], dtype=tl.float32), act_ptr, pc, valid, I, bp, dp, sp, n, is_tier,
-                     k0, k1, k2, k3, stride_bn, stride_sn, I, GROUP, E8M0, BN, BKW, DOT_F32, V2)
+                     k0, k1, k2, k3, stride_bn, stride_sn, I, GROUP, E8M0, BN, BKW, DOT_F32, V2,
+                     mp, is_mid, mt, stride_mn)
         _store_down(out_ptr, acc, tl.load(s2_ptr + e), wts_ptr, pc, valid, n, H)

@@ -28,11 +28,12 @@ from vllm.model_executor.model_loader import BaseModelLoader, register_model_loa
 from ...enums import DeltaMode, VerifyMode
 from ...errors import InputError
 from ...load import DELTA_EXPERTS, Shard, open_cache
+from ...load.assemble import MID_NAMES
 from ...load.options import check_delta, check_inflight, check_verify, check_workers
 from .method import layer_index
 
 LOAD_FORMAT = "moet"
-_TIER_SHAPED = ("w13_delta", "w2_delta", DELTA_EXPERTS)
+_TIER_SHAPED = ("w13_delta", "w2_delta", DELTA_EXPERTS, *MID_NAMES)
 _LAYER_IN_NAME = re.compile(r"(?:^|\.)layers\.\d+(?:\.|$)")
 
 

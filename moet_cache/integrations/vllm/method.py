@@ -33,7 +33,7 @@ from vllm.model_executor.utils import set_weight_attrs
 
 from ...errors import InputError
 from ...geometry import LayerGeometry
-from ...load.assemble import DELTA_EXPERTS
+from ...load.assemble import DELTA_EXPERTS, MID_EXPERTS
 from ...load.shard import Shard
 from ...parallel import TP_KERNEL_WIDTH
 from ...quant_block import LayerForm
@@ -62,10 +62,13 @@ def plane_shapes(form: LayerForm, E: int, H: int, I: int) -> dict[str, tuple[tor
 
 
 def tier_shapes(H: int, I: int) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
-    """The tier-shaped tensors, declared empty (n = 0): the loader replaces them with the tier's rows."""
+    """The tier-shaped tensors, declared empty (n = 0): the loader replaces them with the tier's rows; the mid
+    tier's likewise (they stay empty for a cache without one, which then computes as before)."""
     geo = LayerGeometry(0, H, I)
     out = {s.name: (torch_dtype(s.dtype), s.shape) for s in geo.delta_specs(0)}
     out[DELTA_EXPERTS] = (torch.int64, (0,))
+    out.update({s.name: (torch_dtype(s.dtype), s.shape) for s in geo.mid_specs(0)})
+    out[MID_EXPERTS] = (torch.int64, (0,))
     return out
 
 
