@@ -8,6 +8,7 @@ for the routed experts, a recording load_weights for the dense tensors) while th
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -17,6 +18,7 @@ from torch import nn
 
 from moet_cache import BuildOptions, build_cache
 from moet_cache import layout as L
+from moet_cache.errors import VerificationError
 from moet_cache.families import DeepseekV3, DeepseekV4
 from moet_cache.load import open_cache
 from moet_cache.load import reads as load_reads
@@ -192,3 +194,30 @@ def test_a_tensor_named_as_a_models_own_parameter_is_read(cache: Path, parts: An
     wanted = {t.name for t in entries if t.name.startswith("mtp.")} | {"embed.weight"}
     assert set(draft.handed) == wanted
     assert _dense_bytes(counter.by_file, dense_files) == sum(t.end - t.begin for t in entries if t.name in wanted)
+
+
+def test_a_flipped_drafter_byte_fails_the_draft_models_hash_load_only(cache: Path, tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """With verify="hash" each model checks the digests of what it reads: a byte flipped on disk in a drafter
+    tensor fails the draft model's load, naming the tensor; the target never reads it. A selection that takes
+    nothing reads nothing."""
+    root = tmp_path / "cache"
+    shutil.copytree(cache, root)
+    opened = open_cache(root)
+    entry = next(t for t in opened.dense_entries() if t.name.startswith("mtp.") and t.end - t.begin > 4)
+    with open(root / entry.file, "r+b") as f:
+        f.seek(entry.begin + 2)
+        byte = f.read(1)[0]
+        f.seek(entry.begin + 2)
+        f.write(bytes([byte ^ 0x10]))
+    layers = {x.index: x.tensors for x in opened.load(verify="none")}
+    n = opened.view.family.num_hidden_layers
+    target = _Model({x: t for x, t in layers.items() if x < n}, lambda b: b)
+    load_into_model(target, PluginOptions(cache=str(root), verify="hash", workers=2))
+    assert target.handed and entry.name not in target.handed
+    draft = _Model({x: t for x, t in layers.items() if x >= n}, _mtp_block)
+    with pytest.raises(VerificationError, match=rf"tensor {entry.name} \(dense\) does not match"):
+        load_into_model(draft, PluginOptions(cache=str(root), verify="hash", workers=2))
+    counter = _Counter(root, monkeypatch)
+    assert list(opened.load_dense(verify="hash", only=lambda name: False)) == []
+    assert counter.by_file == {}
