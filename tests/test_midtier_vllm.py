@@ -12,10 +12,11 @@ import torch
 from moet_cache import BuildOptions, build_cache, make_checkpoint, small_spec
 from moet_cache.load import open_cache
 from moet_cache.load.assemble import MID_NAMES
-from moet_cache.vllm_plugin import PluginOptions, load_into_model
 
 pytestmark = pytest.mark.vllm
 pytest.importorskip("vllm.model_executor.layers.quantization", reason="vLLM is not installed")
+
+from moet_cache.integrations.vllm.loader import PluginOptions, load_into_model  # noqa: E402 (imports vLLM)
 
 from test_vllm_quant import LIMIT, TOP_K, H, _model_on, vllm_config  # noqa: E402,F401 - the fixture too
 

@@ -7,6 +7,7 @@
 - staging.py   CUDA staging: pinned slots, per-worker streams, one device buffer a job
 - assemble.py  a read layer -> the tensors handed out (delta_experts, expand=True)
 - shard.py     a rank's share of the experts (tensor/expert parallelism) as byte runs (pure)
+- dense_select.py  which dense tensors a model reads: the target's part or the drafter's (pure)
 """
 
 from .api import Cache, LoadedLayer, open_cache

@@ -19,7 +19,7 @@ import os
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Mapping, Sequence
+from typing import Callable, Iterator, Mapping, Sequence
 
 import torch
 
@@ -218,17 +218,21 @@ class Cache:
     def load_dense(self, device: str | torch.device = "cpu", verify: VerifyMode | str = VerifyMode.BOOT,
                    workers: int | None = None,
                    max_inflight: str | int = "2GiB", progress: Progress | None = None,
-                   tuning: Tuning | None = None, cancel: CancelToken | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-        """Yield (source name, tensor) for every dense tensor, with the checks of `load` (and its `cancel`)."""
+                   tuning: Tuning | None = None, cancel: CancelToken | None = None,
+                   only: Callable[[str], bool] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield (source name, tensor) for every dense tensor, with the checks of `load` (and its `cancel`);
+        `only`: read just the tensors whose source name it accepts (the others are not read at all)."""
         opts = LoadOptions.parse(device, verify=verify, workers=workers, max_inflight=max_inflight, tuning=tuning)
-        return self.load_dense_with(opts, progress, cancel)
+        return self.load_dense_with(opts, progress, cancel, only)
 
     def load_dense_with(self, opts: LoadOptions, progress: Progress | None = None,
-                        cancel: CancelToken | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+                        cancel: CancelToken | None = None,
+                        only: Callable[[str], bool] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """`load_dense` with its arguments already checked (delta, expand and layers are not used)."""
         if opts.verify == VerifyMode.BOOT:
             _boot_gate(self.root)
-        jobs = dense_jobs(self.dense_entries(), opts.tuning.dense_job)
+        entries = [t for t in self.dense_entries() if only is None or only(t.name)]
+        jobs = dense_jobs(entries, opts.tuning.dense_job)
         pipe = Pipeline(self.root, dataclasses.replace(opts, max_inflight=max(opts.max_inflight, DENSE_MIN_INFLIGHT)),
                         _as_read, self._pinned, self.opened)
         for _, tensors in pipe.run(jobs, progress or NullProgress(), "load dense", cancel=cancel):

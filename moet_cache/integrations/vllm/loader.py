@@ -9,7 +9,8 @@ in its DeepSeek-V4 models, drafter blocks at L = num_hidden_layers + K). A stock
 FP4 codes (expand=True); a plane-aware runtime (it has `w13_base`) gets the planes, and tensors
 whose shapes depend on the tier (w13_delta, w2_delta, delta_experts) become buffers of the experts
 module where the model declares no parameter for them. Dense tensors go through the model's own
-`load_weights` (vLLM's name mapping: stacking of q/kv, gate/up, ...), or by name when it has none.
+`load_weights` (vLLM's name mapping: stacking of q/kv, gate/up, ...), or by name when it has none; each model
+reads only its part of them (the draft model the drafter's, the target the rest: load/dense_select.py).
 Under tensor or expert parallelism the `moet` method keeps each layer's share on its experts module
 (`moet_shard`, a load.Shard); the layer's load reads only that share. Shapes are checked and a mismatch
 is refused.
@@ -20,15 +21,17 @@ from __future__ import annotations
 import re
 import time
 from dataclasses import dataclass, fields
-from typing import Any, Mapping
+from typing import Any, Callable, Collection, Mapping
 
 import torch
 from vllm.model_executor.model_loader import BaseModelLoader, register_model_loader
 
 from ...enums import DeltaMode, VerifyMode
 from ...errors import InputError
+from ...families import Family
 from ...load import DELTA_EXPERTS, Shard, open_cache
 from ...load.assemble import MID_NAMES
+from ...load.dense_select import in_part, part_of_layers
 from ...load.options import check_delta, check_inflight, check_verify, check_workers
 from .method import layer_index
 
@@ -181,7 +184,9 @@ def load_into_model(model: torch.nn.Module, opts: PluginOptions) -> LoadSummary:
             dense += 1
             yield item
     weights = counted(cache.load_dense(device="cpu", verify=VerifyMode.NONE if opts.verify == VerifyMode.BOOT else opts.verify,
-                                       workers=opts.workers, max_inflight=opts.max_inflight))
+                                       workers=opts.workers, max_inflight=opts.max_inflight,
+                                       only=dense_filter(model, cache.view.family, [x for x in cache.layers if x in where],
+                                                         params.keys())))
     if callable(loader):
         loader(weights)
     else:
@@ -191,6 +196,21 @@ def load_into_model(model: torch.nn.Module, opts: PluginOptions) -> LoadSummary:
                 raise InputError(f"the model has no parameter {name} (and no load_weights to map it)")
             _copy(p.data, t.to(p.device), name)
     return LoadSummary(tuple(layers), expand, moe_bytes, dense, time.perf_counter() - t0)
+
+
+def dense_filter(model: torch.nn.Module, family: Family, held: list[int],
+                 own: Collection[str]) -> Callable[[str], bool]:
+    """The dense tensors a model reads: its part of the cache (load/dense_select.py: the draft model the
+    drafter's, the target the rest, decided by the routed-expert layers it holds) and any tensor named as one
+    of its own parameters (`own`; vLLM's V3 MTP model loads a top-level `model.embed_tokens.weight` when it has
+    that parameter, vllm/model_executor/models/deepseek_mtp.py), less those its own
+    `is_unused_checkpoint_weight` (vLLM's rule for the checkpoint names its load_weights drops) rejects."""
+    part = part_of_layers(family, held)
+    unused = getattr(model, "is_unused_checkpoint_weight", None)
+
+    def reads(name: str) -> bool:
+        return (in_part(part, family, name) or name in own) and not (callable(unused) and unused(name))
+    return reads
 
 
 def _load_shards(cache: Any, served: list[int], modules: dict[str, torch.nn.Module], where: dict[int, str],
@@ -227,4 +247,4 @@ def register() -> type:
 
 
 __all__ = ["MoetModelLoader", "register", "load_into_model", "PluginOptions", "LoadSummary", "LOAD_FORMAT",
-           "experts_prefix", "experts_prefixes", "built_layer_names"]
+           "experts_prefix", "experts_prefixes", "built_layer_names", "dense_filter"]
