@@ -15,7 +15,9 @@ from safetensors import safe_open
 from moet_cache import BuildOptions, boot_check, build_cache, full_verify, verify_against
 from moet_cache.checkpoint import PROJECTIONS, open_checkpoint
 from moet_cache.formats import scale_values
+from moet_cache.errors import InputError
 from moet_cache.fp4 import E2M1_VALUES, unpack_codes
+from moet_cache.load import Shard, open_cache
 from moet_cache.manifest import DeltaIndex, ManifestError
 from moet_cache.planes import fit_mid_table, mid_plane, mid_plane_reference, split_planes, three_bit_codes, unpack_base
 
@@ -374,3 +376,13 @@ def test_inspect_says_what_the_mid_tier_holds(mid_cache: tuple[Path, Path]) -> N
         assert li.rel_error_served == pytest.approx(sum(w ** 0.5 for w in want) / len(want))
     r = run("inspect", str(cache))
     assert r.returncode == 0 and f"mid tier: {n_mid}/128 experts at 3 bits" in r.stdout
+
+
+def test_a_ranks_share_of_a_mid_tier_layer_is_refused_in_one_line(mid_cache: tuple[Path, Path]) -> None:
+    """The mid planes are not cut into a rank's share: a tensor- or expert-parallel load of a layer with a
+    mid tier is refused before any read, rather than handing out a whole mid plane beside a sliced base."""
+    _, cache = mid_cache
+    for shard in (Shard(None, 0, 2), Shard(tuple(range(16)))):
+        with pytest.raises(InputError, match="mid tier, which a rank's share"):
+            next(open_cache(cache).load(verify="none", delta="tier", shard=shard))
+    assert next(open_cache(cache).load(verify="none", delta="none", shard=Shard(None, 0, 2))).tensors
