@@ -262,9 +262,8 @@ class Ladder:
 
 def mid_cache_row(lad: Ladder, n: int, profile: Path, lbl: str) -> Row:
     """The 3-bit mid tier as the cache holds it: `build --mid-budget` (n experts' bytes, --profile, no 4-bit
-    tier, x4 base tables as the sim rows' planes), the loader's delta="tier" and fused_moe."""
-    cache = lad.build(f"mid-{n}", delta_budget="0", mid_budget=str(n * lad.expert_mid_bytes), profile=str(profile),
-                      base_table="x4")
+    tier, the build's default base tables as the sim rows' planes), the loader's delta="tier" and fused_moe."""
+    cache = lad.build(f"mid-{n}", delta_budget="0", mid_budget=str(n * lad.expert_mid_bytes), profile=str(profile))
     return lad.cache_row(f"3-bit tier, {n} experts (bytes of tier {lbl}): build --mid-budget --profile",
                          lad.load(cache, "tier"), series="3-bit tier, the cache (--mid-budget --profile)")
 
