@@ -45,7 +45,8 @@ from moet_cache.units import parse_size
 
 import record
 from quality_model.metrics import EvalSet, Reference, evaluate, reference
-from quality_model.model import ModelSpec, forward, routed_from_weights
+from quality_model.model import ModelSpec, forward
+from quality_model.routed import routed_sum
 from quality_model.reference import Checkpoint, read_checkpoint
 from quality_model.variants import LayerCodes, form_weights, mixed_weights, sq_errors
 
@@ -94,7 +95,7 @@ class Ladder:
         self.expert_weights = 3 * s.hidden * s.expert_width           # weights of one expert
         self.total_weights = s.layers * s.experts * self.expert_weights
         self.rows: list[Row] = []
-        ref_fns = [routed_from_weights(w13, w2) for w13, w2 in self.ckpt.experts]
+        ref_fns = [routed_sum(w13, w2) for w13, w2 in self.ckpt.experts]
         self.dense = self.ckpt.dense
         self.ref: Reference = reference(self.logits(lambda i, x, tw, ti: ref_fns[i](x, tw, ti)), ev)
         self.calib_trace = self._calibrate(ref_fns, calib)
@@ -169,7 +170,7 @@ class Ladder:
         routes' logits are apart on the scored text is recorded with the row (routes_max_abs_diff)."""
         tier = sum(int(t["delta_experts"].numel()) if "delta_experts" in t else 0 for t in layers)
         bits = 2 + self.fixed_bits(layers) + self.tier_bits(tier)
-        fns = [routed_from_weights(*dequantized(t)) for t in layers]
+        fns = [routed_sum(*dequantized(t)) for t in layers]
 
         def by_weights(i: int, x: torch.Tensor, tw: torch.Tensor, ti: torch.Tensor) -> torch.Tensor:
             return fns[i](x, tw, ti)
@@ -244,7 +245,7 @@ class Ladder:
     # --- rows computed here --------------------------------------------------------------------------
     def sim_row(self, name: str, bits: float, weights: list[tuple[torch.Tensor, torch.Tensor]],
                 series: str | None = None) -> Row:
-        fns = [routed_from_weights(w13, w2) for w13, w2 in weights]
+        fns = [routed_sum(w13, w2) for w13, w2 in weights]
         return self.measure(name, "sim", bits, lambda i, x, tw, ti: fns[i](x, tw, ti), series=series)
 
 
