@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import heapq
 import json
+import os
 import re
 import resource
 import subprocess
@@ -146,7 +147,7 @@ class Ladder:
         row = Row(name, path, bits, series or name, evaluate(self.logits(routed), self.ev, self.ref,
                                              self.logits(routed_gen) if routed_gen else None))
         self.rows.append(row)
-        print(f"  {name:<48} {path:<9} {bits:6.3f}  kl {row.metrics['kl']:.5f}  "
+        print(f"  {self.ckpt_dir.name} {name:<48} {path:<9} {bits:6.3f}  kl {row.metrics['kl']:.5f}  "
               f"({time.perf_counter() - t0:.1f} s)", file=sys.stderr, flush=True)
         return row
 
@@ -293,22 +294,57 @@ def mix_forms(values: dict[str, torch.Tensor], units: int) -> list[list[str]]:
 
 
 def run(args: argparse.Namespace) -> dict[str, object]:
+    """Every model's ladder, each in its own process (`worker_command`), all at once: on 2 cores two
+    models take the wall time of one."""
+    out: dict[str, object] = {"v4_preset_tier_fraction": round(v4_preset_fraction(), 6),
+                              "eval": {"sequences": args.sequences, "length": args.length, "prompts": args.prompts,
+                                       "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
+                                       "calib_sequences": args.calib_sequences},
+                              "models": {}}
+    env = dict(os.environ, OMP_WAIT_POLICY=os.environ.get("OMP_WAIT_POLICY", "PASSIVE"))
+    procs = {fmt: subprocess.Popen(worker_command(fmt, args), stdout=subprocess.PIPE, text=True, env=env)
+             for fmt in args.models}
+    try:
+        for fmt, proc in procs.items():
+            stdout, _ = proc.communicate()
+            if proc.returncode:
+                raise SystemExit(f"the {fmt} ladder failed (exit {proc.returncode}); its error is printed above")
+            out["models"][fmt] = json.loads(stdout)
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return out
+
+
+def worker_command(fmt: str, args: argparse.Namespace) -> list[str]:
+    """One model's ladder as a process of its own (`--worker`: its result as JSON on stdout).
+
+    It keeps the asked torch thread count: the figures depend on it (a float sum split over threads rounds
+    differently). OMP_WAIT_POLICY=PASSIVE (unless set: OpenMP reads it when torch loads) makes an idle
+    OpenMP thread sleep instead of spin: on a CPU shared with other jobs, spinning threads make every
+    parallel region wait out scheduler slices (measured: `--short` took 95 s wall and 29 s of CPU spinning
+    under a load average of 6, 19 s and 3.6 s passive; the same figures)."""
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--models", fmt,
+           "--sequences", str(args.sequences), "--length", str(args.length), "--prompts", str(args.prompts),
+           "--prompt-len", str(args.prompt_len), "--new-tokens", str(args.new_tokens),
+           "--calib-sequences", str(args.calib_sequences), "--threads", str(args.threads),
+           "--checkpoints", str(args.checkpoints)]
+    return cmd + (["--short"] if args.short else []) + (["--workdir", args.workdir] if args.workdir else [])
+
+
+def model_ladder(args: argparse.Namespace) -> dict[str, object]:
+    """The ladder of the one model in args.models, in this process (run's worker)."""
     torch.set_num_threads(args.threads)
     text = (MODEL_DIR / "data" / "eval-slice.txt").read_bytes()
     calib_text = (MODEL_DIR / "data" / "calib-slice.txt").read_bytes()
     ev = EvalSet.from_bytes(text, args.sequences, args.length, args.prompts, args.prompt_len, args.new_tokens)
     calib = EvalSet.from_bytes(calib_text, args.calib_sequences, args.length, 0, 1, 0)
-    preset = v4_preset_fraction()
-    out: dict[str, object] = {"v4_preset_tier_fraction": round(preset, 6),
-                              "eval": {"sequences": args.sequences, "length": args.length, "prompts": args.prompts,
-                                       "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
-                                       "calib_sequences": args.calib_sequences},
-                              "models": {}}
-    for fmt in args.models:
-        with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
-            print(f"{fmt}:", file=sys.stderr, flush=True)
-            out["models"][fmt] = ladder_for(args.checkpoints / fmt, Path(tmp), ev, calib, preset, args)
-    return out
+    (fmt,) = args.models
+    with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
+        print(f"{fmt}:", file=sys.stderr, flush=True)
+        return ladder_for(args.checkpoints / fmt, Path(tmp), ev, calib, v4_preset_fraction(), args)
 
 
 def ladder_for(ckpt_dir: Path, work: Path, ev: EvalSet, calib: EvalSet, preset: float,
@@ -535,7 +571,7 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=48)
     ap.add_argument("--new-tokens", type=int, default=None)
     ap.add_argument("--calib-sequences", type=int, default=16)
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=2, help="torch threads of each model's process")
     ap.add_argument("--checkpoints", type=Path, default=CHECKPOINTS, help="the folder holding mxfp4/ and nvfp4/")
     ap.add_argument("--workdir", default=None, help="where the caches are built (a temporary folder in it)")
     ap.add_argument("--json", type=Path, default=None, help="where to write the result (default results/quality.json)")
@@ -543,6 +579,7 @@ def main() -> None:
     ap.add_argument("--write-curve", action="store_true",
                     help="run nothing: write moet_cache/quality_curve.json from the results (--json, default "
                          "results/quality.json) as last committed")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)   # run's per-model process
     args = ap.parse_args()
     if args.write_curve:
         write_curve(args.json or RESULTS / "quality.json", CURVE_PATH)
@@ -554,11 +591,15 @@ def main() -> None:
     args.prompts = args.prompts or (2 if short else 4)
     args.new_tokens = args.new_tokens or (8 if short else 16)
     args.calib_sequences = 4 if short and args.calib_sequences == 16 else args.calib_sequences
+    if args.worker:
+        print(json.dumps(model_ladder(args)))
+        return
     t0 = time.perf_counter()
     result = run(args)
     result["seconds"] = round(time.perf_counter() - t0, 1)
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    result["cpu_seconds"] = round(usage.ru_utime + usage.ru_stime, 1)   # what a machine of its own would take
+    usage = [resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
+    # what a machine of its own would take: this process and the models' processes
+    result["cpu_seconds"] = round(sum(u.ru_utime + u.ru_stime for u in usage), 1)
     if args.json_only:
         print(json.dumps(result, indent=1))
         return
