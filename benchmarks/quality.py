@@ -17,6 +17,8 @@ expert, embeddings) is the model's own torch forward with the dense tensors the 
   sim         weights computed here from the cache's planes (forms the format does not hold: 3-bit,
               1-bit, per-block Lloyd codebooks), run by the same torch MoE sum
 The metrics are against the FP4 model, decoded straight from the checkpoint (quality_model/metrics.py).
+Each model's ladder runs in its own process, both at once (`run`, `worker_command`);
+benchmarks/quality_compare.py says whether two runs' figures are the same.
 """
 
 from __future__ import annotations
