@@ -18,6 +18,8 @@ expert, embeddings) is the model's own torch forward with the dense tensors the 
   sim         weights computed here from the cache's planes (forms the format does not hold: 3-bit,
               1-bit, per-block Lloyd codebooks), run by the same torch MoE sum
 The metrics are against the FP4 model, decoded straight from the checkpoint (quality_model/metrics.py).
+Each model's ladder runs in its own process, both at once (`run`, `worker_command`);
+benchmarks/quality_compare.py says whether two runs' figures are the same.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from __future__ import annotations
 import argparse
 import heapq
 import json
+import os
 import re
 import resource
 import subprocess
@@ -46,7 +49,8 @@ from moet_cache.units import parse_size
 
 import record
 from quality_model.metrics import EvalSet, Reference, evaluate, reference
-from quality_model.model import ModelSpec, forward, routed_from_weights
+from quality_model.model import ModelSpec, forward
+from quality_model.routed import routed_sum
 from quality_model.reference import Checkpoint, read_checkpoint
 from quality_model.variants import LayerCodes, form_weights, mixed_weights, sq_errors
 
@@ -95,7 +99,7 @@ class Ladder:
         self.expert_weights = 3 * s.hidden * s.expert_width           # weights of one expert
         self.total_weights = s.layers * s.experts * self.expert_weights
         self.rows: list[Row] = []
-        ref_fns = [routed_from_weights(w13, w2) for w13, w2 in self.ckpt.experts]
+        ref_fns = [routed_sum(w13, w2) for w13, w2 in self.ckpt.experts]
         self.dense = self.ckpt.dense
         self.ref: Reference = reference(self.logits(lambda i, x, tw, ti: ref_fns[i](x, tw, ti)), ev)
         self.calib_trace = self._calibrate(ref_fns, calib)
@@ -146,7 +150,7 @@ class Ladder:
         row = Row(name, path, bits, series or name, evaluate(self.logits(routed), self.ev, self.ref,
                                              self.logits(routed_gen) if routed_gen else None))
         self.rows.append(row)
-        print(f"  {name:<48} {path:<9} {bits:6.3f}  kl {row.metrics['kl']:.5f}  "
+        print(f"  {self.ckpt_dir.name} {name:<48} {path:<9} {bits:6.3f}  kl {row.metrics['kl']:.5f}  "
               f"({time.perf_counter() - t0:.1f} s)", file=sys.stderr, flush=True)
         return row
 
@@ -181,7 +185,7 @@ class Ladder:
         tier = sum(int(t["delta_experts"].numel()) if "delta_experts" in t else 0 for t in layers)
         mid = sum(int(t["mid_experts"].numel()) if "mid_experts" in t else 0 for t in layers)
         bits = 2 + self.fixed_bits(layers) + self.tier_bits(tier) + self.mid_bits(mid)
-        fns = [routed_from_weights(*dequantized(t)) for t in layers]
+        fns = [routed_sum(*dequantized(t)) for t in layers]
 
         def by_weights(i: int, x: torch.Tensor, tw: torch.Tensor, ti: torch.Tensor) -> torch.Tensor:
             return fns[i](x, tw, ti)
@@ -256,7 +260,7 @@ class Ladder:
     # --- rows computed here --------------------------------------------------------------------------
     def sim_row(self, name: str, bits: float, weights: list[tuple[torch.Tensor, torch.Tensor]],
                 series: str | None = None) -> Row:
-        fns = [routed_from_weights(w13, w2) for w13, w2 in weights]
+        fns = [routed_sum(w13, w2) for w13, w2 in weights]
         return self.measure(name, "sim", bits, lambda i, x, tw, ti: fns[i](x, tw, ti), series=series)
 
 
@@ -334,22 +338,57 @@ def mix_forms(values: dict[str, torch.Tensor], units: int) -> list[list[str]]:
 
 
 def run(args: argparse.Namespace) -> dict[str, object]:
+    """Every model's ladder, each in its own process (`worker_command`), all at once: on 2 cores two
+    models take the wall time of one."""
+    out: dict[str, object] = {"v4_preset_tier_fraction": round(v4_preset_fraction(), 6),
+                              "eval": {"sequences": args.sequences, "length": args.length, "prompts": args.prompts,
+                                       "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
+                                       "calib_sequences": args.calib_sequences},
+                              "models": {}}
+    env = dict(os.environ, OMP_WAIT_POLICY=os.environ.get("OMP_WAIT_POLICY", "PASSIVE"))
+    procs = {fmt: subprocess.Popen(worker_command(fmt, args), stdout=subprocess.PIPE, text=True, env=env)
+             for fmt in args.models}
+    try:
+        for fmt, proc in procs.items():
+            stdout, _ = proc.communicate()
+            if proc.returncode:
+                raise SystemExit(f"the {fmt} ladder failed (exit {proc.returncode}); its error is printed above")
+            out["models"][fmt] = json.loads(stdout)
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return out
+
+
+def worker_command(fmt: str, args: argparse.Namespace) -> list[str]:
+    """One model's ladder as a process of its own (`--worker`: its result as JSON on stdout).
+
+    It keeps the asked torch thread count: the figures depend on it (a float sum split over threads rounds
+    differently). OMP_WAIT_POLICY=PASSIVE (unless set: OpenMP reads it when torch loads) makes an idle
+    OpenMP thread sleep instead of spin: on a CPU shared with other jobs, spinning threads make every
+    parallel region wait out scheduler slices (measured: `--short` took 95 s wall and 29 s of CPU spinning
+    under a load average of 6, 19 s and 3.6 s passive; the same figures)."""
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--models", fmt,
+           "--sequences", str(args.sequences), "--length", str(args.length), "--prompts", str(args.prompts),
+           "--prompt-len", str(args.prompt_len), "--new-tokens", str(args.new_tokens),
+           "--calib-sequences", str(args.calib_sequences), "--threads", str(args.threads),
+           "--checkpoints", str(args.checkpoints)]
+    return cmd + (["--short"] if args.short else []) + (["--workdir", args.workdir] if args.workdir else [])
+
+
+def model_ladder(args: argparse.Namespace) -> dict[str, object]:
+    """The ladder of the one model in args.models, in this process (run's worker)."""
     torch.set_num_threads(args.threads)
     text = (MODEL_DIR / "data" / "eval-slice.txt").read_bytes()
     calib_text = (MODEL_DIR / "data" / "calib-slice.txt").read_bytes()
     ev = EvalSet.from_bytes(text, args.sequences, args.length, args.prompts, args.prompt_len, args.new_tokens)
     calib = EvalSet.from_bytes(calib_text, args.calib_sequences, args.length, 0, 1, 0)
-    preset = v4_preset_fraction()
-    out: dict[str, object] = {"v4_preset_tier_fraction": round(preset, 6),
-                              "eval": {"sequences": args.sequences, "length": args.length, "prompts": args.prompts,
-                                       "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
-                                       "calib_sequences": args.calib_sequences},
-                              "models": {}}
-    for fmt in args.models:
-        with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
-            print(f"{fmt}:", file=sys.stderr, flush=True)
-            out["models"][fmt] = ladder_for(args.checkpoints / fmt, Path(tmp), ev, calib, preset, args)
-    return out
+    (fmt,) = args.models
+    with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
+        print(f"{fmt}:", file=sys.stderr, flush=True)
+        return ladder_for(args.checkpoints / fmt, Path(tmp), ev, calib, v4_preset_fraction(), args)
 
 
 def ladder_for(ckpt_dir: Path, work: Path, ev: EvalSet, calib: EvalSet, preset: float,
@@ -580,7 +619,7 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=48)
     ap.add_argument("--new-tokens", type=int, default=None)
     ap.add_argument("--calib-sequences", type=int, default=16)
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=2, help="torch threads of each model's process")
     ap.add_argument("--checkpoints", type=Path, default=CHECKPOINTS, help="the folder holding mxfp4/ and nvfp4/")
     ap.add_argument("--workdir", default=None, help="where the caches are built (a temporary folder in it)")
     ap.add_argument("--json", type=Path, default=None, help="where to write the result (default results/quality.json)")
@@ -591,6 +630,7 @@ def main() -> None:
     ap.add_argument("--write-curve", action="store_true",
                     help="run nothing: write moet_cache/quality_curve.json from the results (--json, default "
                          "results/quality.json) as last committed")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)   # run's per-model process
     args = ap.parse_args()
     if args.write_curve:
         write_curve(args.json or RESULTS / "quality.json", CURVE_PATH)
@@ -602,11 +642,15 @@ def main() -> None:
     args.prompts = args.prompts or (2 if short else 4)
     args.new_tokens = args.new_tokens or (8 if short else 16)
     args.calib_sequences = 4 if short and args.calib_sequences == 16 else args.calib_sequences
+    if args.worker:
+        print(json.dumps(model_ladder(args)))
+        return
     t0 = time.perf_counter()
     result = run(args)
     result["seconds"] = round(time.perf_counter() - t0, 1)
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    result["cpu_seconds"] = round(usage.ru_utime + usage.ru_stime, 1)   # what a machine of its own would take
+    usage = [resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
+    # what a machine of its own would take: this process and the models' processes
+    result["cpu_seconds"] = round(sum(u.ru_utime + u.ru_stime for u in usage), 1)
     if args.json_only:
         print(json.dumps(result, indent=1))
         return

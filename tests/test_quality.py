@@ -14,8 +14,11 @@ import numpy as np
 import torch
 
 from quality import mix_forms  # benchmarks/ is on the path: pyproject's [tool.pytest.ini_options] pythonpath
+from quality_compare import differences
 from quality_model.fp4export import mxfp4_export, mxfp4_fake
+from quality_model.model import routed_from_weights
 from quality_model.reference import unpack_nibbles
+from quality_model.routed import routed_sum
 
 from moet_cache.build import BuildOptions
 from moet_cache.fp4 import E2M1_VALUES
@@ -38,6 +41,40 @@ def test_default_cache_kl_to_fp4_stays_within_10_percent_of_the_recorded_figure(
     assert got["default_kl"] > 0
     # ... and no worse than recorded, by more than 10%
     assert got["default_kl"] <= 1.10 * recorded["default_kl"], (got["default_kl"], recorded["default_kl"])
+
+
+def test_the_ladders_routed_sum_is_bit_for_bit_the_models() -> None:
+    # the ladder computes every row with routed_sum; its figures are the model's only if the bits are
+    gen = torch.Generator().manual_seed(5)
+    E, H, inter, k = 32, 64, 48, 4
+    w13 = torch.randn((E, 2 * inter, H), generator=gen) * 0.05
+    w2 = torch.randn((E, H, inter), generator=gen) * 0.05
+    for tokens in (1, 7, 300):                  # a decode step, a short prompt, a scored window
+        x = torch.randn((tokens, H), generator=gen)
+        probs = torch.softmax(torch.randn((tokens, E - 3), generator=gen), -1)   # 3 experts never routed
+        top_w, top_ids = probs.topk(k, dim=-1)
+        top_w = top_w / top_w.sum(-1, keepdim=True)
+        got = routed_sum(w13, w2)(x, top_w, top_ids)
+        assert torch.equal(got, routed_from_weights(w13, w2)(x, top_w, top_ids)), tokens
+        assert got.abs().sum() > 0
+
+
+def test_the_results_comparison_finds_a_changed_figure_and_ignores_timing() -> None:
+    recorded = json.loads((ROOT / "benchmarks" / "results" / "quality.json").read_text())
+    same = json.loads(json.dumps(recorded))
+    same["result"]["seconds"], same["result"]["cpu_seconds"], same["date"] = 1.0, 1.0, "another day"
+    assert differences(recorded, same) == []
+    for model, row, key in (("mxfp4", 0, "kl"), ("nvfp4", -1, "greedy"), ("nvfp4", 7, "bits_per_weight")):
+        changed = json.loads(json.dumps(recorded))
+        r = changed["result"]["models"][model]["rows"][row]
+        r[key] = float(f"{r[key] * (1 + 1e-5):.6g}") if r[key] else 1e-6   # the last written digit
+        assert len(differences(recorded, changed)) == 1, (model, row, key)
+    changed = json.loads(json.dumps(recorded))
+    changed["result"]["models"]["mxfp4"]["default_kl"] *= 1 + 1e-12     # kept at full precision
+    assert differences(recorded, changed)
+    changed = json.loads(json.dumps(recorded))
+    del changed["result"]["models"]["nvfp4"]["rows"][3]
+    assert differences(recorded, changed)
 
 
 def test_qat_fake_quantization_equals_the_exported_mxfp4_checkpoint_values() -> None:
