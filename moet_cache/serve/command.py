@@ -23,21 +23,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-from . import layout as L
-from .errors import EnvironmentProblem, InputError, MissingDependencyError, VerificationError
-from .drafter_vram import DrafterLayout
-from .kv_v4 import REASONING_MAX_CONTEXT
-from .parallel import Parallel
-from .parallel import check as check_parallel
-from .units import GIB, parse_budget, parse_tokens
-from .version import __version__
-from .vram import (DEFAULT_GPU, GPU_PRESETS, Footprint, GpuPreset, PlanSettings, Speculative, attention_from_config,
+from .. import layout as L
+from ..errors import EnvironmentProblem, InputError, MissingDependencyError, VerificationError
+from ..drafter_vram import DrafterLayout
+from ..kv_v4 import REASONING_MAX_CONTEXT
+from ..parallel import Parallel
+from ..parallel import check as check_parallel
+from ..units import GIB, parse_budget, parse_tokens
+from ..version import __version__
+from ..vram import (DEFAULT_GPU, GPU_PRESETS, Footprint, GpuPreset, PlanSettings, Speculative, attention_from_config,
                    detect_gpu, footprint_from_cache, footprint_of_view, make_plan, max_position_embeddings,
                    parse_sizes_list)
 
 if TYPE_CHECKING:
-    from .cacheview import CacheView
-    from .verifier import State, VerifyReport
+    from ..cacheview import CacheView
+    from ..verifier import State, VerifyReport
 
 VLLM_PIN = "0.34.0"
 TORCH_PIN = "2.14.0"          # vLLM 0.34.0's own pin (its wheel requires torch==2.14.0)
@@ -682,7 +682,7 @@ def parser_plugin_path() -> str | None:
 def _served_name(cache: Path, view: CacheView | None) -> str:
     m = view.manifest if view is not None else None
     if view is None:  # forced past manifests the view could not read: the commit's manifest, if it reads
-        from .cacheview import read_committed_manifest
+        from ..cacheview import read_committed_manifest
         try:
             m = read_committed_manifest(cache)
         except InputError:
@@ -755,7 +755,7 @@ def check_boot(cache: Path, force: bool, warnings: list[str]) -> tuple[VerifyRep
     """Refuse an incomplete, stale or corrupt cache (unless forced); warn about an unverified one. Returns the
     report and the opened-cache view the boot check read (None when its manifests could not be read)."""
     # Imported here: the verifier pulls in safetensors, and `moet-cache --help` should not.
-    from .verifier import CORRUPT, INCOMPLETE, STALE, UNVERIFIED, boot_view
+    from ..verifier import CORRUPT, INCOMPLETE, STALE, UNVERIFIED, boot_view
     r, view = boot_view(cache)
     if r.state in (INCOMPLETE, STALE, CORRUPT):
         what = "; ".join(p.describe() for p in r.problems[:3])
@@ -788,7 +788,7 @@ def served_config(cache: Path, view: CacheView | None) -> dict[str, Any]:
 
 def _checkout() -> Path | None:
     """The source checkout this moet-cache runs from (an editable install or a clone), None for a wheel."""
-    here = Path(__file__).resolve().parents[1]
+    here = Path(__file__).resolve().parents[2]
     return here if (here / "pyproject.toml").is_file() else None
 
 
@@ -869,7 +869,7 @@ def build_serve_command(cache: str | os.PathLike[str], preset_name: str = DEFAUL
     warnings: list[str] = []
     notes: list[str] = []
     report, view = check_boot(root, force, warnings)
-    from .verifier import State
+    from ..verifier import State
     unverified = report.state == State.UNVERIFIED
     if not report.complete:  # --force past the boot check: the files are read as they are on disk
         view = None
@@ -935,9 +935,9 @@ def build_serve_command(cache: str | os.PathLike[str], preset_name: str = DEFAUL
         warnings.append("--skip-flag-check: the flags were not checked against vLLM's parser")
     torch_v = table.environment.get("torch") if table is not None else None
     theirs = table.environment.get("moet_cache") if table is not None else None
-    if theirs and Path(theirs).resolve().parent != Path(__file__).resolve().parent:
+    if theirs and Path(theirs).resolve().parent != Path(__file__).resolve().parents[1]:
         notes.append(f"vLLM's interpreter imports moet-cache from {Path(theirs).parent}, not this one "
-                     f"({Path(__file__).parent}): keep the two installs at the same version")
+                     f"({Path(__file__).parents[1]}): keep the two installs at the same version")
     if table is not None and table.version != VLLM_PIN:
         notes.append(f"vLLM {table.version} is installed; moet-cache is tested with {VLLM_PIN}")
     if torch_v is not None and not str(torch_v).startswith(TORCH_PIN):
