@@ -243,6 +243,20 @@ def test_the_lists_name_only_what_is_there() -> None:
 
 
 
+# the serve subpackage's own order: each module imports only the ones listed for it
+SERVE_ORDER = {"flags": set(), "presets": {"flags"}, "vllm_env": {"flags"},
+               "command": {"flags", "presets", "vllm_env"}}
+
+
+def test_the_serve_modules_import_in_their_order() -> None:
+    found = {name: set() for name in SERVE_ORDER}
+    for e in import_edges():
+        importer, imported = e.importer.removeprefix("moet_cache.serve."), e.imported.removeprefix("moet_cache.serve.")
+        if importer in SERVE_ORDER and imported in SERVE_ORDER:
+            found[importer].add(imported)
+    assert found == SERVE_ORDER
+
+
 def test_the_architecture_page_names_each_module_in_its_layer() -> None:
     page = (ROOT / "docs" / "ARCHITECTURE.md").read_text()
     table = page[page.index("## Layers"):].split("```")[1]
