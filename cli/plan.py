@@ -9,7 +9,7 @@ from typing import Annotated, Callable, Optional
 
 import typer
 
-from moet_cache import serving, vram
+from moet_cache import serve, vram
 from moet_cache.drafter_vram import DrafterLayout
 from moet_cache.errors import InputError
 from moet_cache.folders import FolderKind, folder_kind
@@ -258,7 +258,7 @@ def _drafter(fp: vram.Footprint, card: vram.GpuPreset, preset_name: str, specula
     """The drafter planned: serve's choice (auto: with the footprint it planned), the one asked for, or none;
     and the line that says why."""
     if speculative == "auto":
-        choice = serving.choose_drafter(fp, card, preset_name, tier_given=tier_given, settings_for=settings_for)
+        choice = serve.choose_drafter(fp, card, preset_name, tier_given=tier_given, settings_for=settings_for)
         return choice.footprint, choice.layout, choice.reason
     if speculative not in vram.Speculative.names():
         raise InputError(f"--speculative {speculative!r}", "use auto, dspark, mtp or none")
@@ -284,7 +284,7 @@ def plan(
     activation_reserve: Annotated[Optional[str], typer.Option(help="Override the activation estimate (e.g. 2GiB).")] = None,
     tensor_parallel_size: Annotated[Optional[int], typer.Option("--tensor-parallel-size", "-tp", min=1, help="GPUs of this card vLLM splits the model over; the plan sizes the fullest one. Default: the serve preset's.", show_default=False)] = None,
     enable_expert_parallel: Annotated[bool, typer.Option("--enable-expert-parallel", "-ep", help="Whole experts a GPU (vLLM's expert parallelism) instead of a slice of each.")] = False,
-    settings_preset: Annotated[str, typer.Option("--settings", help=f"The serve preset to plan: auto (the one serve picks for the model) or {', '.join(serving.PRESETS)}.")] = serving.DEFAULT_PRESET,
+    settings_preset: Annotated[str, typer.Option("--settings", help=f"The serve preset to plan: auto (the one serve picks for the model) or {', '.join(serve.PRESETS)}.")] = serve.DEFAULT_PRESET,
     json_: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
@@ -293,7 +293,7 @@ def plan(
     out = Output(json_, quiet)
     path, sizes = _split_positionals(path, extra, cudagraph_capture_sizes)
     fp = _footprint(path, delta_budget, out)
-    chosen = serving.get_preset(settings_preset, serving.model_type_of(fp.model))
+    chosen = serve.get_preset(settings_preset, serve.model_type_of(fp.model))
     given = {"utilization": gpu_memory_utilization,
              "max_model_len": parse_tokens(max_model_len) if max_model_len is not None else None,
              "kv_cache_dtype": kv_cache_dtype, "block_size": block_size, "batched_tokens": max_num_batched_tokens,
@@ -302,7 +302,7 @@ def plan(
     card = resolve_plan_gpu(gpu, chosen.gpu or vram.DEFAULT_GPU)
 
     def settings_for(drafter: DrafterLayout | None) -> vram.PlanSettings:   # the preset's, the flags given over them
-        defaults = serving.preset_plan_settings(fp.model, card, chosen.name, drafter=drafter)[1]
+        defaults = serve.preset_plan_settings(fp.model, card, chosen.name, drafter=drafter)[1]
         if tensor_parallel_size is not None or enable_expert_parallel:
             defaults = replace(defaults, parallel=Parallel(tensor_parallel_size or defaults.parallel.size,
                                                            enable_expert_parallel or defaults.parallel.expert))

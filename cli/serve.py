@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 import typer
 from rich.text import Text
 
-from moet_cache import serving
+from moet_cache.serve import DEFAULT_PRESET, PRESETS, build_serve_command, exec_vllm, preflight_plan
 from moet_cache.units import GIB
 from moet_cache.verifier import State
 
@@ -20,7 +20,7 @@ def serve(
     cache: Annotated[Path, typer.Argument(help="The cache folder.")],
     vllm_args: Annotated[Optional[list[str]], typer.Argument(
         help="After --: any `vllm serve` flags; they replace the preset's.", show_default=False)] = None,
-    settings: Annotated[str, typer.Option(help=f"Settings preset: auto (the one for the cache's model type) or {', '.join(serving.PRESETS)}.")] = serving.DEFAULT_PRESET,
+    settings: Annotated[str, typer.Option(help=f"Settings preset: auto (the one for the cache's model type) or {', '.join(PRESETS)}.")] = DEFAULT_PRESET,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the command and environment; do not start vLLM.")] = False,
     force: Annotated[bool, typer.Option("--force", help="Serve an incomplete, stale or corrupt cache anyway (warns).")] = False,
     skip_flag_check: Annotated[bool, typer.Option("--skip-flag-check", help="Do not check the flags with vLLM's own parser.")] = False,
@@ -31,7 +31,7 @@ def serve(
 ) -> None:
     """Start vLLM on a verified cache (it replaces this process); `--dry-run` only prints the command."""
     out = Output(json_, quiet)
-    cmd = serving.build_serve_command(cache, settings, list(vllm_args or []), force=force,
+    cmd = build_serve_command(cache, settings, list(vllm_args or []), force=force,
                                       skip_flag_check=skip_flag_check, require_vllm=not dry_run, stock=stock,
                                       speculative=not no_speculative)
     for w in cmd.warnings:
@@ -40,7 +40,7 @@ def serve(
         out.info(f"note: {n}")
     # vLLM's CPU build holds the model in host RAM: a GPU plan (and its GPU-only rules, such as V4's FP8 KV)
     # would not describe what starts.
-    pre = serving.preflight_plan(cmd) if cmd.boot_state != State.CORRUPT and not cmd.cpu else None
+    pre = preflight_plan(cmd) if cmd.boot_state != State.CORRUPT and not cmd.cpu else None
     if pre is not None:
         for w in pre.warnings:
             out.warn(f"plan: {w}")
@@ -75,4 +75,4 @@ def serve(
                 for r, argv in enumerate(cmd.nodes):
                     out.result(Text(f"node {r}{' (head: the API server)' if r == 0 else ''}: {cmd.shell(argv)}"))
         return
-    serving.exec_vllm(cmd)
+    exec_vllm(cmd)

@@ -21,7 +21,7 @@ from moet_cache.errors import VerificationError
 from moet_cache.inspection import inspect_cache
 from moet_cache.load import open_cache
 from moet_cache.manifest import DeltaIndex, FileEntry, ManifestError, PartManifest
-from moet_cache.serving import build_serve_command
+from moet_cache.serve import build_serve_command
 from moet_cache.verifier import CORRUPT, boot_check, full_verify, load_cache_files
 from moet_cache.vram import footprint_from_cache
 
@@ -194,7 +194,7 @@ def test_damaged_source_map_is_refused_by_export(lossless: tuple[Path, Path], tm
 def test_serve_reads_the_cache_once_through_the_view(built_cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """serve goes straight down: one boot check opens the view; name, config and plan come from it."""
     from moet_cache import cacheview
-    from moet_cache.serving import preflight_plan
+    from moet_cache.serve import preflight_plan
     opened: list[Path] = []
     real = cacheview.read_commit
     monkeypatch.setattr(cacheview, "read_commit", lambda root: (opened.append(root), real(root))[1])

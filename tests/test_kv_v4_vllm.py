@@ -16,7 +16,7 @@ import pytest
 import vllm_cpu_env
 
 from moet_cache.kv_v4 import V4Attention, v4_kv
-from moet_cache.serving import vllm_python
+from moet_cache.serve import vllm_python
 
 pytestmark = pytest.mark.vllm
 

@@ -32,7 +32,7 @@ LAYERS = {
                      "checkpoint", "manifests", "quality_curve", "quant_block"], CACHE),
     # commands: what the CLI and vLLM call (the package's API loads them lazily)
     **dict.fromkeys(["", "build", "load", "runtime", "parsers", "verifier", "exporter", "inspection", "vram",
-                     "kv_v4", "drafter_vram", "serving", "synthetic", "expand"], COMMANDS),
+                     "kv_v4", "drafter_vram", "serve", "synthetic", "expand"], COMMANDS),
     # integrations: the glue a serving program (vLLM) imports through its plugins; it may import vLLM
     "integrations": INTEGRATIONS,
     "cli": CLI,
@@ -56,7 +56,7 @@ LAZY: dict[str, tuple[frozenset[str], str]] = {
     "moet_cache.vram": (frozenset({"moet_cache.stwriter", "moet_cache.geometry", "moet_cache.checkpoint",
                                    "moet_cache.families", "moet_cache.tiering"}),
                         "a plan from a checkpoint: " + _LIGHT_CLI),
-    "moet_cache.serving": (frozenset({"moet_cache.cacheview", "moet_cache.verifier"}), _LIGHT_CLI),
+    "moet_cache.serve.command": (frozenset({"moet_cache.cacheview", "moet_cache.verifier"}), _LIGHT_CLI),
     "moet_cache.commit": (frozenset({"moet_cache.verifier"}), "see UPWARD"),
     "moet_cache.integrations.vllm.plugin": (frozenset({"moet_cache.integrations.vllm.config",
                                                        "moet_cache.integrations.vllm.loader",
@@ -67,7 +67,7 @@ LAZY: dict[str, tuple[frozenset[str], str]] = {
                                           "triton is optional: " + _CUDA),
     "moet_cache.cli._common": (frozenset({"moet_cache.commit", "moet_cache.version"}), _LIGHT_CLI),
     "moet_cache.cli.build": (frozenset({"moet_cache", "moet_cache.build.options", "moet_cache.planes"}), _LIGHT_CLI),
-    "moet_cache.cli.demo": (frozenset({"moet_cache", "moet_cache.synthetic", "moet_cache.serving",
+    "moet_cache.cli.demo": (frozenset({"moet_cache", "moet_cache.synthetic", "moet_cache.serve",
                                        "moet_cache.vram", "moet_cache.cli.plan", "moet_cache.cli.inspect_cmd"}),
                             _LIGHT_CLI),
     "moet_cache.cli.export": (frozenset({"moet_cache"}), _LIGHT_CLI),
@@ -241,6 +241,20 @@ def test_the_lists_name_only_what_is_there() -> None:
              if (importer, imported) not in lazy]
     assert not stale, stale
 
+
+
+# the serve subpackage's own order: each module imports only the ones listed for it
+SERVE_ORDER = {"flags": set(), "presets": {"flags"}, "vllm_env": {"flags"},
+               "command": {"flags", "presets", "vllm_env"}}
+
+
+def test_the_serve_modules_import_in_their_order() -> None:
+    found = {name: set() for name in SERVE_ORDER}
+    for e in import_edges():
+        importer, imported = e.importer.removeprefix("moet_cache.serve."), e.imported.removeprefix("moet_cache.serve.")
+        if importer in SERVE_ORDER and imported in SERVE_ORDER:
+            found[importer].add(imported)
+    assert found == SERVE_ORDER
 
 
 def test_the_architecture_page_names_each_module_in_its_layer() -> None:

@@ -26,8 +26,8 @@ from moet_cache import BuildOptions, build_cache
 from moet_cache.drafter_vram import (DrafterLayout, decode_graph_sizes, draft_layers, layout_of,
                                      speculative_tokens)
 from moet_cache.errors import InputError
-from moet_cache.serving import (choose_drafter, fit_preset, get_preset, settings_from_argv, settings_from_flags,
-                                speculative_flag)
+from moet_cache.serve import (choose_drafter, fit_preset, get_preset, settings_from_argv, settings_from_flags,
+                              speculative_flag)
 from moet_cache.synthetic import make_v4_checkpoint, small_v4_spec
 from moet_cache.units import GIB
 from moet_cache.vram import (CUDAGRAPH_PER_SIZE, GPU_PRESETS, Footprint, PlanSettings, activation_reserve, footprint_from_cache,

@@ -21,8 +21,8 @@ import vllm_cpu_env
 
 from moet_cache import BuildOptions, build_cache, make_checkpoint, small_spec
 from moet_cache.errors import InputError
-from moet_cache.serving import (PRESETS, TORCH_PIN, VLLM_PIN, Flag, OptionTable, check_plugin_env,
-                                check_reasoning_effort, get_preset, settings_from_argv)
+from moet_cache.serve import (PRESETS, TORCH_PIN, VLLM_PIN, Flag, OptionTable, check_plugin_env,
+                              check_reasoning_effort, get_preset, settings_from_argv)
 from moet_cache.vram import (CACHE, GPU_PRESETS, GpuPreset, PlanSettings, footprint_from_cache, make_plan,
                              thin_margin)
 
@@ -239,7 +239,8 @@ def test_presets_are_presets_and_v4_gets_its_own(cache: Path) -> None:
     assert flags["--kv-cache-dtype"] == ("fp8",) and flags["--block-size"] == ("256",)
     assert json.loads(flags["--default-chat-template-kwargs"][0]) == {"thinking": True}
     assert get_preset("auto", "deepseek_v3") is PRESETS["single-gpu-96g"]
-    for text in ((ROOT / "cli" / "serve.py").read_text(), (ROOT / "moet_cache" / "serving.py").read_text()):
+    for text in [(ROOT / "cli" / "serve.py").read_text(),
+                 *(f.read_text() for f in sorted((ROOT / "moet_cache" / "serve").glob("*.py")))]:
         assert "profile" not in text.replace('"profile" means a routing profile', "")
 
 

@@ -88,7 +88,7 @@ def test_plan_given_nothing_plans_what_serve_starts(flash: Path) -> None:
     """plan's defaults are the preset serve picks for the model (V4: 2,048 batched tokens, not vLLM's 8,192), with
     the drafter serve turns on when it fits: the release's MTP block, at the preset's 1,024 batched tokens."""
     from moet_cache.drafter_vram import DrafterLayout
-    from moet_cache.serving import fit_preset, get_preset, settings_from_flags
+    from moet_cache.serve import fit_preset, get_preset, settings_from_flags
     r = subprocess.run([MOET, "plan", str(flash), "--json", "--gpu", "rtx-pro-6000"], capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == 0, r.stderr

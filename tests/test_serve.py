@@ -15,8 +15,8 @@ from typer.testing import CliRunner
 
 from moet_cache import BuildOptions, build_cache, make_checkpoint, small_spec
 from moet_cache.cli.app import app, main
-from moet_cache.serving import (PRESETS, Flag, OptionInfo, OptionTable, adapt_renames, merge_flags,
-                                split_flags)
+from moet_cache.serve import (PRESETS, Flag, OptionInfo, OptionTable, adapt_renames, merge_flags,
+                              split_flags)
 
 BIN = Path(sys.executable).parent
 MOET = shutil.which("moet-cache", path=str(BIN)) or str(BIN / "moet-cache")

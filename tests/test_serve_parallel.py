@@ -15,8 +15,8 @@ import vllm_cpu_env
 
 from moet_cache import BuildOptions, build_cache
 from moet_cache.parallel import Parallel
-from moet_cache.serving import (PRESETS, VllmProbe, preset_plan_settings, settings_from_argv, split_flags,
-                                vllm_python)
+from moet_cache.serve import (PRESETS, VllmProbe, preset_plan_settings, settings_from_argv, split_flags,
+                              vllm_python)
 from moet_cache.synthetic import make_v4_checkpoint, small_v4_spec
 from moet_cache.vram import GPU_PRESETS, V4_ATTENTION_MAJORS, attention_from_config
 

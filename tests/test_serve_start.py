@@ -21,7 +21,7 @@ import pytest
 import vllm_cpu_env
 
 from moet_cache import BuildOptions, build_cache, make_checkpoint, small_spec
-from moet_cache import serving
+from moet_cache import serve
 from moet_cache.vram import GPU_PRESETS, make_plan
 
 ROOT = Path(__file__).parents[1]
@@ -68,14 +68,14 @@ def test_no_preset_emits_a_command_the_plan_refuses(cfg: dict) -> None:
     from moet_cache.vram import Footprint, attention_from_config
     fp = Footprint("given", "x", True, 1 << 30, 0, 1 << 30, 1 << 20, 0, 256, 58, 0, False,
                    attention_from_config(cfg), cfg)
-    for name in [*serving.PRESETS, "auto"]:
-        flags, _ = serving.fit_preset(serving.get_preset(name, cfg["model_type"]), cfg)
-        s = serving.settings_from_flags(flags, GPU_PRESETS["h200"])
+    for name in [*serve.PRESETS, "auto"]:
+        flags, _ = serve.fit_preset(serve.get_preset(name, cfg["model_type"]), cfg)
+        s = serve.settings_from_flags(flags, GPU_PRESETS["h200"])
         assert s.max_model_len <= 163_840, name
         p = make_plan(fp, s)
         refused = [n for n in p.notes if n.startswith("--max-model-len") or any(r in n for r in REFUSALS)]
         assert not refused, (name, refused)
-    auto = {f.option: f.values for f in serving.fit_preset(serving.get_preset("auto", "deepseek_v3"), cfg)[0]}
+    auto = {f.option: f.values for f in serve.fit_preset(serve.get_preset("auto", "deepseek_v3"), cfg)[0]}
     assert auto["--max-model-len"] == ("163840",)
     assert auto["--kv-cache-dtype"] == (("fp8_ds_mla",) if "index_topk" in cfg else ("fp8",))
 
@@ -112,9 +112,9 @@ def test_a_context_past_the_positions_does_not_fit(hub_cache: Path) -> None:
 def test_a_hub_snapshot_is_served_under_the_repos_name(hub_cache: Path) -> None:
     doc = json.loads(_run(["serve", str(hub_cache), "--dry-run", "--json"], _env()).stdout)
     assert _flag(doc["argv"], "--served-model-name") == "deepseek-ai/DeepSeek-Tiny"
-    assert serving.hub_repo_name(Path("/h/models--gpt2/snapshots/abc")) == "gpt2"
-    assert serving.hub_repo_name(Path("/data/DeepSeek-V4-Flash")) == "DeepSeek-V4-Flash"
-    assert serving.hub_repo_name(Path("/x/snapshots/abc")) == "abc"        # not a hub cache
+    assert serve.hub_repo_name(Path("/h/models--gpt2/snapshots/abc")) == "gpt2"
+    assert serve.hub_repo_name(Path("/data/DeepSeek-V4-Flash")) == "DeepSeek-V4-Flash"
+    assert serve.hub_repo_name(Path("/x/snapshots/abc")) == "abc"        # not a hub cache
 
 
 @pytest.mark.parametrize("spelling", [["--config", "my.yaml"], ["--config=my.yaml"]])
@@ -194,7 +194,7 @@ def test_vllm_cpu_is_started_through_its_server_module_with_settings_it_accepts(
     doc = json.loads(r.stdout)
     assert doc["flags_checked"] is True and doc["vllm_version"] == "0.32.0"     # its parser was found and ran
     argv = doc["argv"]
-    assert argv[:5] == [sys.executable, "-m", serving.SERVER_MODULE, "--model", str((hub_cache / "model").resolve())]
+    assert argv[:5] == [sys.executable, "-m", serve.SERVER_MODULE, "--model", str((hub_cache / "model").resolve())]
     assert "--gpu-memory-utilization" not in argv and int(_flag(argv, "--kv-cache-memory-bytes")) == 1 << 30
     assert _flag(argv, "--max-model-len") == "4096"                            # the model's positions
     assert doc["plan"] is None                          # host RAM: no GPU plan, none of its GPU-only rules

@@ -15,7 +15,7 @@ import vllm_cpu_env
 
 from moet_cache import BuildOptions, build_cache, make_checkpoint, small_spec
 from moet_cache.cli.app import main
-from moet_cache.serving import VLLM_PIN
+from moet_cache.serve import VLLM_PIN
 
 pytestmark = pytest.mark.vllm
 
