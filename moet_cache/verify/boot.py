@@ -18,7 +18,7 @@ from ..manifest import CACHE_MANIFEST, COMMIT_RECORD, DeltaIndex, FileEntry, Man
 from .report import CORRUPT, INCOMPLETE, STALE, UNVERIFIED, VERIFIED, Check, Problem, ProblemKind, VerifyReport
 from .state import recorded_damage, recorded_speed, stat_key, verified_state
 
-# The opened-cache view by the verifier's older names (the loader's Cache.files, the tests, the campaign).
+# The opened-cache view by its older names (the loader's Cache.files, the tests, the campaign).
 CacheFiles = CacheView
 load_cache_files = open_view
 
