@@ -210,7 +210,7 @@ def run(size_bytes: int, device: str = "cpu", workers: tuple[int, ...] = (4,), r
         src, root = make_cache(work, size_bytes, big_layers)
         res["setup_seconds"] = time.perf_counter() - t0
         print(f"[bench] cache built in {res['setup_seconds']:.1f} s", file=sys.stderr, flush=True)
-        from moet_cache.verifier import boot_check
+        from moet_cache.verify import boot_check
         res["open_cache_seconds"] = _best(lambda: open_cache(root), reps)
         res["boot_check_seconds"] = _best(lambda: boot_check(root), reps)
         cache = open_cache(root)

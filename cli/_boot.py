@@ -10,7 +10,7 @@ from pathlib import Path
 
 from moet_cache.cacheview import CacheView
 from moet_cache.errors import VerificationError
-from moet_cache.verifier import CORRUPT, INCOMPLETE, STALE, Problem, ProblemKind, boot_view
+from moet_cache.verify import CORRUPT, INCOMPLETE, STALE, Problem, ProblemKind, boot_view
 
 from ._output import Output
 

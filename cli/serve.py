@@ -10,7 +10,7 @@ from rich.text import Text
 
 from moet_cache.serve import DEFAULT_PRESET, PRESETS, build_serve_command, exec_vllm, preflight_plan
 from moet_cache.units import GIB
-from moet_cache.verifier import State
+from moet_cache.verify import State
 
 from ._common import JsonOpt, QuietOpt
 from ._output import Output

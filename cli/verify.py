@@ -9,7 +9,7 @@ import typer
 
 from moet_cache import boot_check, full_verify, verify_against
 from moet_cache.units import fmt_bytes
-from moet_cache.verifier import Check, State, VerifyReport
+from moet_cache.verify import Check, State, VerifyReport
 
 from ._common import JsonOpt, QuietOpt
 from ._errors import EXIT_OK, EXIT_PROBLEM

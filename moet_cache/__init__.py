@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from .inspection import CacheInfo, inspect_cache
     from .load import Cache, LoadedLayer, open_cache
     from .synthetic import SyntheticSpec, V4Spec, make_checkpoint, make_v4_checkpoint, small_spec, small_v4_spec
-    from .verifier import VerifyReport, boot_check, full_verify, verify_against
+    from .verify import VerifyReport, boot_check, full_verify, verify_against
 
 # The API's modules load on first use (PEP 562): build, exporter and synthetic import torch, which
 # costs seconds, and `moet-cache verify` (the boot check, run at every start) needs none of it.
@@ -26,7 +26,7 @@ _LAZY = {
     "inspection": ("CacheInfo", "inspect_cache"),
     "load": ("Cache", "LoadedLayer", "open_cache"),
     "synthetic": ("SyntheticSpec", "make_checkpoint", "small_spec", "V4Spec", "make_v4_checkpoint", "small_v4_spec"),
-    "verifier": ("VerifyReport", "boot_check", "full_verify", "verify_against"),
+    "verify": ("VerifyReport", "boot_check", "full_verify", "verify_against"),
 }
 _WHERE = {name: module for module, names in _LAZY.items() for name in names}
 

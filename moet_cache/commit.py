@@ -30,6 +30,9 @@ from . import layout as L
 from .fsutil import CacheLock, atomic_write_bytes, fsync_dir, read_all, refuse_links
 from .hashing import xxh3_hex
 from .manifest import CACHE_MANIFEST, COMMIT_RECORD, CacheManifest, CommitRecord, utc_now, write_record
+from .verify.boot import boot_check
+from .verify.report import VERIFIED, VerifiedBy
+from .verify.state import record_verified_state
 
 KILL_ENV = "MOET_CACHE_TEST_KILL_AT"
 
@@ -105,7 +108,6 @@ class Committer:
         """Write cache.json, run `before_commit`, write COMMIT.json, record the stats (and `hash_rate`, bytes
         a second this machine hashed cache files at, for the boot check's estimate of a --full); returns
         the digest."""
-        from .verifier import VerifiedBy, record_verified_state
         kill_point(self.kill_at, Window.PARTS_WRITTEN)
         mdata = write_record(self.root / CACHE_MANIFEST, manifest)
         digest = xxh3_hex(mdata)
@@ -122,7 +124,6 @@ class Committer:
     def restore(self) -> None:
         """After a failure: the previous commit record back, only if every listed file is provably the one
         last verified (same size, mtime and inode: atomic replaces change the inode); else uncommitted."""
-        from .verifier import VERIFIED, boot_check
         commit = self.root / COMMIT_RECORD
         if self.previous is None or commit.exists():
             return

@@ -1,5 +1,5 @@
 """Closed sets of names as str-valued enums: the format's (scale forms, base tables, source layouts) and the choices a
-caller names when loading a cache. layout.Role, manifest.LayerKind, verifier.State and commit.Window are
+caller names when loading a cache. layout.Role, manifest.LayerKind, verify.State and commit.Window are
 the others, beside what they name.
 
 A member IS its string (`Role.BASE == "base"`, same hash): the JSON we write, the CLI's text and every

@@ -28,7 +28,7 @@ from .planes import join_planes
 from .cancel import CancelToken, check as check_cancel
 from .progress import NullProgress, Progress
 from .stwriter import DTYPE_SIZES, SafetensorsWriter, TensorSpec
-from .verifier import cache_read_errors
+from .verify.against import cache_read_errors
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from moet_cache.errors import InputError
 from moet_cache.manifest import CacheManifest
 from moet_cache.planes import (E4M3_VALUES, X4_PATTERN, code_histogram, error_and_energy, fit_base_table,
                                has_x4_form)
-from moet_cache.verifier import boot_check, load_cache_files
+from moet_cache.verify import boot_check, load_cache_files
 
 from faults.campaign import recommit, rewrite_json, run_main
 

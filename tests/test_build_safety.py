@@ -16,7 +16,7 @@ from moet_cache import BuildOptions, CancelToken, build_cache
 from moet_cache import fsutil
 from moet_cache import layout as L
 from moet_cache.errors import Interrupted
-from moet_cache.verifier import VERIFIED, boot_check, full_verify
+from moet_cache.verify import VERIFIED, boot_check, full_verify
 
 from faults.campaign import exported_equals_source, link_copy, run_console, run_main
 

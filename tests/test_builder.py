@@ -19,7 +19,7 @@ from moet_cache.checkpoint import PROJECTIONS, SourceReader, open_checkpoint
 from moet_cache.errors import DiskFullError, InputError, LockHeldError
 from moet_cache.fsutil import CacheLock
 from moet_cache.planes import join_planes
-from moet_cache.verifier import boot_check, load_cache_files
+from moet_cache.verify import boot_check, load_cache_files
 
 
 def _raw(t: torch.Tensor) -> np.ndarray:

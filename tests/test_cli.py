@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 from moet_cache import make_checkpoint, small_spec
 from moet_cache.cli.app import app, main
 from moet_cache.fsutil import CacheLock
-from moet_cache.verifier import boot_check, full_verify
+from moet_cache.verify import boot_check, full_verify
 
 runner = CliRunner()
 EXE = [sys.executable, "-m", "moet_cache.cli.app"]

@@ -24,7 +24,7 @@ from moet_cache.cli.app import main
 from moet_cache.cli.build import host_kernel_from_env
 from moet_cache.errors import InputError
 from moet_cache.units import fmt_bytes
-from moet_cache.verifier import boot_check
+from moet_cache.verify import boot_check
 
 EXE = [sys.executable, "-m", "moet_cache.cli.app"]
 

@@ -30,8 +30,10 @@ LAYERS = {
     # the cache: its records and files, the commit, and the source reader (its fingerprint is a manifest record)
     **dict.fromkeys(["manifest", "layout", "geometry", "cacheview", "commit", "folders", "stread", "tiering",
                      "checkpoint", "manifests", "quality_curve", "quant_block"], CACHE),
+    # the verify records, the recorded verified state and the boot check: a commit records and proves with them
+    **dict.fromkeys(["verify.report", "verify.state", "verify.boot"], CACHE),
     # commands: what the CLI and vLLM call (the package's API loads them lazily)
-    **dict.fromkeys(["", "build", "load", "runtime", "parsers", "verifier", "exporter", "inspection", "vram",
+    **dict.fromkeys(["", "build", "load", "runtime", "parsers", "verify", "exporter", "inspection", "vram",
                      "kv_v4", "drafter_vram", "serve", "synthetic", "expand"], COMMANDS),
     # integrations: the glue a serving program (vLLM) imports through its plugins; it may import vLLM
     "integrations": INTEGRATIONS,
@@ -40,24 +42,21 @@ LAYERS = {
 LAYERS = {("moet_cache." + k).rstrip("."): v for k, v in LAYERS.items()}
 
 # upward imports, each with its reason
-UPWARD = {
-    ("moet_cache.commit", "moet_cache.verifier"):
-        "a commit records the verified state, and a restore is proven by the boot check",
-}
+UPWARD: dict[tuple[str, str], str] = {}
 
 # the project's modules imported inside functions: importer -> (imported, reason)
 _LIGHT_CLI = "numpy, torch and safetensors stay out of the CLI's start (`moet-cache verify`, `--help`)"
 _CUDA = "loaded where a CUDA launch happens"
 LAZY: dict[str, tuple[frozenset[str], str]] = {
     "moet_cache.manifest": (frozenset({"moet_cache.geometry", "moet_cache.formats"}), _LIGHT_CLI),
-    "moet_cache.verifier": (frozenset({"moet_cache.checkpoint", "moet_cache.formats", "moet_cache.stread",
-                                       "moet_cache.geometry", "moet_cache.planes"}),
-                            "--full, --against: " + _LIGHT_CLI),
+    "moet_cache.verify.against": (frozenset({"moet_cache.checkpoint", "moet_cache.formats", "moet_cache.stread",
+                                             "moet_cache.geometry", "moet_cache.planes"}), "--against: " + _LIGHT_CLI),
+    "moet_cache.verify.boot": (frozenset({"moet_cache.checkpoint"}), "a rewritten source shard: " + _LIGHT_CLI),
     "moet_cache.vram": (frozenset({"moet_cache.stwriter", "moet_cache.geometry", "moet_cache.checkpoint",
                                    "moet_cache.families", "moet_cache.tiering"}),
                         "a plan from a checkpoint: " + _LIGHT_CLI),
-    "moet_cache.serve.command": (frozenset({"moet_cache.cacheview", "moet_cache.verifier"}), _LIGHT_CLI),
-    "moet_cache.commit": (frozenset({"moet_cache.verifier"}), "see UPWARD"),
+    "moet_cache.serve.command": (frozenset({"moet_cache.cacheview", "moet_cache.verify.boot",
+                                            "moet_cache.verify.report"}), _LIGHT_CLI),
     "moet_cache.integrations.vllm.plugin": (frozenset({"moet_cache.integrations.vllm.config",
                                                        "moet_cache.integrations.vllm.loader",
                                                        "moet_cache.integrations.vllm.parsers"}),
@@ -157,8 +156,8 @@ def test_every_module_has_a_layer_and_the_edges_are_seen() -> None:
     assert len(modules) > 90 and len(edges) > 300
     # the forms the visitor must resolve: a relative submodule, a parent package's name, an in-function import
     assert Edge("moet_cache.commit", "moet_cache.layout", 29, False) in edges
-    assert any(e.importer == "moet_cache.load.api" and e.imported == "moet_cache.verifier" for e in edges)
-    assert any(e.importer == "moet_cache.commit" and e.imported == "moet_cache.verifier" and e.in_function
+    assert any(e.importer == "moet_cache.load.api" and e.imported == "moet_cache.verify.boot" for e in edges)
+    assert any(e.importer == "moet_cache.serve.command" and e.imported == "moet_cache.verify.boot" and e.in_function
                for e in edges)
 
 
@@ -255,6 +254,20 @@ def test_the_serve_modules_import_in_their_order() -> None:
         if importer in SERVE_ORDER and imported in SERVE_ORDER:
             found[importer].add(imported)
     assert found == SERVE_ORDER
+
+
+# the verify subpackage's own order
+VERIFY_ORDER = {"report": set(), "state": {"report"}, "boot": {"report", "state"},
+                "full": {"report", "state", "boot"}, "against": {"report", "boot"}}
+
+
+def test_the_verify_modules_import_in_their_order() -> None:
+    found: dict[str, set[str]] = {name: set() for name in VERIFY_ORDER}
+    for e in import_edges():
+        importer, imported = e.importer.removeprefix("moet_cache.verify."), e.imported.removeprefix("moet_cache.verify.")
+        if importer in VERIFY_ORDER and imported in VERIFY_ORDER:
+            found[importer].add(imported)
+    assert found == VERIFY_ORDER
 
 
 def test_the_architecture_page_names_each_module_in_its_layer() -> None:

@@ -27,7 +27,7 @@ from moet_cache.load import open_cache
 from moet_cache.modelconfig import ModelConfig
 from moet_cache.stheader import read_header
 from moet_cache.synthetic import make_v4_checkpoint, small_v4_spec, v4_config_for, vllm_v4_spec
-from moet_cache.verifier import VERIFIED, boot_check, full_verify, verify_against
+from moet_cache.verify import VERIFIED, boot_check, full_verify, verify_against
 
 from faults.campaign import recommit, rewrite_json
 

@@ -14,7 +14,8 @@ from ..errors import InputError, VerificationError
 from ..manifest import COMMIT_RECORD, ManifestError, utc_now
 from ..tiering import check_profile, choose_tier, load_profile
 from ..units import parse_budget
-from ..verifier import UNVERIFIED, VERIFIED, Problem, ProblemKind, VerifyReport, boot_view
+from ..verify.boot import boot_view
+from ..verify.report import UNVERIFIED, VERIFIED, Problem, ProblemKind, VerifyReport
 from .options import RetierResult
 from .tier import TIER_PART, TIER_ROLES, file_deltas, tier_candidates, tier_key, write_tier
 from .written import sweep

@@ -25,7 +25,8 @@ from ..manifest import BuildParams, CacheManifest, CacheModel, FileEntry, LayerR
 from ..progress import NullProgress, Progress
 from ..tiering import RoutingProfile, check_profile, load_profile
 from ..units import parse_budget
-from ..verifier import boot_check, speed_sample
+from ..verify.boot import boot_check
+from ..verify.state import speed_sample
 from ..version import __version__
 from .dense import aux_files, copy_aux, copy_dense, planned_paths, served_config, source_map
 from .layers import LayerResults, build_layers

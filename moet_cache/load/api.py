@@ -31,8 +31,8 @@ from ..errors import InputError, VerificationError
 from ..fsutil import FileId, file_id
 from ..manifest import DeltaIndex, FileEntry, ManifestError, TensorEntry
 from ..progress import NullProgress, Progress
-from ..verifier import (CORRUPT, INCOMPLETE, STALE, VERIFIED, Problem, ProblemKind, VerifyReport, boot_check,
-                        boot_view)
+from ..verify.boot import boot_check, boot_view
+from ..verify.report import CORRUPT, INCOMPLETE, STALE, VERIFIED, Problem, ProblemKind, VerifyReport
 from .assemble import assemble_layer
 from .engine import Finish, Pipeline
 from .options import LoadOptions, Tuning

@@ -19,7 +19,7 @@ from ..hashing import new_hasher
 from ..stheader import DTYPES as STDTYPES
 from ..stheader import nbytes as st_nbytes
 from ..stheader import storage_shape, torch_dtype
-from ..verifier import Problem, ProblemKind
+from ..verify.report import Problem, ProblemKind
 from .plan import Job, Read, changed_since_opened
 from .shard import windows
 

@@ -32,7 +32,7 @@ from .vllm_env import (SERVER_MODULE, TORCH_PIN, VLLM_PIN, VllmProbe, check_plug
 
 if TYPE_CHECKING:
     from ..cacheview import CacheView
-    from ..verifier import State, VerifyReport
+    from ..verify.report import State, VerifyReport
 
 
 PARSER_NAME = "moet_deepseek"
@@ -160,8 +160,9 @@ def _env_added(preset: Preset) -> list[tuple[str, str]]:
 def check_boot(cache: Path, force: bool, warnings: list[str]) -> tuple[VerifyReport, CacheView | None]:
     """Refuse an incomplete, stale or corrupt cache (unless forced); warn about an unverified one. Returns the
     report and the opened-cache view the boot check read (None when its manifests could not be read)."""
-    # Imported here: the verifier pulls in safetensors, and `moet-cache --help` should not.
-    from ..verifier import CORRUPT, INCOMPLETE, STALE, UNVERIFIED, boot_view
+    # Imported here: the boot check pulls in the cache view, and `moet-cache --help` should not.
+    from ..verify.boot import boot_view
+    from ..verify.report import CORRUPT, INCOMPLETE, STALE, UNVERIFIED
     r, view = boot_view(cache)
     if r.state in (INCOMPLETE, STALE, CORRUPT):
         what = "; ".join(p.describe() for p in r.problems[:3])
@@ -230,7 +231,7 @@ def build_serve_command(cache: str | os.PathLike[str], preset_name: str = DEFAUL
     warnings: list[str] = []
     notes: list[str] = []
     report, view = check_boot(root, force, warnings)
-    from ..verifier import State
+    from ..verify.report import State
     unverified = report.state == State.UNVERIFIED
     if not report.complete:  # --force past the boot check: the files are read as they are on disk
         view = None

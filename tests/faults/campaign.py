@@ -28,7 +28,7 @@ from moet_cache.checkpoint import MODELOPT
 from moet_cache.hashing import xxh3_hex
 from moet_cache.manifest import CACHE_MANIFEST, COMMIT_RECORD, VERIFIED_STATE
 from moet_cache.synthetic import SyntheticSpec
-from moet_cache.verifier import CORRUPT, INCOMPLETE, VERIFIED, boot_check, full_verify, load_cache_files
+from moet_cache.verify import CORRUPT, INCOMPLETE, VERIFIED, boot_check, full_verify, load_cache_files
 
 HERE = Path(__file__).resolve().parent
 SERVER = HERE / "_forkserver.py"

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from moet_cache import BuildOptions, boot_check, build_cache, full_verify
-from moet_cache.verifier import read_committed_manifest
+from moet_cache.verify import read_committed_manifest
 
 from .campaign import make_tiny, run_main
 
