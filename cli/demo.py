@@ -59,11 +59,12 @@ def demo(
         info = inspect_cache(cache)
         # what `moet-cache plan CACHE --gpu rtx-pro-6000` says: exact bytes from the cache's manifests, the
         # settings serve would start
-        from moet_cache import serve, vram
+        from moet_cache import serve
+        from moet_cache.plan import DEFAULT_GPU, GPU_PRESETS, make_plan, read_footprint
 
         from .plan import plan_document, show_plan
-        fp = vram.read_footprint(cache)
-        plan = vram.make_plan(fp, serve.preset_plan_settings(fp.model, vram.GPU_PRESETS[vram.DEFAULT_GPU])[1])
+        fp = read_footprint(cache)
+        plan = make_plan(fp, serve.preset_plan_settings(fp.model, GPU_PRESETS[DEFAULT_GPU])[1])
         ok = boot.ok and full.ok and against.ok
         doc = {"command": "demo", "ok": ok, "checkpoint": str(src), "cache": str(cache),
                "kept": workdir is not None, "build": built.__dict__, "boot_check": boot.state,

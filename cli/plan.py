@@ -9,11 +9,12 @@ from typing import Annotated, Callable, Optional
 
 import typer
 
-from moet_cache import serve, vram
+from moet_cache import serve
 from moet_cache.drafter_vram import DrafterLayout
 from moet_cache.errors import InputError
 from moet_cache.folders import FolderKind, folder_kind
 from moet_cache.parallel import Parallel
+from moet_cache.plan import (DEFAULT_GPU, Footprint, GPU_PRESETS, GpuPreset, KV_DTYPES, Plan, PlanSettings, Speculative, Suggestion, detect_gpu, footprint_of_view, make_plan, parse_sizes_list, read_footprint, resolve_gpu)
 from moet_cache.quality_curve import QUALITY_DOC, QualityCurve, TierChange, packaged_curve, tier_change
 from moet_cache.units import GIB, parse_size, parse_tokens
 
@@ -28,13 +29,13 @@ def _g(n: float) -> str:
     return f"{n / GIB:.2f}" if abs(n) >= GIB / 100 or n == 0 else f"{n / GIB:.5f}"
 
 
-def tier_gain(p: vram.Plan, curve: QualityCurve) -> TierChange | None:
+def tier_gain(p: Plan, curve: QualityCurve) -> TierChange | None:
     """What the free bytes' extra tier experts do to the reference model's KL (quality_curve.py)."""
     fp = p.footprint
     return tier_change(curve, fp.tier_experts, p.extra_delta_experts, fp.total_experts, fp.source_format)
 
 
-def suggestion_tier_change(p: vram.Plan, x: vram.Suggestion, curve: QualityCurve) -> TierChange | None:
+def suggestion_tier_change(p: Plan, x: Suggestion, curve: QualityCurve) -> TierChange | None:
     """What a suggestion's smaller tier costs on the reference model (None: it keeps the tier)."""
     fp = p.footprint
     if x.tier_experts is None:
@@ -60,11 +61,11 @@ def _change_words(change: TierChange) -> str:
             f"({change.kl:.4f} -> {change.kl_after:.4f} nats a byte; {QUALITY_DOC})")
 
 
-def tier_gain_document(p: vram.Plan, curve: QualityCurve) -> dict | None:
+def tier_gain_document(p: Plan, curve: QualityCurve) -> dict | None:
     return _change_document(tier_gain(p, curve), curve, p.extra_delta_experts * p.footprint.expert_delta_bytes)
 
 
-def plan_document(p: vram.Plan, curve: QualityCurve | None = None) -> dict:
+def plan_document(p: Plan, curve: QualityCurve | None = None) -> dict:
     """The plan as one JSON document: every figure in bytes and in GiB."""
     fp, s = p.footprint, p.settings
     curve = curve or packaged_curve()
@@ -115,7 +116,7 @@ def plan_document(p: vram.Plan, curve: QualityCurve | None = None) -> dict:
                              (x.tier_experts - fp.tier_experts) * fp.expert_delta_bytes)}
                         for x in p.suggestions],
         "drafter": None if d is None else {
-            "layout": d.layout, "counted": s.speculative != vram.Speculative.NONE, "layers": d.layers,
+            "layout": d.layout, "counted": s.speculative != Speculative.NONE, "layers": d.layers,
             "num_speculative_tokens": d.speculative_tokens, "weights_bytes": d.weights,
             "context_wkv_copy_bytes": d.copies, "buffers_bytes": d.buffers, "workspace_lane_bytes": d.workspace,
             "cudagraph_bytes": d.graphs, "kv_bytes": d.kv, "total_bytes": d.total, "total_gib": d.total / GIB},
@@ -124,7 +125,7 @@ def plan_document(p: vram.Plan, curve: QualityCurve | None = None) -> dict:
     }
 
 
-def _kv_row(p: vram.Plan) -> list[str]:
+def _kv_row(p: Plan) -> list[str]:
     s = p.settings
     if p.v4_kv is not None:
         k = p.v4_kv
@@ -136,7 +137,7 @@ def _kv_row(p: vram.Plan) -> list[str]:
             f"layers, {s.kv_cache_dtype if s.kv_bytes_per_token is None else 'given'})"]
 
 
-def show_plan(out: Output, p: vram.Plan, curve: QualityCurve | None = None) -> None:
+def show_plan(out: Output, p: Plan, curve: QualityCurve | None = None) -> None:
     fp, s = p.footprint, p.settings
     curve = curve or packaged_curve()
     how = "exact bytes from the cache's manifests" if fp.exact else "computed from config.json and the shard headers"
@@ -206,7 +207,7 @@ def show_plan(out: Output, p: vram.Plan, curve: QualityCurve | None = None) -> N
     if p.mtp_need:
         verdict = "fits" if p.mtp_fits else "does not fit"
         what = f"the {d.layout} drafter" if d is not None else "drafter"
-        on = " (counted above)" if s.speculative != vram.Speculative.NONE else ""
+        on = " (counted above)" if s.speculative != Speculative.NONE else ""
         out.print(f"speculative decoding ({what}: weights, KV and reserves, {_g(p.mtp_need)} GiB){on}: {verdict}")
     if p.max_kv_per_token_layer:
         out.print(f"largest KV per token per layer that fits: {p.max_kv_per_token_layer} B")
@@ -230,48 +231,48 @@ def _split_positionals(path: Path, extra: list[str] | None, sizes: str | None) -
     return Path(rest[0]), sizes
 
 
-def resolve_plan_gpu(gpu: str, default: str = vram.DEFAULT_GPU) -> vram.GpuPreset:
+def resolve_plan_gpu(gpu: str, default: str = DEFAULT_GPU) -> GpuPreset:
     """`auto`: the GPU nvidia-smi sees (as serve does), else the default preset (the settings preset's card)."""
     if gpu.strip().lower() == "auto":
-        seen = vram.detect_gpu(os.environ.get("CUDA_VISIBLE_DEVICES", ""))
+        seen = detect_gpu(os.environ.get("CUDA_VISIBLE_DEVICES", ""))
         if seen is not None:
             return seen
-        d = vram.GPU_PRESETS[default]
-        return vram.GpuPreset(d.name, d.total_bytes, d.note + "; no GPU seen, the default preset (--gpu to choose)")
-    return vram.resolve_gpu(gpu)
+        d = GPU_PRESETS[default]
+        return GpuPreset(d.name, d.total_bytes, d.note + "; no GPU seen, the default preset (--gpu to choose)")
+    return resolve_gpu(gpu)
 
 
-def _footprint(path: Path, delta_budget: str | None, out: Output) -> vram.Footprint:
+def _footprint(path: Path, delta_budget: str | None, out: Output) -> Footprint:
     """A cache's exact bytes after the boot check (a damaged cache is exit 1, not a plan), or a checkpoint's
     computed from config.json and the shard headers."""
     kind = folder_kind(path)
     if kind == FolderKind.EMPTY:
         raise InputError(f"{path} is an empty folder", "give a cache folder or an NVFP4 checkpoint folder")
     if kind == FolderKind.CACHE:
-        return vram.footprint_of_view(checked_view(path, out), delta_budget)
-    return vram.read_footprint(path, delta_budget)
+        return footprint_of_view(checked_view(path, out), delta_budget)
+    return read_footprint(path, delta_budget)
 
 
-def _drafter(fp: vram.Footprint, card: vram.GpuPreset, preset_name: str, speculative: str, tier_given: bool,
-             settings_for: Callable[[DrafterLayout], vram.PlanSettings]) -> tuple[vram.Footprint, DrafterLayout | None,
+def _drafter(fp: Footprint, card: GpuPreset, preset_name: str, speculative: str, tier_given: bool,
+             settings_for: Callable[[DrafterLayout], PlanSettings]) -> tuple[Footprint, DrafterLayout | None,
                                                                                    str | None]:
     """The drafter planned: serve's choice (auto: with the footprint it planned), the one asked for, or none;
     and the line that says why."""
     if speculative == "auto":
         choice = serve.choose_drafter(fp, card, preset_name, tier_given=tier_given, settings_for=settings_for)
         return choice.footprint, choice.layout, choice.reason
-    if speculative not in vram.Speculative.names():
+    if speculative not in Speculative.names():
         raise InputError(f"--speculative {speculative!r}", "use auto, dspark, mtp or none")
-    return fp, (None if speculative == vram.Speculative.NONE else DrafterLayout(speculative)), None
+    return fp, (None if speculative == Speculative.NONE else DrafterLayout(speculative)), None
 
 
 def plan(
     path: Annotated[Path, typer.Argument(help="A cache folder (exact bytes) or an NVFP4 checkpoint (computed).")],
     extra: Annotated[Optional[list[str]], typer.Argument(hidden=True, show_default=False)] = None,
-    gpu: Annotated[str, typer.Option(help=f"auto (the GPU nvidia-smi sees, as serve; else {vram.DEFAULT_GPU}), a preset ({', '.join(vram.GPU_PRESETS)}) or its memory, e.g. 96GB, 95.6GiB.")] = "auto",
+    gpu: Annotated[str, typer.Option(help=f"auto (the GPU nvidia-smi sees, as serve; else {DEFAULT_GPU}), a preset ({', '.join(GPU_PRESETS)}) or its memory, e.g. 96GB, 95.6GiB.")] = "auto",
     gpu_memory_utilization: Annotated[Optional[float], typer.Option(help="vLLM's share of the GPU's memory. Default: the serve preset's.", show_default=False)] = None,
     max_model_len: Annotated[Optional[str], typer.Option(help="Context length in tokens, as vLLM reads it: 131072, 128k, 128K. Default: the serve preset's, capped at the model's positions.", show_default=False)] = None,
-    kv_cache_dtype: Annotated[Optional[str], typer.Option(help=f"One of {', '.join(vram.KV_DTYPES)}. Default: the serve preset's, one the model's attention runs.", show_default=False)] = None,
+    kv_cache_dtype: Annotated[Optional[str], typer.Option(help=f"One of {', '.join(KV_DTYPES)}. Default: the serve preset's, one the model's attention runs.", show_default=False)] = None,
     max_num_seqs: Annotated[int, typer.Option(min=1, help="Full-length sequences the KV cache must hold at once.")] = 1,
     cudagraph_capture_sizes: Annotated[Optional[str], typer.Option(help="CUDA-graph batch sizes as vLLM takes them (1 2 4 8), or 1,2,4,8; none for eager. Default: the serve preset's.")] = None,
     delta_budget: Annotated[Optional[str], typer.Option(help="Plan with this delta tier (4.5GB, 2GiB, 25%, 0) instead of the built one.")] = None,
@@ -298,24 +299,24 @@ def plan(
              "max_model_len": parse_tokens(max_model_len) if max_model_len is not None else None,
              "kv_cache_dtype": kv_cache_dtype, "block_size": block_size, "batched_tokens": max_num_batched_tokens,
              "async_scheduling": async_scheduling,
-             "cudagraph_sizes": vram.parse_sizes_list(sizes) if sizes is not None else None}
-    card = resolve_plan_gpu(gpu, chosen.gpu or vram.DEFAULT_GPU)
+             "cudagraph_sizes": parse_sizes_list(sizes) if sizes is not None else None}
+    card = resolve_plan_gpu(gpu, chosen.gpu or DEFAULT_GPU)
 
-    def settings_for(drafter: DrafterLayout | None) -> vram.PlanSettings:   # the preset's, the flags given over them
+    def settings_for(drafter: DrafterLayout | None) -> PlanSettings:   # the preset's, the flags given over them
         defaults = serve.preset_plan_settings(fp.model, card, chosen.name, drafter=drafter)[1]
         if tensor_parallel_size is not None or enable_expert_parallel:
             defaults = replace(defaults, parallel=Parallel(tensor_parallel_size or defaults.parallel.size,
                                                            enable_expert_parallel or defaults.parallel.expert))
         return replace(
             defaults, **{k: v for k, v in given.items() if v is not None},
-            max_num_seqs=max_num_seqs, speculative=str(drafter or vram.Speculative.NONE),
+            max_num_seqs=max_num_seqs, speculative=str(drafter or Speculative.NONE),
             kv_bytes_per_token=kv_bytes_per_token,
             cudagraph_reserve=parse_size(cudagraph_reserve, what="--cudagraph-reserve") if cudagraph_reserve else None,
             activation_reserve=parse_size(activation_reserve, what="--activation-reserve") if activation_reserve else None)
     fp, drafter, said = _drafter(fp, card, chosen.name, speculative, delta_budget is not None, settings_for)
     preset = chosen.name
     settings = settings_for(drafter)
-    p = vram.make_plan(fp, settings)
+    p = make_plan(fp, settings)
     curve = packaged_curve()
     if out.json_mode:
         out.json({**plan_document(p, curve), "preset": preset, "speculative_choice": said},

@@ -1,6 +1,6 @@
 """Naming families: where a checkpoint keeps its routed experts, which layers are MoE, where the drafters are.
 
-A family is a small object; the builder, verifier, exporter, loader and vram ask it, never a name
+A family is a small object; the builder, verifier, exporter, loader and plan ask it, never a name
 pattern of their own. Adding a family (V3.2, Kimi, GLM) is a new class here and an entry in FAMILIES.
 
 Cache layer numbers (docs/FORMAT.md): main layers keep their number; a drafter (MTP) block is

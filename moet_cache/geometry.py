@@ -1,7 +1,7 @@
 """The one place that knows a served layer's tensor shapes and byte counts (docs/FORMAT.md).
 
 The builder lays base-plane and delta files out from it, the loader checks what it reads against it,
-the verifier and vram count bytes with it. A layer is E experts of hidden size H and expert
+the verifier and plan count bytes with it. A layer is E experts of hidden size H and expert
 intermediate size I; w13 is gate and up stacked ([E, 2I, H]), w2 is down ([E, H, I]).
 """
 

@@ -7,6 +7,7 @@ import re
 from .errors import InputError
 
 GIB = 1 << 30
+MIB = 1 << 20
 _SUFFIXES = {
     "": 1, "b": 1,
     "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,

@@ -22,8 +22,8 @@ from moet_cache.inspection import inspect_cache
 from moet_cache.load import open_cache
 from moet_cache.manifest import DeltaIndex, FileEntry, ManifestError, PartManifest
 from moet_cache.serve import build_serve_command
+from moet_cache.plan import footprint_from_cache
 from moet_cache.verify import CORRUPT, boot_check, full_verify, load_cache_files
-from moet_cache.vram import footprint_from_cache
 
 
 def _copy(built: Path, tmp_path: Path) -> Path:

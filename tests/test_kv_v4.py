@@ -11,7 +11,7 @@ import pytest
 
 from moet_cache.errors import InputError
 from moet_cache.kv_v4 import V4Attention, groups, layer_specs, longest_context, v4_kv
-from moet_cache.vram import attention_from_config
+from moet_cache.plan import attention_from_config
 
 FLASH = tuple([0, 0] + [4, 128] * 20 + [4])          # V4-Flash: 43 main layers (compress_ratios' first 43)
 FLASH_CFG = {"model_type": "deepseek_v4", "num_hidden_layers": 43, "head_dim": 512, "qk_rope_head_dim": 64,

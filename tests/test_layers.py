@@ -33,7 +33,7 @@ LAYERS = {
     # the verify records, the recorded verified state and the boot check: a commit records and proves with them
     **dict.fromkeys(["verify.report", "verify.state", "verify.boot"], CACHE),
     # commands: what the CLI and vLLM call (the package's API loads them lazily)
-    **dict.fromkeys(["", "build", "load", "runtime", "parsers", "verify", "exporter", "inspection", "vram",
+    **dict.fromkeys(["", "build", "load", "runtime", "parsers", "verify", "exporter", "inspection", "plan",
                      "kv_v4", "drafter_vram", "serve", "synthetic", "expand"], COMMANDS),
     # integrations: the glue a serving program (vLLM) imports through its plugins; it may import vLLM
     "integrations": INTEGRATIONS,
@@ -52,8 +52,8 @@ LAZY: dict[str, tuple[frozenset[str], str]] = {
     "moet_cache.verify.against": (frozenset({"moet_cache.checkpoint", "moet_cache.formats", "moet_cache.stread",
                                              "moet_cache.geometry", "moet_cache.planes"}), "--against: " + _LIGHT_CLI),
     "moet_cache.verify.boot": (frozenset({"moet_cache.checkpoint"}), "a rewritten source shard: " + _LIGHT_CLI),
-    "moet_cache.vram": (frozenset({"moet_cache.stwriter", "moet_cache.geometry", "moet_cache.checkpoint",
-                                   "moet_cache.families", "moet_cache.tiering"}),
+    "moet_cache.plan.measure": (frozenset({"moet_cache.stwriter", "moet_cache.geometry", "moet_cache.checkpoint",
+                                           "moet_cache.tiering"}),
                         "a plan from a checkpoint: " + _LIGHT_CLI),
     "moet_cache.serve.command": (frozenset({"moet_cache.cacheview", "moet_cache.verify.boot",
                                             "moet_cache.verify.report"}), _LIGHT_CLI),
@@ -67,7 +67,7 @@ LAZY: dict[str, tuple[frozenset[str], str]] = {
     "moet_cache.cli._common": (frozenset({"moet_cache.commit", "moet_cache.version"}), _LIGHT_CLI),
     "moet_cache.cli.build": (frozenset({"moet_cache", "moet_cache.build.options", "moet_cache.planes"}), _LIGHT_CLI),
     "moet_cache.cli.demo": (frozenset({"moet_cache", "moet_cache.synthetic", "moet_cache.serve",
-                                       "moet_cache.vram", "moet_cache.cli.plan", "moet_cache.cli.inspect_cmd"}),
+                                       "moet_cache.plan", "moet_cache.cli.plan", "moet_cache.cli.inspect_cmd"}),
                             _LIGHT_CLI),
     "moet_cache.cli.export": (frozenset({"moet_cache"}), _LIGHT_CLI),
     "moet_cache.cli.reference": (frozenset({"moet_cache.cli.app"}), "app imports every command"),
@@ -247,13 +247,28 @@ SERVE_ORDER = {"flags": set(), "presets": {"flags"}, "vllm_env": {"flags"},
                "command": {"flags", "presets", "vllm_env"}}
 
 
-def test_the_serve_modules_import_in_their_order() -> None:
-    found = {name: set() for name in SERVE_ORDER}
+# the plan subpackage's: each module imports only the ones below it that it names
+PLAN_ORDER = {"gpus": set(), "attention": {"gpus"}, "footprint": {"attention"},
+              "measure": {"attention", "footprint"}, "settings": {"attention", "gpus"},
+              "record": {"footprint", "settings"}, "kv": {"footprint", "settings"},
+              "budget": {"attention", "footprint", "gpus", "kv", "measure", "record", "settings"}}
+
+
+def subpackage_imports(package: str, order: dict[str, set[str]]) -> dict[str, set[str]]:
+    found = {name: set() for name in order}
     for e in import_edges():
-        importer, imported = e.importer.removeprefix("moet_cache.serve."), e.imported.removeprefix("moet_cache.serve.")
-        if importer in SERVE_ORDER and imported in SERVE_ORDER:
+        importer, imported = e.importer.removeprefix(package + "."), e.imported.removeprefix(package + ".")
+        if importer in order and imported in order:
             found[importer].add(imported)
-    assert found == SERVE_ORDER
+    return found
+
+
+def test_the_serve_modules_import_in_their_order() -> None:
+    assert subpackage_imports("moet_cache.serve", SERVE_ORDER) == SERVE_ORDER
+
+
+def test_the_plan_modules_import_in_their_order() -> None:
+    assert subpackage_imports("moet_cache.plan", PLAN_ORDER) == PLAN_ORDER
 
 
 # the verify subpackage's own order

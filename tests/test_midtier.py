@@ -318,7 +318,7 @@ def test_the_boot_check_refuses_a_mid_tier_index_that_does_not_cover_the_cache(m
 
 def test_plan_counts_the_mid_tier_as_resident_weights(mid_cache: tuple[Path, Path], tmp_path: Path) -> None:
     from moet_cache.cacheview import open_view
-    from moet_cache.vram import footprint_of_view
+    from moet_cache.plan import footprint_of_view
     src, cache = mid_cache
     plain = tmp_path / "plain"
     build_cache(src, plain, BuildOptions(delta_budget="5%", lossless=True))

@@ -30,7 +30,7 @@ from moet_cache.serve import (choose_drafter, fit_preset, get_preset, settings_f
                               speculative_flag)
 from moet_cache.synthetic import make_v4_checkpoint, small_v4_spec
 from moet_cache.units import GIB
-from moet_cache.vram import (CUDAGRAPH_PER_SIZE, GPU_PRESETS, Footprint, PlanSettings, activation_reserve, footprint_from_cache,
+from moet_cache.plan import (CUDAGRAPH_PER_SIZE, GPU_PRESETS, Footprint, PlanSettings, activation_reserve, footprint_from_cache,
                              footprint_from_checkpoint, make_plan)
 
 BIN = Path(sys.executable).parent

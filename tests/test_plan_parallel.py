@@ -22,7 +22,7 @@ from moet_cache.parallel import Parallel, allowed_sizes, is_split
 from moet_cache.serve import preset_plan_settings
 from moet_cache.synthetic import make_v4_checkpoint, small_v4_spec
 from moet_cache.units import GIB, parse_size
-from moet_cache.vram import (COMM_RESERVE, GPU_PRESETS, GPUS, GpuPreset, PlanSettings, footprint_from_cache,
+from moet_cache.plan import (COMM_RESERVE, GPU_PRESETS, GPUS, GpuPreset, PlanSettings, footprint_from_cache,
                              make_plan, rank_footprint, read_footprint)
 
 BIN = Path(sys.executable).parent

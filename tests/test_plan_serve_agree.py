@@ -23,7 +23,7 @@ from moet_cache import BuildOptions, build_cache, make_checkpoint, small_spec
 from moet_cache.errors import InputError
 from moet_cache.serve import (PRESETS, TORCH_PIN, VLLM_PIN, Flag, OptionTable, check_plugin_env,
                               check_reasoning_effort, get_preset, settings_from_argv)
-from moet_cache.vram import (CACHE, GPU_PRESETS, GpuPreset, PlanSettings, footprint_from_cache, make_plan,
+from moet_cache.plan import (CACHE, GPU_PRESETS, GpuPreset, PlanSettings, footprint_from_cache, make_plan,
                              thin_margin)
 
 ROOT = Path(__file__).parents[1]

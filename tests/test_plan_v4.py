@@ -20,7 +20,7 @@ import vllm_cpu_env
 from v4flash import write_v4_flash
 
 from moet_cache.units import GIB
-from moet_cache.vram import GPU_PRESETS, PlanSettings, footprint_from_checkpoint, make_plan
+from moet_cache.plan import GPU_PRESETS, PlanSettings, footprint_from_checkpoint, make_plan
 
 BIN = Path(sys.executable).parent
 MOET = shutil.which("moet-cache", path=str(BIN)) or str(BIN / "moet-cache")
@@ -115,7 +115,7 @@ def test_v4_checkpoint_footprint_equals_the_built_cache(variant: str, tmp_path: 
     found in the NVFP4 data included."""
     from moet_cache import BuildOptions, build_cache
     from moet_cache.synthetic import make_v4_checkpoint, small_v4_spec
-    from moet_cache.vram import footprint_from_cache
+    from moet_cache.plan import footprint_from_cache
     src = make_v4_checkpoint(tmp_path / "src", small_v4_spec(variant))
     build_cache(src, tmp_path / "cache", BuildOptions(delta_budget="25%"))
     exact, computed = footprint_from_cache(tmp_path / "cache"), footprint_from_checkpoint(src, "25%")

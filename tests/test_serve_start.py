@@ -22,7 +22,7 @@ import vllm_cpu_env
 
 from moet_cache import BuildOptions, build_cache, make_checkpoint, small_spec
 from moet_cache import serve
-from moet_cache.vram import GPU_PRESETS, make_plan
+from moet_cache.plan import GPU_PRESETS, make_plan
 
 ROOT = Path(__file__).parents[1]
 BIN = Path(sys.executable).parent
@@ -65,7 +65,7 @@ V3_DIMS = {"model_type": "deepseek_v3", "kv_lora_rank": 512, "qk_rope_head_dim":
 @pytest.mark.parametrize("cfg", [V3_DIMS, {**V3_DIMS, "index_topk": 2048, "index_head_dim": 128}],
                          ids=["v3", "v3.2"])
 def test_no_preset_emits_a_command_the_plan_refuses(cfg: dict) -> None:
-    from moet_cache.vram import Footprint, attention_from_config
+    from moet_cache.plan import Footprint, attention_from_config
     fp = Footprint("given", "x", True, 1 << 30, 0, 1 << 30, 1 << 20, 0, 256, 58, 0, False,
                    attention_from_config(cfg), cfg)
     for name in [*serve.PRESETS, "auto"]:

@@ -14,7 +14,7 @@ from moet_cache import BuildOptions, build_cache, make_checkpoint, small_spec
 from moet_cache.checkpoint import COMPRESSED_TENSORS, MODELOPT
 from moet_cache.errors import InputError
 from moet_cache.units import GIB, parse_size
-from moet_cache.vram import (GPU_PRESETS, Attention, GpuPreset, Footprint, PlanSettings, attention_from_config,
+from moet_cache.plan import (GPU_PRESETS, Attention, GpuPreset, Footprint, PlanSettings, attention_from_config,
                              footprint_from_cache, footprint_from_checkpoint, kv_bytes_per_token_layer,
                              make_plan, read_footprint, resolve_gpu)
 

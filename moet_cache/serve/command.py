@@ -22,7 +22,7 @@ from .. import layout as L
 from ..drafter_vram import DrafterLayout
 from ..errors import EnvironmentProblem, InputError, MissingDependencyError, VerificationError
 from ..parallel import check as check_parallel
-from ..vram import (DEFAULT_GPU, GPU_PRESETS, PlanSettings, detect_gpu, footprint_from_cache, footprint_of_view,
+from ..plan import (DEFAULT_GPU, GPU_PRESETS, PlanSettings, detect_gpu, footprint_from_cache, footprint_of_view,
                     make_plan)
 from .flags import Flag, adapt_renames, check_known, merge_flags, node_flags, refuse_config_file, split_flags
 from .presets import (DEFAULT_PRESET, Preset, check_reasoning_effort, choose_drafter, fit_preset, get_preset,

@@ -12,9 +12,9 @@ from ..drafter_vram import DrafterLayout
 from ..errors import InputError
 from ..kv_v4 import REASONING_MAX_CONTEXT
 from ..parallel import Parallel
-from ..units import GIB, parse_budget, parse_tokens
-from ..vram import (Footprint, GpuPreset, PlanSettings, Speculative, attention_from_config, make_plan,
+from ..plan import (Footprint, GpuPreset, PlanSettings, Speculative, attention_from_config, make_plan,
                     max_position_embeddings, parse_sizes_list)
+from ..units import GIB, parse_budget, parse_tokens
 from .flags import Flag, last_values, split_flags
 
 
@@ -31,7 +31,7 @@ class Preset:
     flags: tuple[tuple[str, tuple[str, ...]], ...]
     env: tuple[tuple[str, str], ...] = ()
     model_types: tuple[str, ...] = ()      # the config.json model_type values `--settings auto` picks it for
-    gpu: str = ""                          # the GPU preset (vram.GPU_PRESETS) it is made for; "": one 96 GB card
+    gpu: str = ""                          # the GPU preset (plan.GPU_PRESETS) it is made for; "": one 96 GB card
     # With the model's drafter on (serve's default when the plan fits it): these flags replace the preset's,
     # --speculative-config is added, and a checkpoint is planned with this tier (the build's --delta-budget).
     drafter_flags: tuple[tuple[str, tuple[str, ...]], ...] = ()
