@@ -14,6 +14,7 @@ from moet_cache.runtime import fused_moe
 from moet_cache.runtime.launch import DEFAULT, Mma, Prefill
 from moet_cache.runtime.padding import to_local
 from moet_cache.runtime.synthetic_layer import random_layer
+from cuda_graph import replayed
 from parallel_ref import expert_map, linear, reference_share
 
 pytestmark = [pytest.mark.gpu,
@@ -36,23 +37,6 @@ def _routing(layer: dict[str, torch.Tensor], T: int, seed: int) -> tuple[torch.T
     return x, torch.rand((T, K), generator=g, device="cuda"), ids
 
 
-def _replayed(step) -> torch.Tensor:
-    """`step` (warmed up outside) captured in a CUDA graph and replayed; it must equal its eager result."""
-    eager = step()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        step()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step()
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(out, eager)
-    return out
-
-
 @pytest.mark.parametrize("T", [DECODE, PREFILL])
 def test_an_expert_parallel_rank_equals_the_whole_layer_without_the_other_ranks_pairs(layer: dict, T: int) -> None:
     assert isinstance(DEFAULT.pick(T * K), Mma if T == DECODE else Prefill)
@@ -63,7 +47,7 @@ def test_an_expert_parallel_rank_equals_the_whole_layer_without_the_other_ranks_
         emap = expert_map(shard.experts, E, device="cuda")
         mine = emap[ids.long()] >= 0
         want = fused_moe(x, layer, w, torch.where(mine, ids, -1))  # the whole layer, other ranks' pairs skipped
-        got = _replayed(lambda: fused_moe(x, local_layer, w, to_local(ids, emap)))
+        got = replayed(lambda: fused_moe(x, local_layer, w, to_local(ids, emap)))
         assert bool(mine.any()) and bool((~mine).any()) and want.abs().sum() > 0
         torch.testing.assert_close(got, want)
 
@@ -75,7 +59,7 @@ def test_tensor_parallel_ranks_add_up_to_the_whole_layer(layer: dict, T: int) ->
     x, w, ids = _routing(layer, T, 50 + T)
     want = fused_moe(x, layer, w, ids).float()
     shares = [reference_share(layer, Shard(None, r, 2), E, I) for r in range(2)]  # outside the capture
-    got = sum(_replayed(lambda share=share: fused_moe(x, share, w, ids)).float() for share in shares)
+    got = sum(replayed(lambda share=share: fused_moe(x, share, w, ids)).float() for share in shares)
     torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2 * float(want.abs().max()))
 
 

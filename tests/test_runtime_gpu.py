@@ -21,6 +21,8 @@ from moet_cache.runtime.layout import prepare, prepare_in_place
 from moet_cache.runtime.warm_up import kernel_names, warm_up
 from moet_cache.runtime.plane_layout import TILED, X4
 
+from cuda_graph import replayed
+
 X4_NAMES = X4.names
 
 pytestmark = [pytest.mark.gpu,
@@ -150,24 +152,7 @@ def test_cuda_graph_capture(layer: dict, T: int) -> None:
     """No host sync inside, in either regime: vLLM captures decode steps in CUDA graphs."""
     x = torch.randn((T, H), device="cuda").to(torch.bfloat16)
     w, ids = _routing(T, 11)
-    _replay_equals_eager(lambda: fused_moe(x, layer, w, ids))
-
-
-def _replay_equals_eager(step) -> None:
-    """`step` captured in a CUDA graph (warmed up, i.e. compiled, outside the capture) replays to
-    exactly what it computes eagerly."""
-    ref = step()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        step()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step()
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(out, ref)
+    replayed(lambda: fused_moe(x, layer, w, ids))
 
 
 @pytest.mark.parametrize("T,block,mode", [(300, Prefill(), "cold"), (300, Prefill(4, 8, 4), "tier"),
@@ -230,7 +215,7 @@ def test_prefill_cuda_graph_capture(layer: dict) -> None:
     assert isinstance(DEFAULT.pick(T * K), Prefill)
     x = torch.randn((T, H), device="cuda").to(torch.bfloat16)
     w, ids = _routing(T, 12)
-    _replay_equals_eager(lambda: fused_moe(x, layer, w, ids))
+    replayed(lambda: fused_moe(x, layer, w, ids))
 
 
 @pytest.fixture(scope="module", params=["e8m0", "e4m3"])
@@ -397,7 +382,7 @@ def test_dependent_launch_computes_the_same(x4_layer: dict, T: int, block: Mma) 
     step = lambda: fused_moe_cuda(x, prepared, w, ids, 7.0, Config.only(block))  # noqa: E731
     assert torch.equal(step(), want)
     for _ in range(5):
-        _replay_equals_eager(step)
+        replayed(step)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
@@ -432,7 +417,7 @@ def test_w2_sum_equals_moe_sum(x4_layer: dict, T: int, dtype: torch.dtype, lean:
     got = fused_moe_cuda(x, planes, w, ids, 7.0, summed)
     assert got.dtype == dtype and torch.equal(got, want)
     for _ in range(3):
-        _replay_equals_eager(lambda: fused_moe_cuda(x, planes, w, ids, 7.0, summed))
+        replayed(lambda: fused_moe_cuda(x, planes, w, ids, 7.0, summed))
 
 
 def test_kernels_loaded_from_kept_images_equal_compiled(x4_layer: dict, tmp_path, monkeypatch) -> None:
@@ -496,5 +481,5 @@ def test_padding_rows_skipped_eagerly_and_in_cuda_graphs(layer: dict, x4_layer: 
     got = step()
     assert torch.equal(got[:T], want)
     assert bool((got[T:] == 0).all())
-    _replay_equals_eager(step)
+    replayed(step)
     _check(want, _reference(x, raw, w, ids, 7.0))
