@@ -13,6 +13,7 @@ import os
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 from pathlib import Path
 
 import numpy as np
@@ -74,18 +75,9 @@ def source_mids(reader: SourceReader, workers: int, cancel: CancelToken | None =
                 kernel: HostKernel | None = None) -> MidReader:
     """A MidReader that splits the experts again from the source: each projection's mid plane (the delta's
     high bit) and its 8-entry table fitted to its codes, read and split on worker threads."""
-    def read(layer: int, which: str, experts: tuple[int, ...]) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-        projs = ("gate_proj", "up_proj") if which == L.W13_MID else ("down_proj",)
-
-        def mid(item: tuple[int, str]) -> tuple[np.ndarray, np.ndarray]:
-            x = reader.read_expert(layer, *item)
-            out = mid_plane(split_planes(x.codes, kernel=kernel)[1]), fit_mid_table(code_histogram(x.codes))
-            reader.release(x.codes)
-            return out
-        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="moet-mid") as pool:
-            yield from bounded_window(lambda item: pool.submit(mid, item),
-                                      ((e, proj) for e in experts for proj in projs), 2 * workers + 1, cancel)
-    return read
+    def mid(codes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        return mid_plane(split_planes(codes, kernel=kernel)[1]), fit_mid_table(code_histogram(codes))
+    return _split_again(reader, workers, cancel, L.W13_MID, "moet-mid", mid)
 
 
 def file_deltas(root: Path, layers: dict[int, LayerManifest]) -> DeltaReader:
@@ -141,16 +133,24 @@ def source_deltas(reader: SourceReader, workers: int, cancel: CancelToken | None
                   kernel: HostKernel | None = None) -> DeltaReader:
     """A DeltaReader that splits the experts' planes again from the source (the same planes, bit for bit),
     read and split on worker threads a few experts ahead of the pack's writer."""
-    def read(layer: int, which: str, experts: tuple[int, ...]) -> Iterator[np.ndarray]:
-        projs = ("gate_proj", "up_proj") if which == L.W13_DELTA else ("down_proj",)
+    return _split_again(reader, workers, cancel, L.W13_DELTA, "moet-tier",
+                        lambda codes: split_planes(codes, kernel=kernel)[1])
 
-        def delta(item: tuple[int, str]) -> np.ndarray:
+
+def _split_again(reader: SourceReader, workers: int, cancel: CancelToken | None, w13: str, thread_name: str,
+                 of_codes: Callable[[np.ndarray], Any]) -> Callable[[int, str, tuple[int, ...]], Iterator[Any]]:
+    """A reader of the given experts' projections (gate and up for `w13`, down otherwise), each read from the
+    source and mapped by `of_codes` on worker threads, a few experts ahead of the consumer, in order."""
+    def read(layer: int, which: str, experts: tuple[int, ...]) -> Iterator[Any]:
+        projs = ("gate_proj", "up_proj") if which == w13 else ("down_proj",)
+
+        def one(item: tuple[int, str]) -> Any:
             x = reader.read_expert(layer, *item)
-            out = split_planes(x.codes, kernel=kernel)[1]
+            out = of_codes(x.codes)
             reader.release(x.codes)
             return out
-        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="moet-tier") as pool:
-            yield from bounded_window(lambda item: pool.submit(delta, item),
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix=thread_name) as pool:
+            yield from bounded_window(lambda item: pool.submit(one, item),
                                       ((e, proj) for e in experts for proj in projs), 2 * workers + 1, cancel)
     return read
 
