@@ -30,7 +30,7 @@ def test_served_config_names_moet_and_keeps_the_source_block_and_every_other_key
 
 def test_a_layer_the_cache_lacks_and_malformed_blocks_are_refused() -> None:
     block = served_config(SOURCE, {1: LayerForm()})["quantization_config"]
-    with pytest.raises(InputError, match=r"mtp.*layer 44\).*cache layers: 1.*--include-mtp"):
+    with pytest.raises(InputError, match=r"mtp.*layer 44\).*cache layers: 1.*--include-drafter"):
         parse_block(block).layer(44, "model.layers.44.mtp")
     for bad, msg in (({**block, "quant_method": "fp8"}, "not a moet block"),
                      ({**block, "format_version": 2}, "format_version 2"),
