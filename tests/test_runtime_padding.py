@@ -7,9 +7,6 @@ graph capture, is tests/test_runtime_gpu.py::test_padding_rows_*."""
 from __future__ import annotations
 
 import importlib.util
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -19,6 +16,8 @@ from moet_cache.errors import InputError
 from moet_cache.runtime import fused_moe
 from moet_cache.runtime.padding import skip_padding
 from moet_cache.runtime.synthetic_layer import random_layer
+
+from triton_interpreter import run_interpreted
 
 E, H, I, K = 8, 64, 32, 4
 
@@ -127,6 +126,4 @@ def test_triton_paths_skip_padding_rows_in_the_interpreter() -> None:
     real rows bit-identical to the batch without padding rows, padding rows 0 even where their activations
     and weights are non-finite. The interpreter runs in a child: TRITON_INTERPRET must be set before Triton
     is first imported."""
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    r = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
+    run_interpreted(CHILD)
