@@ -73,6 +73,10 @@ def v4_preset_fraction() -> float:
 # the default build's rows (fitted tables, the tier by squared weight error): the curve plan and inspect read
 DEFAULT_SERIES = "tier by sq. weight error (the default)"
 DEFAULT_BASE_ROW = "base only, fitted tables"
+# the default build with a mid tier (--mid-budget, no --profile: the mid tier by the squared error its mid plane
+# removes) over each default tier size: the mid tier's curve. A share is of the experts outside the 4-bit tier.
+MID_SERIES = "tier + mid tier by sq. weight error (--mid-budget)"
+MID_SHARES = (0.125, 0.25, 0.5, 1.0)
 
 RoutedFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -272,6 +276,19 @@ def mid_cache_row(lad: Ladder, n: int, profile: Path, lbl: str) -> Row:
                          lad.load(cache, "tier"), series="3-bit tier, the cache (--mid-budget --profile)")
 
 
+def mix_row(lad: Ladder, n4: int, mid: int) -> Row:
+    """The default build with a mid tier: `build --delta-budget` of n4 experts' delta planes and `--mid-budget`
+    of `mid` experts' mid planes and tables (no --profile), the loader's delta="tier" and fused_moe. The row
+    names the tier and mid tier the cache holds, as "tier N/M + mid K/R" (R: the experts outside the tier)."""
+    layers = lad.load(lad.build(f"mix-{n4}-{mid}", delta_budget=str(n4 * (lad.expert_weights // 4)),
+                                mid_budget=str(mid * lad.expert_mid_bytes)), "tier")
+    total = lad.spec.layers * lad.spec.experts
+    tier = sum(int(t["delta_experts"].numel()) if "delta_experts" in t else 0 for t in layers)
+    held = sum(int(t["mid_experts"].numel()) if "mid_experts" in t else 0 for t in layers)
+    return lad.cache_row(f"tier {tier}/{total} + mid {held}/{total - tier}: sq. weight error (--mid-budget)", layers,
+                         series=MID_SERIES)
+
+
 def mid_ladder(lad: Ladder, codes: list[LayerCodes], counts: torch.Tensor, profile: Path, fixed: float, lbl: str,
                n4: int) -> dict[str, object]:
     """--mid-only: the mid tier at the preset's bytes through the cache, and its sim row (the check)."""
@@ -458,6 +475,11 @@ def ladder_for(ckpt_dir: Path, work: Path, ev: EvalSet, calib: EvalSet, preset: 
         lad.cache_row(f"tier {label(tag, frac)}: activation-weighted sq. error",
                       lad.with_tier(fitted_all, lad.top_experts(act_err, n)), "cache+sel",
                       series="tier by activation-weighted sq. error (imatrix-style)")
+
+    for tag, frac in [("base", 0.0), *fracs]:
+        n4 = int(round(frac * n_experts))
+        for share in MID_SHARES:
+            mix_row(lad, n4, int(round(share * (n_experts - n4))))
 
     # nested forms computed from the planes: 3-bit, mixes, 1-bit cold
     form_cache = [{f: form_weights(lc, f) for f in ("1bit", "base", "3bit", "fp4")} for lc in codes]
