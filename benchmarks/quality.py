@@ -579,14 +579,34 @@ def plot(result: dict[str, object], path: Path) -> bool:
 # --- the curve `moet-cache plan` and `inspect` read (moet_cache/quality_curve.py) ---------------------------
 
 TIER_OF_ROW = re.compile(r"tier (\d+)/(\d+)")
+MIX_OF_ROW = re.compile(r"^tier (\d+)/(\d+) \+ mid (\d+)/(\d+): ")
+
+
+def mid_curves_from_rows(ref: str, rows: list[dict], tier_points: list[dict[str, object]]) -> list[dict[str, object]]:
+    """One model's mid curves: at each tier fraction of its 4-bit curve but 1, that tier's point (share 0) and
+    the MID_SERIES rows over that tier, each at the share its "tier N/M + mid K/R" says (K/R)."""
+    cols: dict[float, list[dict[str, object]]] = {p["fraction"]: [{"share": 0.0, "kl": p["kl"], "row": p["row"]}]
+                                                  for p in tier_points if p["fraction"] != 1.0}
+    for r in rows:
+        if r["series"] != MID_SERIES:
+            continue
+        m = MIX_OF_ROW.search(r["name"])
+        if m is None or r["path"] != "cache":
+            raise SystemExit(f"{ref}: row {r['name']!r} does not say its tier and mid tier as N/M + mid K/R")
+        frac = int(m.group(1)) / int(m.group(2))
+        if frac not in cols:
+            raise SystemExit(f"{ref}: row {r['name']!r} is over a tier the 4-bit curve has no point at")
+        cols[frac].append({"share": int(m.group(3)) / int(m.group(4)), "kl": r["kl"], "row": r["name"]})
+    return [{"fraction": f, "points": sorted(pts, key=lambda p: p["share"])} for f, pts in sorted(cols.items())]
 
 
 def curve_from_results(result: dict, results: str, commit: str, command: str) -> dict[str, object]:
     """The quality curve of the default build from a full ladder's results: per reference model, the KL at
     tier 0 (base only, fitted tables), at each tier size chosen by squared weight error (the fraction read from
     the row's "tier N/M"), and at 1 (every delta plane: the FP4 model, whose measured KL is float rounding
-    of an exact 0 and is written as 0)."""
+    of an exact 0 and is written as 0); and the mid curves over those tiers (mid_curves_from_rows)."""
     curves: dict[str, list[dict[str, object]]] = {}
+    mids: dict[str, list[dict[str, object]]] = {}
     forms = {result["models"][ref].get("default_table_form") for ref in REFERENCE_MODELS}
     if len(forms) != 1 or None in forms:
         raise SystemExit(f"the results do not name one base-table form of the default build: {forms}")
@@ -606,13 +626,17 @@ def curve_from_results(result: dict, results: str, commit: str, command: str) ->
                 frac = int(m.group(1)) / int(m.group(2))
                 pts[frac] = {"fraction": frac, "kl": r["kl"], "row": r["name"]}
         curves[ref] = [pts[f] for f in sorted(pts)]
-    doc = {"format": "moet-cache-quality-curve", "format_version": 1, "table_form": forms.pop(),
+        mids[ref] = mid_curves_from_rows(ref, rows, curves[ref])
+    doc = {"format": "moet-cache-quality-curve", "format_version": 2, "table_form": forms.pop(),
            "tier_policy": "squared weight error (moet-cache build --delta-budget, no --profile)",
            "measure": "mean KL(FP4 || cache) of the next-byte distributions, nats a byte, "
                       f"{result['eval']['sequences']} held-out windows of {result['eval']['length']} bytes",
            "model": "the quality ladder's reference models (benchmarks/quality_model: a 4-layer DeepSeek-V3-style "
                     "MoE over bytes, 32 routed experts a layer, MXFP4 by QAT and an NVFP4 export; docs/QUALITY.md)",
-           "results": results, "results_commit": commit, "command": command, "curves": curves}
+           "results": results, "results_commit": commit, "command": command, "curves": curves,
+           "mid_policy": "the squared error a mid plane removes, among the experts outside the tier (moet-cache "
+                         "build --mid-budget, no --profile); a share is of those experts",
+           "mid_curves": mids}
     curve_from_dict(doc, "the curve written")   # refuses what the loader would refuse
     return doc
 

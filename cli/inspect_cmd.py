@@ -60,6 +60,10 @@ def inspect(
         out.print(f"mid tier: {info.mid_experts}/{info.total_experts} experts at 3 bits, {fmt_bytes(info.mid_tier_bytes)} "
                   f"of mid planes and tables (budget {fmt_bytes(b.mid_budget_bytes)})")
     r = info.reference_kl
-    if r is not None:
+    if r is not None and r.mid_fraction:
+        out.print(f"tier {r.fraction:.1%} and mid tier {r.mid_fraction:.1%} of the main layers' experts: on the "
+                  f"{r.reference.upper()} reference model a default build with a tier and mid tier of those fractions "
+                  f"gives KL to FP4 {r.kl:.4f} nats a byte ({QUALITY_DOC})")
+    elif r is not None:
         out.print(f"tier {r.fraction:.1%} of the main layers' experts: on the {r.reference.upper()} reference model "
                   f"a default build's tier of that fraction gives KL to FP4 {r.kl:.4f} nats a byte ({QUALITY_DOC})")

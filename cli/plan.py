@@ -30,39 +30,71 @@ def _g(n: float) -> str:
 
 
 def tier_gain(p: Plan, curve: QualityCurve) -> TierChange | None:
-    """What the free bytes' extra tier experts do to the reference model's KL (quality_curve.py)."""
+    """What the free bytes' extra tier experts do to the reference model's KL (quality_curve.py), the cache's
+    mid tier kept."""
     fp = p.footprint
-    return tier_change(curve, fp.tier_experts, p.extra_delta_experts, fp.total_experts, fp.source_format)
+    return tier_change(curve, fp.tier_experts, p.extra_delta_experts, fp.total_experts, fp.source_format,
+                       fp.mid_experts)
+
+
+def mid_gain(p: Plan, curve: QualityCurve) -> TierChange | None:
+    """What the free bytes' extra mid-tier experts do to the reference model's KL (None: the cache has no mid
+    tier, or no room for more of it)."""
+    fp = p.footprint
+    if not p.extra_mid_experts:
+        return None
+    return tier_change(curve, fp.tier_experts, 0, fp.total_experts, fp.source_format, fp.mid_experts,
+                       p.extra_mid_experts)
 
 
 def suggestion_tier_change(p: Plan, x: Suggestion, curve: QualityCurve) -> TierChange | None:
-    """What a suggestion's smaller tier costs on the reference model (None: it keeps the tier)."""
+    """What a suggestion's smaller tier costs on the reference model, the mid tier kept (None: it keeps the
+    tier)."""
     fp = p.footprint
     if x.tier_experts is None:
         return None
     return tier_change(curve, fp.tier_experts, x.tier_experts - fp.tier_experts, fp.total_experts,
-                       fp.source_format)
+                       fp.source_format, fp.mid_experts)
 
 
-def _change_document(change: TierChange | None, curve: QualityCurve, added_bytes: int) -> dict | None:
+def _change_document(change: TierChange | None, curve: QualityCurve, added_bytes: int,
+                     mid_added_bytes: int = 0) -> dict | None:
     if change is None:
         return None
     return {"reference_model": change.reference, "tier_fraction": change.fraction,
             "tier_fraction_after": change.fraction_after, "tier_bytes_added": added_bytes,
+            "mid_fraction": change.mid_fraction, "mid_fraction_after": change.mid_fraction_after,
+            "mid_bytes_added": mid_added_bytes,
             "kl_to_fp4": change.kl, "kl_to_fp4_after": change.kl_after,
             "kl_change_percent": change.change_percent, "table_form": curve.table_form,
-            "tier_policy": curve.tier_policy, "measured_by": curve.command, "results": curve.results,
+            "tier_policy": curve.tier_policy,
+            "mid_policy": curve.mid_policy if change.mid_fraction or change.mid_fraction_after else None,
+            "measured_by": curve.command, "results": curve.results,
             "results_commit": curve.results_commit, "doc": QUALITY_DOC}
 
 
 def _change_words(change: TierChange) -> str:
-    return (f"{change.fraction:.1%} -> {change.fraction_after:.1%} of experts: KL to FP4 "
-            f"{change.change_percent:+.1f}% on the {change.reference.upper()} reference model "
+    """The change in the curve's terms: the tier's fractions (beside the mid tier's, where the cache has one),
+    or the mid tier's (beside the tier's) where the mid tier is what changes."""
+    if change.mid_fraction_after != change.mid_fraction and change.fraction_after == change.fraction:
+        what = (f"mid tier {change.mid_fraction:.1%} -> {change.mid_fraction_after:.1%} of experts "
+                f"(beside a tier of {change.fraction:.1%})")
+    else:
+        what = f"{change.fraction:.1%} -> {change.fraction_after:.1%} of experts"
+        if change.mid_fraction != change.mid_fraction_after:   # a tier grown into the mid tier's experts
+            what += f" (mid tier {change.mid_fraction:.1%} -> {change.mid_fraction_after:.1%})"
+        elif change.mid_fraction:
+            what += f" (beside a mid tier of {change.mid_fraction:.1%})"
+    return (f"{what}: KL to FP4 {change.change_percent:+.1f}% on the {change.reference.upper()} reference model "
             f"({change.kl:.4f} -> {change.kl_after:.4f} nats a byte; {QUALITY_DOC})")
 
 
 def tier_gain_document(p: Plan, curve: QualityCurve) -> dict | None:
     return _change_document(tier_gain(p, curve), curve, p.extra_delta_experts * p.footprint.expert_delta_bytes)
+
+
+def mid_gain_document(p: Plan, curve: QualityCurve) -> dict | None:
+    return _change_document(mid_gain(p, curve), curve, 0, p.extra_mid_experts * p.footprint.expert_mid_bytes)
 
 
 def plan_document(p: Plan, curve: QualityCurve | None = None) -> dict:
@@ -108,6 +140,8 @@ def plan_document(p: Plan, curve: QualityCurve | None = None) -> dict:
         "buys": {"extra_full_length_sequences": p.extra_full_seqs, "extra_delta_experts": p.extra_delta_experts,
                  "delta_experts": [fp.tier_experts, fp.total_experts],
                  "delta_experts_reference_kl": tier_gain_document(p, curve),
+                 "extra_mid_experts": p.extra_mid_experts, "mid_experts": [fp.mid_experts, fp.total_experts],
+                 "mid_experts_reference_kl": mid_gain_document(p, curve),
                  "mtp_bytes": p.mtp_need, "mtp_fits": p.mtp_fits},
         "suggestions": [{"change": x.change, "setting": x.setting, "margin_bytes": x.margin, "where": x.where,
                          "advice": x.advice(), "thin_margin": x.thin(p.budget),
@@ -189,11 +223,19 @@ def show_plan(out: Output, p: Plan, curve: QualityCurve | None = None) -> None:
         out.print("the free bytes would buy one of:")
         out.print(f"  {p.extra_full_seqs} more concurrent {s.max_model_len}-token sequences")
         out.print(f"  a context of {p.context_limit} tokens for {s.max_num_seqs} sequence(s)")
+        how = "build again with a larger --delta-budget (retier drops the mid tier)" if fp.mid_experts \
+            else "moet-cache retier"
         out.print(f"  {p.extra_delta_experts} more delta-tier experts "
-                  f"({fp.tier_experts + p.extra_delta_experts} of {fp.total_experts}): moet-cache retier")
+                  f"({fp.tier_experts + p.extra_delta_experts} of {fp.total_experts}): {how}")
         gain = tier_gain(p, curve)
         if gain is not None:
             out.print(f"    +{_g(p.extra_delta_experts * fp.expert_delta_bytes)} GiB of tier, {_change_words(gain)}")
+        mid = mid_gain(p, curve)
+        if mid is not None:
+            added = p.extra_mid_experts * fp.expert_mid_bytes
+            out.print(f"  {p.extra_mid_experts} more mid-tier experts ({fp.mid_experts + p.extra_mid_experts} of "
+                      f"{fp.total_experts}): build again with --mid-budget {added:,} bytes larger")
+            out.print(f"    +{_g(added)} GiB of mid tier, {_change_words(mid)}")
     else:
         short = f"short by {_g(-p.margin)} GiB. " if p.margin < 0 else ""
         out.result(styled("does not fit", "red", f": {short}Deciding term: {p.deciding}"))

@@ -63,7 +63,7 @@ class CacheInfo:
     total_experts: int
     family: str = ""
     served_blocks: str = ""     # how the served layers relate to the model's blocks (main, drafters)
-    reference_kl: TierKl | None = None  # the quality ladder's reference model at the main layers' tier fraction
+    reference_kl: TierKl | None = None  # the quality ladder's reference model at the main layers' tier mix
     drafter: DrafterInfo | None = None  # None when the cache serves no drafter block
     mid_tier_bytes: int = 0     # the mid tier's planes and tables, as --mid-budget counts them
     mid_experts: int = 0
@@ -96,7 +96,7 @@ def inspect_view(cf: CacheView) -> CacheInfo:
     fam = cf.family
     main = [i for i in infos if i.kind != LayerKind.MTP]
     ref_kl = tier_kl(packaged_curve(), sum(i.delta_experts for i in main), sum(i.experts for i in main),
-                     main[0].source_format) if main else None
+                     main[0].source_format, sum(i.mid_experts for i in main)) if main else None
     return CacheInfo(
         str(root), m.source_path, m.source_layout, m.tool_version, m.created, m.build, tuple(infos),
         cf.bytes_of(L.Role.BASE), sum(i.delta_bytes for i in infos), cf.bytes_of(L.Role.DELTA_ALL),

@@ -130,6 +130,9 @@ def make_plan(fp: Footprint, s: PlanSettings, advise: bool = True) -> Plan:
     extra_seqs = max(0, kvm.most_seqs(room) - s.max_num_seqs) if fits else 0
     extra_experts = min(max(0, margin) // fp.expert_delta_bytes if fp.expert_delta_bytes else 0,
                         fp.total_experts - fp.tier_experts)
+    # a mid tier is served on one GPU only (load/plan.py): more of it is offered there, where the cache has one
+    extra_mid = min(max(0, margin) // fp.expert_mid_bytes, fp.total_experts - fp.tier_experts - fp.mid_experts) \
+        if fp.mid_experts and fp.expert_mid_bytes and s.parallel.size == 1 else 0
     if not fp.mtp_bytes:
         mtp_need = 0
     elif drafter is not None:
@@ -153,7 +156,8 @@ def make_plan(fp: Footprint, s: PlanSettings, advise: bool = True) -> Plan:
     return Plan(fp, s, budget, fp.base_bytes, fp.delta_tier_bytes, fp.dense_bytes, mtp_w, graphs, acts,
                 per_layer, kv_layers, kv_tokens, kv, static, need, fits, margin, deciding, kv_room,
                 max_per_layer, longest, extra_seqs, extra_experts, mtp_need, mtp_fits, suggestions,
-                tuple(notes), v4f.raw if v4f is not None else kv, v4f, thin, limit, comm, drafter, reserves)
+                tuple(notes), v4f.raw if v4f is not None else kv, v4f, thin, limit, comm, drafter, reserves,
+                extra_mid)
 
 
 def _cards_it_runs_on(fp: Footprint, s: PlanSettings) -> tuple[Suggestion, ...]:
@@ -226,6 +230,7 @@ def _suggestions(fp: Footprint, s: PlanSettings, kvm: KvTerm, budget: int, stati
     # Expert parallelism: which rank a tier expert lands on depends on the build's choice, so no smaller tier
     # is named (base-only is); tensor parallelism: a rank holds 1/N of each tier expert, the cache all of it.
     whole_edb = (fp.whole or fp).expert_delta_bytes
+    has_mid = fp.mid_experts > 0   # retier drops a mid tier: the advice is a build
     if fp.delta_tier_bytes and short <= fp.delta_tier_bytes:
         keep = (fp.delta_tier_bytes - short) // fp.expert_delta_bytes * fp.expert_delta_bytes
         if keep > 0 and not s.parallel.expert:
@@ -233,14 +238,15 @@ def _suggestions(fp: Footprint, s: PlanSettings, kvm: KvTerm, budget: int, stati
             # Exact bytes: a rounded GiB figure could round up past what fits.
             out.append(Suggestion("tier", f"--delta-budget {experts * whole_edb} ({experts} experts, "
                                           f"{experts * whole_edb / GIB:.3f} GiB)",
-                                  budget - (static - fp.delta_tier_bytes + keep + kv), CACHE, experts))
-        out.append(Suggestion("base-only", "--delta-budget 0", budget - (static - fp.delta_tier_bytes + kv), CACHE, 0))
+                                  budget - (static - fp.delta_tier_bytes + keep + kv), CACHE, experts, has_mid))
+        out.append(Suggestion("base-only", "--delta-budget 0", budget - (static - fp.delta_tier_bytes + kv), CACHE, 0,
+                              has_mid))
     elif fp.delta_tier_bytes:  # dropping the tier is not enough alone: base-only and a shorter context
         room0 = room + fp.delta_tier_bytes
         longest = context(room0)
         if longest >= min(s.block_size, L):
             out.append(Suggestion("base-only+context", f"--delta-budget 0 --max-model-len {longest}",
-                                  room0 - kvm.bytes(n, longest), CACHE, 0))
+                                  room0 - kvm.bytes(n, longest), CACHE, 0, has_mid))
     if s.kv_bytes_per_token is None and fp.attention.kind == AttentionKind.MLA:
         for dtype in ("fp8_ds_mla", "fp8"):
             if dtype not in fp.attention.kv_dtypes:

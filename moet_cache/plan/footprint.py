@@ -39,6 +39,8 @@ class Footprint:
     parallel: Parallel = Parallel()   # one rank's share when size > 1 (rank_footprint)
     whole: Footprint | None = None    # a rank's footprint: the whole model's
     drafter: DrafterWeights | None = None   # V4's mtp.K blocks (and DSpark's head stack), by term
+    mid_experts: int = 0          # the served main layers' mid-tier experts (their bytes are in base_bytes)
+    expert_mid_bytes: int = 0     # one expert's mid planes and tables (what --mid-budget counts)
 
     def with_tier(self, budget_bytes: int) -> Footprint:
         """The same cache with the tier a budget would choose (whole experts, at most every expert)."""

@@ -143,9 +143,11 @@ def footprint_of_view(cf: CacheView, delta_budget: str | None = None) -> Footpri
     tier_layers = tuple((layer, tuple(ex)) for layer, ex in index.layers if layer in main_layers) if index else ()
     tier_experts = sum(len(ex) for _, ex in tier_layers)
     drafter_tier = sum(len(ex) for layer, ex in index.layers if layer in drafter_layers) if index else 0
-    if index is not None:   # the mid tier is resident weight, as the base planes
-        base += sum(cf.layers[layer].geometry().expert_mid_bytes * len(ex) for layer, ex in index.mid_layers or ()
-                    if layer in main_layers)
+    mid_layers = [(layer, ex) for layer, ex in (index.mid_layers or ()) if layer in main_layers] \
+        if index is not None else []
+    # the mid tier is resident weight, as the base planes
+    base += sum(cf.layers[layer].geometry().expert_mid_bytes * len(ex) for layer, ex in mid_layers)
+    emb = next((cf.layers[i].geometry().expert_mid_bytes for i in main_layers), 0)
     dense = mtp_dense = dense_split = wkv = 0
     names: list[str] = []
     for part in cf.dense_parts:
@@ -173,7 +175,8 @@ def footprint_of_view(cf: CacheView, delta_budget: str | None = None) -> Footpri
                                  any(CONTEXT_WKV.match(n) for n in names), bool(drafter_layers))
     fp = Footprint("cache", str(cf.root), True, base, tier_experts * edb, dense, edb, tier_experts,
                    total_experts, len(main_layers), mtp, mtp_exact, attention_from_config(cfg), cfg,
-                   _source_format(cf, main_layers), base_replicated, dense_split, tier_layers, drafter=drafter)
+                   _source_format(cf, main_layers), base_replicated, dense_split, tier_layers, drafter=drafter,
+                   mid_experts=sum(len(ex) for _, ex in mid_layers), expert_mid_bytes=emb)
     if delta_budget is not None:
         fp = fp.with_tier(parse_budget(delta_budget, total_experts * edb, what="delta budget"))
     return fp

@@ -31,6 +31,7 @@ class Suggestion:
     margin: int        # bytes left over with that change
     where: Where = SERVE  # SERVE: a serve (vLLM) flag; CACHE: `moet-cache retier` / `build` with that option; CARD
     tier_experts: int | None = None   # the tier's experts after the change; None: the tier stays as it is
+    mid_tier: bool = False            # the cache has a mid tier, which retier does not keep (it needs the source)
 
     def thin(self, budget: int) -> bool:
         """The change fits by less than the estimates' error."""
@@ -41,7 +42,8 @@ class Suggestion:
         if self.where == CACHE:
             serve = [w for w in self.setting.split("--") if w.strip() and not w.startswith("delta-budget")]
             tier = self.setting.split(" --max-model-len")[0]
-            text = f"moet-cache retier CACHE {tier} (a --lossless cache; else build again with it)"
+            text = (f"build again with {tier} and the same --mid-budget (retier drops the mid tier)" if self.mid_tier
+                    else f"moet-cache retier CACHE {tier} (a --lossless cache; else build again with it)")
             return text + (f", then serve with --{serve[0].strip()}" if serve else "")
         if self.where == CARD:
             return f"another card: {self.setting.removeprefix('--gpu ')}"
@@ -91,6 +93,7 @@ class Plan:
     comm: int = 0                  # more than one GPU: the communication buffers' reserve (in static)
     drafter: DrafterNeed | None = None     # the model's drafter, by term (counted when speculating; drafter_vram)
     drafter_reserves: int = 0      # its buffers, workspace lane and CUDA graphs, counted only with --speculative
+    extra_mid_experts: int = 0     # a cache with a mid tier: the mid-tier experts the free bytes would add
 
     @property
     def warnings(self) -> tuple[str, ...]:
