@@ -403,6 +403,13 @@ def test_the_curve_writer_refuses_results_that_are_not_the_ladders() -> None:
     next(r for r in unnamed["models"]["mxfp4"]["rows"] if r["name"].startswith("tier 6/128"))["name"] = "six"
     with pytest.raises(SystemExit, match="does not say its tier"):
         curve_from_results(unnamed, "r.json", "0" * 40, "python benchmarks/quality.py")
+    # a mid-tier row must say its tier and mid tier, over a tier the 4-bit curve has a point at
+    for old, new, why in ((MIX_ROW, "mid fifteen", "does not say its tier and mid tier"),
+                          (MIX_ROW, "tier 9/128 + mid 15/119: sq. weight error (--mid-budget)", "no point at")):
+        changed = copy.deepcopy(results)
+        next(r for r in changed["models"]["mxfp4"]["rows"] if r["name"] == old)["name"] = new
+        with pytest.raises(SystemExit, match=why):
+            curve_from_results(changed, "r.json", "0" * 40, "python benchmarks/quality.py")
     # the default build's base-table form comes from the results, one for both models
     for form in (None, "x4"):
         mixed = copy.deepcopy(results)
