@@ -77,6 +77,7 @@ DEFAULT_BASE_ROW = "base only, fitted tables"
 # removes) over each default tier size: the mid tier's curve. A share is of the experts outside the 4-bit tier.
 MID_SERIES = "tier + mid tier by sq. weight error (--mid-budget)"
 MID_SHARES = (0.125, 0.25, 0.5, 1.0)
+MIX_OF_ROW = re.compile(r"^tier (\d+)/(\d+) \+ mid (\d+)/(\d+): ")   # its row name: the tier and mid tier held
 
 RoutedFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -546,6 +547,12 @@ def table(result: dict[str, object]) -> str:
     return "\n".join(lines)
 
 
+def plot_line(row: dict[str, object]) -> str:
+    """The plot's line a row is on: its series; the mid-tier rows, one line for each tier they are over."""
+    m = MIX_OF_ROW.search(str(row["name"])) if row["series"] == MID_SERIES else None
+    return f"mid tier over tier {m.group(1)}/{m.group(2)} (--mid-budget)" if m else str(row["series"])
+
+
 def plot(result: dict[str, object], path: Path) -> bool:
     try:
         import matplotlib
@@ -560,7 +567,7 @@ def plot(result: dict[str, object], path: Path) -> bool:
         series: dict[str, list[dict]] = {}
         for r in res["rows"]:
             if r["kl"] > 0 and "(check)" not in r["name"]:
-                series.setdefault(r["series"], []).append(r)
+                series.setdefault(plot_line(r), []).append(r)
         for name, rows in series.items():
             rows = sorted(rows, key=lambda r: r["bits_per_weight"])
             ax.plot([r["bits_per_weight"] for r in rows], [r["kl"] for r in rows], marker=marks[rows[0]["path"]],
@@ -579,7 +586,6 @@ def plot(result: dict[str, object], path: Path) -> bool:
 # --- the curve `moet-cache plan` and `inspect` read (moet_cache/quality_curve.py) ---------------------------
 
 TIER_OF_ROW = re.compile(r"tier (\d+)/(\d+)")
-MIX_OF_ROW = re.compile(r"^tier (\d+)/(\d+) \+ mid (\d+)/(\d+): ")
 
 
 def mid_curves_from_rows(ref: str, rows: list[dict], tier_points: list[dict[str, object]]) -> list[dict[str, object]]:
