@@ -353,6 +353,16 @@ def test_plan_of_a_cache_with_a_mid_tier_says_what_more_mid_tier_buys(mid_cache:
     assert "6.2% -> 100.0% of experts (mid tier 11.7% -> 0.0%): KL to FP4 -100.0%" in text
 
 
+def test_plan_of_a_mid_tier_cache_with_every_expert_in_the_tier_offers_no_more_mid_tier(mid_cache: Path) -> None:
+    """--delta-budget 100% leaves no expert outside the tier: no mid tier to grow, and the tier's figure is FP4."""
+    r = CliRunner().invoke(app, ["plan", str(mid_cache), "--json", "--gpu", "1GiB", "--kv-bytes-per-token", "1024",
+                                 "--max-model-len", "256", "--delta-budget", "100%"])
+    assert r.exit_code == 0, r.output
+    buys = json.loads(r.stdout)["buys"]
+    assert buys["delta_experts"] == [128, 128] and buys["extra_mid_experts"] == 0
+    assert buys["mid_experts_reference_kl"] is None and buys["delta_experts_reference_kl"]["kl_to_fp4"] == 0.0
+
+
 def test_plan_of_a_cache_without_a_mid_tier_offers_none(reference_cache: Path) -> None:
     r = CliRunner().invoke(app, ["plan", str(reference_cache), "--json", "--gpu", "1GiB", "--kv-bytes-per-token",
                                  "1024", "--max-model-len", "256"])

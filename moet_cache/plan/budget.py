@@ -131,7 +131,9 @@ def make_plan(fp: Footprint, s: PlanSettings, advise: bool = True) -> Plan:
     extra_experts = min(max(0, margin) // fp.expert_delta_bytes if fp.expert_delta_bytes else 0,
                         fp.total_experts - fp.tier_experts)
     # a mid tier is served on one GPU only (load/plan.py): more of it is offered there, where the cache has one
-    extra_mid = min(max(0, margin) // fp.expert_mid_bytes, fp.total_experts - fp.tier_experts - fp.mid_experts) \
+    # (a --delta-budget planned over the built tier can leave fewer experts outside it than the mid tier holds)
+    extra_mid = max(0, min(max(0, margin) // fp.expert_mid_bytes,
+                           fp.total_experts - fp.tier_experts - fp.mid_experts)) \
         if fp.mid_experts and fp.expert_mid_bytes and s.parallel.size == 1 else 0
     if not fp.mtp_bytes:
         mtp_need = 0
