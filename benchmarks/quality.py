@@ -42,7 +42,7 @@ import torch
 
 from moet_cache.build import BuildOptions, build_cache
 from moet_cache.load import open_cache
-from moet_cache.quality_curve import CURVE_FILE, REFERENCE_MODELS, curve_from_dict
+from moet_cache.quality_curve import CURVE_FILE, CURVE_FORMAT, CURVE_VERSION, REFERENCE_MODELS, curve_from_dict
 from moet_cache.runtime import fused_moe
 from moet_cache.runtime.dequant import LayerPlanes, dequant_expert
 from moet_cache.units import parse_size
@@ -633,7 +633,7 @@ def curve_from_results(result: dict, results: str, commit: str, command: str) ->
                 pts[frac] = {"fraction": frac, "kl": r["kl"], "row": r["name"]}
         curves[ref] = [pts[f] for f in sorted(pts)]
         mids[ref] = mid_curves_from_rows(ref, rows, curves[ref])
-    doc = {"format": "moet-cache-quality-curve", "format_version": 2, "table_form": forms.pop(),
+    doc = {"format": CURVE_FORMAT, "format_version": CURVE_VERSION, "table_form": forms.pop(),
            "tier_policy": "squared weight error (moet-cache build --delta-budget, no --profile)",
            "measure": "mean KL(FP4 || cache) of the next-byte distributions, nats a byte, "
                       f"{result['eval']['sequences']} held-out windows of {result['eval']['length']} bytes",

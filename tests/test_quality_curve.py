@@ -87,6 +87,7 @@ def test_the_curve_is_what_its_writer_makes_of_the_results_at_its_commit() -> No
     doc = json.loads(CURVE_JSON.read_text())
     results = json.loads(RESULTS.read_text())["result"]
     assert curve_from_results(results, doc["results"], doc["results_commit"], doc["command"]) == doc
+    assert packaged_curve().to_dict() == doc   # the records hold every figure and name the file has
     at_commit = subprocess.run(["git", "show", f"{doc['results_commit']}:{doc['results']}"], cwd=REPO,
                                capture_output=True, check=True).stdout
     assert json.loads(at_commit)["result"] == results
