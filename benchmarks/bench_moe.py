@@ -7,6 +7,8 @@ not import, torch's, and the run says so), and again with torch's separate kerne
     python benchmarks/bench_moe.py --fidelity --json benchmarks/results/moe-fidelity.json   # CPU is enough
     python benchmarks/bench_moe.py --sweep --write-config --tokens 1,2,3,4,6,8,12,16,24,32,40,48,64,256,288,\
         320,512,1024,1536,2048,3072,4096    # the device's launch steps, moet_cache/runtime/configs/<device>.json
+    python benchmarks/bench_moe.py --expert-parallel 2,4,8 --tokens 1,2,4,8,16,2048,4096 --harness write \
+        --json benchmarks/results/moe-ep-h200.json    # a rank's µs a routed pair against the whole layer's
 
 Every contender is captured in a CUDA graph (as vLLM runs decode) and timed three ways (`--harness`),
 each a median, the weights always read from HBM:
@@ -23,6 +25,8 @@ tier) run in every harness, and the run ends with the runtime's goals read from 
 `--json PATH` writes every figure with the command, commit, date and device (benchmarks/record.py);
 `--sweep` also times each candidate block of the four forms the launch steps are kept for, and
 `--write-config [PATH]` turns that sweep into the device's steps (runtime/launch_config.py).
+`--expert-parallel N,...` times only the fitted e8m0 form with a 10% tier, whole and as every rank of each N
+(benchmarks/expert_parallel.py), in the harnesses given (on the CPU: the wall clock, at a small `--ep-layer`).
 """
 
 from __future__ import annotations
@@ -45,8 +49,10 @@ from benchmarks.expert_parallel import (GOAL_RATIO, RankTime, expert_map, pairs_
 from benchmarks.record import envelope, write
 from moet_cache.load.assemble import DELTA_EXPERTS
 from moet_cache.runtime import fused_moe
+from moet_cache.runtime.dequant import LayerPlanes
 from moet_cache.runtime.padding import to_local
 from moet_cache.runtime.synthetic_layer import random_layer
+from moet_cache.runtime.warm_up import warm_up
 
 E, TOPK, H, I = 256, 6, 4096, 2048
 MiB = 1 << 20
@@ -243,7 +249,6 @@ def layer_bytes(t: dict[str, torch.Tensor]) -> int:
 
 def bench_planes(name: str, t: dict[str, torch.Tensor], x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor,
                  config=None, harness: str = "write", form: str = "") -> Result:
-    from moet_cache.runtime.dequant import LayerPlanes
     from moet_cache.runtime.launch import config_for, fused_moe_cuda, layer_form
 
     planes = LayerPlanes.from_tensors(t)
@@ -561,6 +566,9 @@ def expert_parallel_speed(args: argparse.Namespace) -> list[dict]:
         return served_layer(t)[0] if cuda else t  # the plane kernels' layout exists on CUDA only
 
     whole = served(natural)
+    # every kernel the layer launches, compiled first as the vLLM method does at load (none off CUDA): the
+    # first timed call does not pay it, and the ranks' layers find them compiled
+    warm_up(LayerPlanes.from_tensors(whole))
     print(f"expert parallel on {torch.cuda.get_device_name() if cuda else 'the CPU'}: a layer of {n_experts} "
           f"experts, top-{top_k}, hidden {hidden}, width {inter}, {n_tier} in the tier (fitted e8m0); "
           f"N = {', '.join(map(str, args.expert_parallel))}; vLLM's linear placement", flush=True)

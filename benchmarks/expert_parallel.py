@@ -11,7 +11,10 @@ with the tier rows of its experts renumbered to local ids, as the loader hands a
 
 A rank's time per routed pair is its time over the pairs routed to its experts; N ranks together: the sum of
 their times over the sum of their pairs (every routed pair, once), so a rank that gets no pair at a small
-batch still counts its time. The ratio is that against the whole layer's time over its pairs.
+batch still counts its time. The ratio is that against the whole layer's time over its pairs. On CUDA the
+kernels of a rank run every one of the T x top_k pairs: another rank's pair, like a padding pair, is computed
+on a stand-in expert with weight 0 (runtime/padding.py skip_padding), so it costs a rank what its own pairs
+cost, and the ratio shows it.
 """
 
 from __future__ import annotations

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import summarize  # benchmarks/summarize.py: benchmarks/ is on the tests' path (pyproject.toml)
 import torch
 
 from moet_cache.load import Shard
@@ -34,8 +35,13 @@ def _bench_moe(monkeypatch: pytest.MonkeyPatch):
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    out = tmp_path_factory.mktemp("ep") / "moe-ep.json"
+def run_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("ep") / "moe-ep.json"
+
+
+@pytest.fixture(scope="module")
+def run(run_file: Path) -> dict:
+    out = run_file
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_moe.py"), "--expert-parallel",
                            ",".join(map(str, SIZES)), "--ep-layer", f"{E},{K},{H},{I}", "--tokens",
                            ",".join(map(str, TOKENS)), "--json", str(out)],
@@ -92,6 +98,17 @@ def test_pairs_are_counted_from_the_routing_and_the_ratios_from_them(run: dict,
             assert ep["worst_rank_ratio"] == pytest.approx(worst / whole["us_per_pair"])
             assert ep["over_goal"] == (ep["ratio"] > 1.05)
     assert any(r["pairs"] == 0 for r in rows if r["what"] == "ep_rank")  # T = 1 at N = 4 leaves a rank idle
+
+
+def test_the_summary_shows_each_ratio(run: dict, run_file: Path) -> None:
+    """benchmarks/summarize.py's section of such a results file: a row of each T and N, the ratio marked
+    where it is over the goal."""
+    text = summarize.summary([run_file])
+    for r in (r for r in run["result"] if r["what"] == "ep"):
+        row = (f"| wall | {r['tokens']} | {r['ep']} | {round(r['whole_us_per_pair'], 3):.4g} | "
+               f"{round(r['ranks_us_per_pair'], 3):.4g} | {r['ratio']:.3f}" + (" (over 1.05)" if r["over_goal"] else "")
+               + f" | {r['worst_rank_ratio']:.3f} |")
+        assert row in text
 
 
 def test_a_ranks_layer_and_call_are_its_share_of_the_whole(monkeypatch: pytest.MonkeyPatch) -> None:
