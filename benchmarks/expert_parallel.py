@@ -103,13 +103,16 @@ class RankTime:
         return self.us / self.pairs if self.pairs else None
 
 
-def ratio(whole: RankTime, ranks: list[RankTime]) -> tuple[float, float]:
-    """(us a pair of the N ranks together / the whole layer's, the slowest rank's per pair that has any / the
-    whole layer's)."""
-    per_pair = whole.us / whole.pairs
-    together = sum(r.us for r in ranks) / sum(r.pairs for r in ranks)
-    worst = max(r.us_per_pair for r in ranks if r.pairs)
-    return together / per_pair, worst / per_pair
+def ep_figures(whole: RankTime, ranks: list[RankTime]) -> dict[str, float | bool]:
+    """N ranks against the whole layer: µs a routed pair of each (the ranks': their summed time over their
+    summed pairs), the ratio, the slowest rank's (of those with pairs) against the whole layer's, and whether
+    the ratio is over GOAL_RATIO."""
+    whole_per_pair = whole.us / whole.pairs
+    ranks_per_pair = sum(r.us for r in ranks) / sum(r.pairs for r in ranks)
+    slowest = max(r.us_per_pair for r in ranks if r.pairs)
+    return {"whole_us_per_pair": whole_per_pair, "ranks_us_per_pair": ranks_per_pair,
+            "ratio": ranks_per_pair / whole_per_pair, "worst_rank_ratio": slowest / whole_per_pair,
+            "over_goal": ranks_per_pair / whole_per_pair > GOAL_RATIO}
 
 
 def print_table(rows: list[dict]) -> None:
