@@ -23,15 +23,14 @@ from dataclasses import dataclass
 
 import torch
 
-from moet_cache import layout as L
-from moet_cache.load.assemble import DELTA_EXPERTS, MID_EXPERTS
+from moet_cache.load.assemble import DELTA_EXPERTS, MID_EXPERTS, MID_NAMES
 from moet_cache.runtime.padding import to_local
 
 #: goal 4 of the expert-parallel work: a rank's time per routed pair within 5% of the whole layer's
 GOAL_RATIO = 1.05
 
-#: the tier's tensors: rows of the experts `delta_experts` names, not one row an expert
-TIER_ROWS = {DELTA_EXPERTS: (L.W13_DELTA, L.W2_DELTA)}
+#: the tier's planes: rows of the experts `delta_experts` names, not one row an expert (docs/LOADER.md)
+TIER_PLANES = ("w13_delta", "w2_delta")
 
 
 def expert_map(ep: int, rank: int, n_experts: int, device: str | torch.device = "cpu") -> torch.Tensor:
@@ -54,30 +53,27 @@ def rank_experts(emap: torch.Tensor) -> tuple[int, ...]:
 
 def rank_layer(whole: dict[str, torch.Tensor], experts: tuple[int, ...]) -> dict[str, torch.Tensor]:
     """A rank's tensors cut from a whole layer's (the loader's natural layout, expand=False): one row an
-    expert of `experts`, in that order; of each tier, the rows of those experts, renumbered to local ids."""
+    expert of `experts`, in that order; the tier's rows of those experts, `delta_experts` renumbered to local
+    ids; an empty mid tier as it is."""
     if MID_EXPERTS in whole and whole[MID_EXPERTS].numel():
         # as the loader, which refuses a rank's load of such a layer (docs/RUNTIME.md)
         raise ValueError("a layer with a mid tier is not cut into ranks' shares")
-    n = whole[L.W13_BASE].shape[0]
+    device, n = whole["w13_base"].device, whole["w13_base"].shape[0]
     local = {e: k for k, e in enumerate(experts)}
-    rows_of = {name: index for index, names in TIER_ROWS.items() for name in names}
+    tier = whole[DELTA_EXPERTS].tolist() if DELTA_EXPERTS in whole else []
+    rows = sorted((k for k, e in enumerate(tier) if e in local), key=lambda k: local[tier[k]])
+    pick = {"expert": torch.tensor(experts, dtype=torch.long, device=device),
+            "tier": torch.tensor(rows, dtype=torch.long, device=device)}
     out: dict[str, torch.Tensor] = {}
-    tier_rows: dict[str, list[int]] = {}
-    for index in TIER_ROWS:
-        if index in whole:
-            members = whole[index].tolist()
-            rows = sorted((k for k, e in enumerate(members) if e in local), key=lambda k: local[members[k]])
-            tier_rows[index] = rows
-            out[index] = torch.tensor([local[members[k]] for k in rows], dtype=whole[index].dtype,
-                                      device=whole[index].device)
-    pick = torch.tensor(experts, dtype=torch.long, device=whole[L.W13_BASE].device)
     for name, t in whole.items():
-        if name in TIER_ROWS:
-            continue
-        if name in rows_of:
-            out[name] = t[torch.tensor(tier_rows[rows_of[name]], dtype=torch.long, device=t.device)]
+        if name == DELTA_EXPERTS:
+            out[name] = torch.tensor([local[tier[k]] for k in rows], dtype=t.dtype, device=device)
+        elif name in TIER_PLANES:
+            out[name] = t[pick["tier"]]
+        elif name in MID_NAMES:
+            out[name] = t  # empty (refused above otherwise)
         elif t.dim() and t.shape[0] == n:
-            out[name] = t[pick]
+            out[name] = t[pick["expert"]]
         else:
             raise ValueError(f"{name} {tuple(t.shape)} is neither one row an expert nor a tier's rows")
     return out

@@ -152,11 +152,17 @@ def test_the_placement_is_vllms(monkeypatch: pytest.MonkeyPatch) -> None:
             assert torch.equal(got, want) and int((got >= 0).sum()) == count
 
 
-def test_a_mid_tier_layer_is_not_cut(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_mid_tier_layer_is_not_cut_and_an_empty_one_is_kept(monkeypatch: pytest.MonkeyPatch) -> None:
+    """As the loader: a rank's share of a layer with mid-tier experts is refused; the empty mid-tier tensors
+    every layer of a cache with a mid tier carries go through as they are."""
     bench = _bench_moe(monkeypatch)
     layer = random_layer(E, H, I, n_tier=2, e8m0=True, device="cpu", seed=1, n_mid=2)
     with pytest.raises(ValueError, match="mid tier"):
         bench.rank_layer(layer, (0, 1))
+    empty = {k: v[:0] if k.startswith(("mid_", "w13_mid", "w2_mid")) else v for k, v in layer.items()}
+    share = bench.rank_layer(empty, (3, 4))
+    assert share["w13_base"].shape[0] == 2 and share["mid_experts"].numel() == 0
+    assert {k: v.shape for k, v in share.items() if "mid" in k} == {k: v.shape for k, v in empty.items() if "mid" in k}
 
 
 @pytest.mark.parametrize("argv", [["--expert-parallel", "1"], ["--expert-parallel", "2", "--fidelity"],
