@@ -26,7 +26,7 @@ import torch
 from moet_cache.load.assemble import DELTA_EXPERTS, MID_EXPERTS, MID_NAMES
 from moet_cache.runtime.padding import to_local
 
-#: goal 4 of the expert-parallel work: a rank's time per routed pair within 5% of the whole layer's
+#: the goal (docs/RUNTIME.md, "Measuring"): the ranks' time a routed pair within 5% of the whole layer's
 GOAL_RATIO = 1.05
 
 #: the tier's planes: rows of the experts `delta_experts` names, not one row an expert (docs/LOADER.md)
