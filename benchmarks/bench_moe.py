@@ -7,6 +7,8 @@ not import, torch's, and the run says so), and again with torch's separate kerne
     python benchmarks/bench_moe.py --fidelity --json benchmarks/results/moe-fidelity.json   # CPU is enough
     python benchmarks/bench_moe.py --sweep --write-config --tokens 1,2,3,4,6,8,12,16,24,32,40,48,64,256,288,\
         320,512,1024,1536,2048,3072,4096    # the device's launch steps, moet_cache/runtime/configs/<device>.json
+    python benchmarks/bench_moe.py --expert-parallel 2,4,8 --tokens 1,2,4,8,16,2048,4096 --harness write \
+        --json benchmarks/results/moe-ep-h200.json    # a rank's µs a routed pair against the whole layer's
 
 Every contender is captured in a CUDA graph (as vLLM runs decode) and timed three ways (`--harness`),
 each a median, the weights always read from HBM:
@@ -23,6 +25,8 @@ tier) run in every harness, and the run ends with the runtime's goals read from 
 `--json PATH` writes every figure with the command, commit, date and device (benchmarks/record.py);
 `--sweep` also times each candidate block of the four forms the launch steps are kept for, and
 `--write-config [PATH]` turns that sweep into the device's steps (runtime/launch_config.py).
+`--expert-parallel N,...` times only the fitted e8m0 form with a 10% tier, whole and as every rank of each N
+(benchmarks/expert_parallel.py), in the harnesses given (on the CPU: the wall clock, at a small `--ep-layer`).
 """
 
 from __future__ import annotations
@@ -39,7 +43,16 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.record import envelope, write  # the repository root is on the path from here
+# the repository root is on the path from here
+from benchmarks.expert_parallel import (RankTime, ep_figures, expert_map, pairs_of, print_table, rank_experts,
+                                        rank_layer)
+from benchmarks.record import envelope, write
+from moet_cache.load.assemble import DELTA_EXPERTS
+from moet_cache.runtime import fused_moe
+from moet_cache.runtime.dequant import LayerPlanes
+from moet_cache.runtime.padding import to_local
+from moet_cache.runtime.synthetic_layer import random_layer
+from moet_cache.runtime.warm_up import warm_up
 
 E, TOPK, H, I = 256, 6, 4096, 2048
 MiB = 1 << 20
@@ -120,15 +133,15 @@ def timed_stream(fns: list[Callable[[], object]]) -> float:
     return _median_us(_capture(lambda: [f() for f in fns]), None) / len(fns)
 
 
-def disjoint_routings(ids: torch.Tensor, most: int = 8) -> list[torch.Tensor]:
+def disjoint_routings(ids: torch.Tensor, most: int = 8, n_experts: int = E) -> list[torch.Tensor]:
     """Copies of ids whose distinct experts are relabeled onto experts no other copy uses (the same
-    pattern of sharing between tokens): as many as `most`, fewer where E runs out."""
+    pattern of sharing between tokens): as many as `most`, fewer where the n_experts run out."""
     hit = torch.unique(ids)
-    n = max(1, min(most, E // hit.numel()))
-    perm = torch.randperm(E, generator=torch.Generator().manual_seed(ids.numel()))
+    n = max(1, min(most, n_experts // hit.numel()))
+    perm = torch.randperm(n_experts, generator=torch.Generator().manual_seed(ids.numel()))
     out = []
     for j in range(n):
-        relabel = torch.full((E,), -1, dtype=torch.int64)
+        relabel = torch.full((n_experts,), -1, dtype=torch.int64)
         relabel[hit.cpu()] = perm[j * hit.numel():(j + 1) * hit.numel()]
         out.append(relabel.to(ids.device)[ids.long()].to(ids.dtype))
     return out
@@ -137,18 +150,40 @@ def disjoint_routings(ids: torch.Tensor, most: int = 8) -> list[torch.Tensor]:
 HARNESSES = ("write", "read", "stream")
 
 
+def timed_routings(ids: torch.Tensor, harness: str, n_experts: int = E) -> list[torch.Tensor]:
+    """The routings a harness times a layer call on: the stream's disjoint copies of ids, else ids alone."""
+    return disjoint_routings(ids, n_experts=n_experts) if harness == "stream" else [ids]
+
+
+def time_in(harness: str, fns: list[Callable[[], object]]) -> tuple[float, str]:
+    """(us a layer, note) of the calls fns, one a routing of timed_routings, in one harness; `wall` (off
+    CUDA): the median wall-clock time of fns[0]."""
+    if harness == "stream":
+        return timed_stream(fns), f"stream of {len(fns)}"
+    if harness == "read":
+        return timed_read_flush(fns[0]), "read flush"
+    if harness == "wall":
+        return timed_wall(fns[0]), "wall clock"
+    return timed(fns[0])
+
+
+def timed_wall(fn: Callable[[], object], reps: int = 5) -> float:
+    """Median microseconds of fn() by the wall clock, after one untimed call (harness wall, the CPU's)."""
+    fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[reps // 2] * 1e6
+
+
 def measure(make: Callable[[torch.Tensor], Callable[[], object]], ids: torch.Tensor, harness: str,
             bytes_of: Callable[[torch.Tensor], int]) -> tuple[float, int, str]:
     """(us a layer, bytes a layer reads, note) of the call make(ids) builds, in one harness."""
-    if harness == "stream":
-        copies = disjoint_routings(ids)
-        us = timed_stream([make(c) for c in copies])
-        return us, sum(bytes_of(c) for c in copies) // len(copies), f"stream of {len(copies)}"
-    fn = make(ids)
-    if harness == "read":
-        return timed_read_flush(fn), bytes_of(ids), "read flush"
-    us, note = timed(fn)
-    return us, bytes_of(ids), note
+    routings = timed_routings(ids, harness)
+    us, note = time_in(harness, [make(r) for r in routings])
+    return us, sum(bytes_of(r) for r in routings) // len(routings), note
 
 
 def copy_bandwidth() -> float:
@@ -160,11 +195,12 @@ def copy_bandwidth() -> float:
     return 2 * n / (us * 1e-6) / 1e9
 
 
-def routing(T: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator(device="cuda").manual_seed(seed)
+def routing(T: int, seed: int, n_experts: int = E, top_k: int = TOPK,
+            device: str = "cuda") -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator(device=device).manual_seed(seed)
     # int32, as vLLM's router hands them to the experts (fused_topk / grouped_topk)
-    ids = torch.rand((T, E), generator=g, device="cuda").topk(TOPK, dim=1).indices.to(torch.int32)
-    w = torch.softmax(torch.randn((T, TOPK), generator=g, device="cuda"), dim=1) * 1.5
+    ids = torch.rand((T, n_experts), generator=g, device=device).topk(top_k, dim=1).indices.to(torch.int32)
+    w = torch.softmax(torch.randn((T, top_k), generator=g, device=device), dim=1) * 1.5
     return w, ids
 
 
@@ -213,7 +249,6 @@ def layer_bytes(t: dict[str, torch.Tensor]) -> int:
 
 def bench_planes(name: str, t: dict[str, torch.Tensor], x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor,
                  config=None, harness: str = "write", form: str = "") -> Result:
-    from moet_cache.runtime.dequant import LayerPlanes
     from moet_cache.runtime.launch import config_for, fused_moe_cuda, layer_form
 
     planes = LayerPlanes.from_tensors(t)
@@ -425,8 +460,6 @@ def humming_row(hname: str, glue: Glue, glues: tuple[Glue, ...]) -> str:
 
 
 def speed(args: argparse.Namespace) -> list[dict]:
-    from moet_cache.runtime.synthetic_layer import random_layer
-
     torch.manual_seed(0)
     rows: list[dict] = []
     copy = copy_bandwidth()
@@ -501,6 +534,92 @@ def write_config(args: argparse.Namespace, sweep: dict[str, list]) -> None:
     source = f"{' '.join(made['command'])} at commit {made['commit']}, {made['date']}, harness {args.harness[0]}"
     launch_config.write(path, steps, device, source)
     print(f"wrote the launch steps for {device} to {path}", flush=True)
+
+
+#: the swiglu_limit every layer call here runs with (V4-Flash's)
+SWIGLU_LIMIT = 10.0
+#: a rank's output off the whole layer's by more than this (relative to its largest value) is not bf16
+#: rounding (the GPU kernels' tolerance against the reference, tests/test_runtime_gpu.py)
+BF16_TOLERANCE = 1.5e-2
+
+
+def layer_call(layer: dict[str, torch.Tensor], x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor,
+               emap: torch.Tensor | None = None) -> Callable[[], torch.Tensor]:
+    """The layer's call as the vLLM method's `apply` makes it: runtime.fused_moe on the router's ids, mapped
+    first through the rank's expert map where it has one (another rank's expert -1, skipped)."""
+    if emap is None:
+        return lambda: fused_moe(x, layer, w, ids, swiglu_limit=SWIGLU_LIMIT)
+    return lambda: fused_moe(x, layer, w, to_local(ids, emap), swiglu_limit=SWIGLU_LIMIT)
+
+
+def expert_parallel_speed(args: argparse.Namespace) -> list[dict]:
+    """--expert-parallel: the whole synthetic layer (served form fitted e8m0 tier10%, the build's default for
+    MXFP4) and every rank of each N, at each T and in each harness (on the CPU: the wall clock), in one
+    process; each rank's output checked first against the whole layer's with the other ranks' pairs
+    skipped. Rows: `ep_whole`, `ep_rank` (us, the pairs it computes, us a pair, that check: the largest
+    difference over the whole layer's largest value) and `ep` (the ratios, benchmarks/expert_parallel.py)."""
+    n_experts, top_k, hidden, inter = args.ep_layer
+    cuda = torch.cuda.is_available()
+    device = "cuda" if cuda else "cpu"
+    harnesses = args.harness if cuda else ["wall"]
+    n_tier = round(n_experts * 0.1)
+    natural = random_layer(n_experts, hidden, inter, n_tier=n_tier, e8m0=True, device=device, seed=1)
+
+    def served(t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return served_layer(t)[0] if cuda else t  # the plane kernels' layout exists on CUDA only
+
+    whole = served(natural)
+    # every kernel the layer launches, compiled first as the vLLM method does at load (none off CUDA): the
+    # first timed call does not pay it, and the ranks' layers find them compiled
+    warm_up(LayerPlanes.from_tensors(whole))
+    print(f"expert parallel on {torch.cuda.get_device_name() if cuda else 'the CPU'}: a layer of {n_experts} "
+          f"experts, top-{top_k}, hidden {hidden}, width {inter}, {n_tier} in the tier (fitted e8m0); "
+          f"N = {', '.join(map(str, args.expert_parallel))}; vLLM's linear placement", flush=True)
+    rows: list[dict] = [{"what": "ep_layer", "experts": n_experts, "top_k": top_k, "hidden": hidden,
+                         "inter": inter, "tier": n_tier, "form": "fitted e8m0 tier10%", "placement": "linear"}]
+    inputs = {}
+    for T in args.tokens:
+        w, ids = routing(T, 10 + T, n_experts, top_k, device)
+        x = (torch.randn((T, hidden), generator=torch.Generator(device=device).manual_seed(T), device=device)
+             * 0.5).to(torch.bfloat16)
+        inputs[T] = (x, w, ids)
+    whole_time: dict[tuple[str, int], RankTime] = {}
+    for T, (x, w, ids) in inputs.items():
+        for harness in harnesses:
+            routings = timed_routings(ids, harness, n_experts)
+            us, note = time_in(harness, [layer_call(whole, x, w, r) for r in routings])
+            t = whole_time[harness, T] = RankTime(None, us, sum(pairs_of(r) for r in routings) / len(routings))
+            rows.append({"what": "ep_whole", "harness": harness, "tokens": T, "us": us, "pairs": t.pairs,
+                         "us_per_pair": t.us_per_pair, "note": note})
+    for n in args.expert_parallel:
+        rank_time: dict[tuple[str, int], list[RankTime]] = {}
+        for rank in range(n):
+            emap = expert_map(n, rank, n_experts, device)
+            layer = served(rank_layer(natural, rank_experts(emap)))
+            worst = 0.0
+            for T, (x, w, ids) in inputs.items():
+                got = layer_call(layer, x, w, ids, emap)()
+                want = layer_call(whole, x, w, torch.where(emap[ids.long()] >= 0, ids, -1))()
+                diff = float((got.float() - want.float()).abs().max()) / max(float(want.float().abs().max()), 1e-30)
+                worst = max(worst, diff)
+                for harness in harnesses:
+                    routings = timed_routings(ids, harness, n_experts)
+                    us, note = time_in(harness, [layer_call(layer, x, w, r, emap) for r in routings])
+                    t = RankTime(rank, us, sum(pairs_of(r, emap) for r in routings) / len(routings))
+                    rank_time.setdefault((harness, T), []).append(t)
+                    rows.append({"what": "ep_rank", "harness": harness, "tokens": T, "ep": n, "rank": rank,
+                                 "experts": int((emap >= 0).sum()), "us": us, "pairs": t.pairs,
+                                 "us_per_pair": t.us_per_pair, "rel_diff_vs_whole": diff, "note": note})
+            differs = " DIFFERS beyond bf16 rounding" if worst > BF16_TOLERANCE else ""
+            print(f"  N={n} rank {rank}: {int((emap >= 0).sum())} experts, "
+                  f"{int(layer[DELTA_EXPERTS].numel())} in the tier; output against the whole layer's with "
+                  f"the other ranks' pairs skipped: at most {worst:.2e} of its largest value{differs}", flush=True)
+            del layer
+        for (harness, T), ranks in rank_time.items():
+            rows.append({"what": "ep", "harness": harness, "tokens": T, "ep": n,
+                         **ep_figures(whole_time[harness, T], ranks)})
+    print_table(rows)
+    return rows
 
 
 def speed_at(args: argparse.Namespace, harness: str, T: int, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor,
@@ -639,7 +758,6 @@ def fidelity(args: argparse.Namespace) -> list[dict]:
 
     from moet_cache import BuildOptions, build_cache, make_checkpoint, small_spec
     from moet_cache.load import open_cache
-    from moet_cache.runtime import fused_moe
 
     e, k = 64, 6
     spec = small_spec(hidden_size=512, moe_intermediate_size=256, n_routed_experts=e, num_experts_per_tok=k,
@@ -689,6 +807,11 @@ def fidelity(args: argparse.Namespace) -> list[dict]:
     return rows
 
 
+def sizes(text: str) -> tuple[int, ...]:
+    """A comma-separated list of whole numbers (an argparse type)."""
+    return tuple(int(v) for v in text.split(","))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", default="1,4,16,64,256,2048,4096", type=lambda s: [int(v) for v in s.split(",")])
@@ -698,6 +821,12 @@ def main() -> None:
     ap.add_argument("--sweep-triton", action="store_true", help="with --sweep: the Triton kernels' candidates too")
     ap.add_argument("--fidelity", action="store_true", help="only the fidelity figures (CPU is enough)")
     ap.add_argument("--skew", type=float, default=1.0, help="fidelity: sigma of the lognormal expert popularity")
+    ap.add_argument("--expert-parallel", type=sizes, metavar="N,...",
+                    help="only the expert-parallel figures: the whole layer against every rank of each N (e.g. "
+                         "2,4,8), µs a routed pair and their ratio (the CPU runs it at a small --ep-layer)")
+    ap.add_argument("--ep-layer", type=sizes, default=(E, TOPK, H, I), metavar="E,K,H,I",
+                    help=f"with --expert-parallel: the synthetic layer's experts, top-k, hidden size and expert "
+                         f"width (default V4-Flash's {E},{TOPK},{H},{I})")
     ap.add_argument("--json", type=Path, metavar="PATH",
                     help="write every figure here, with the command, commit, date and device (a results file)")
     ap.add_argument("--write-config", nargs="?", const="", metavar="PATH",
@@ -708,7 +837,14 @@ def main() -> None:
         ap.error(f"unknown harness {', '.join(sorted(unknown))}: choose from {', '.join(HARNESSES)}")
     if args.write_config is not None and (not args.sweep or args.fidelity):
         ap.error("--write-config writes what --sweep measured: give --sweep (and not --fidelity)")
-    rows = fidelity(args) if args.fidelity else speed(args)
+    if args.expert_parallel:
+        if args.fidelity or args.sweep or args.write_config is not None:
+            ap.error("--expert-parallel times the layer alone: give it without --fidelity, --sweep, --write-config")
+        if len(args.ep_layer) != 4:
+            ap.error("--ep-layer takes four numbers: experts, top-k, hidden size, expert width")
+        if any(not 2 <= n <= args.ep_layer[0] for n in args.expert_parallel):
+            ap.error(f"--expert-parallel: each N from 2 to the layer's {args.ep_layer[0]} experts")
+    rows = fidelity(args) if args.fidelity else expert_parallel_speed(args) if args.expert_parallel else speed(args)
     if args.json:
         device = torch.cuda.get_device_name() if torch.cuda.is_available() and not args.fidelity else "cpu"
         write(args.json, envelope(["benchmarks/bench_moe.py", *sys.argv[1:]], rows, device))

@@ -4,7 +4,8 @@
     python benchmarks/summarize.py --check    # exit 1 where SUMMARY.md is not what the files give
 
 One section a file: what measured it (command, commit, date, machine), then its headline figures:
-bench_moe.py's goals rows and fidelity rows, run.py's and bench_loader.py's figures with their goals.
+bench_moe.py's goals rows, fidelity rows and expert-parallel ratios, run.py's and bench_loader.py's figures
+with their goals.
 """
 
 from __future__ import annotations
@@ -45,6 +46,13 @@ def _bench_moe(rows: list[dict[str, Any]]) -> list[str]:
         out += _rows_table(["harness", "T", "form", "µs", "x Humming MXFP4", "% of copy"],
                            [[r["harness"], r["tokens"], r["form"], round(r["us"], 1),
                              round(r["speedup_vs_humming"], 2), f"{100 * r['copy_frac']:.1f}%"] for r in speed])
+    ep = [r for r in rows if r.get("what") == "ep"]
+    if ep:  # bench_moe.py --expert-parallel
+        out += _rows_table(["harness", "T", "N", "whole µs a pair", "ranks µs a pair", "ratio", "slowest rank"],
+                           [[r["harness"], r["tokens"], r["ep"], round(r["whole_us_per_pair"], 3),
+                             round(r["ranks_us_per_pair"], 3),
+                             f"{r['ratio']:.3f}" + (" (over 1.05)" if r["over_goal"] else ""),
+                             f"{r['worst_rank_ratio']:.3f}"] for r in ep])
     return out
 
 
