@@ -22,6 +22,7 @@ import pytest
 import torch
 from torch import nn
 
+import moet_cache.load.engine as load_engine
 from moet_cache import BuildOptions, build_cache
 from moet_cache.load import open_cache
 from moet_cache.plan.measure import footprint_from_cache
@@ -277,22 +278,25 @@ def _one_buffer_a_job(read_host: Any) -> Any:
     return read
 
 
-def test_the_drafters_layers_keep_only_their_tensors_when_a_load_hands_out_views_of_one_buffer(
+def test_the_layers_keep_only_their_tensors_when_a_load_hands_out_views_of_one_buffer(
         caches: dict[str, Path], vllm_config: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """On a GPU a layer's tensors arrive as views of one device buffer: the tier rows kept as the layer's buffers
-    keep their own bytes, not the buffer that also held the planes copied into the parameters."""
-    import moet_cache.load.engine as engine
-    monkeypatch.setattr(engine, "read_host", _one_buffer_a_job(engine.read_host))
-    model = _dspark_model(caches["dspark"])
-    load_into_model(model, PluginOptions(cache=str(caches["dspark"]), workers=1, delta="tier"))
-    experts = _experts_of(model, "dspark")
-    assert sum(ex.delta_experts.numel() for ex in experts.values()) > 0  # tier rows were loaded
-    held = {n: getattr(ex, n) for ex in experts.values() for n in ex.moet_tensor_names}
-    assert all(t.untyped_storage().nbytes() == t.nbytes for t in held.values())
+    keep their own bytes, not the buffer that also held the planes copied into the parameters; the drafter's
+    layers then hold the plane bytes `plan` counts for the drafter, and the main model's layers likewise theirs."""
+    monkeypatch.setattr(load_engine, "read_host", _one_buffer_a_job(load_engine.read_host))
     drafter = footprint_from_cache(caches["dspark"]).drafter
     assert drafter is not None
-    rows = sum(ex.delta_experts.nbytes for ex in experts.values())  # int64 a tier row: not a plane byte
-    assert _storage_bytes(experts.values()) == drafter.expert_bytes + drafter.tier_bytes + rows
+    draft, target = _dspark_model(caches["dspark"]), _main_model(caches["dspark"])
+    for model in (draft, target):
+        load_into_model(model, PluginOptions(cache=str(caches["dspark"]), workers=1, delta="tier"))
+    drafter_layers = _experts_of(draft, "dspark")
+    for layers in (drafter_layers, {i: x.ffn.experts.routed_experts for i, x in enumerate(target.model.layers)}):
+        assert sum(ex.delta_experts.numel() for ex in layers.values()) > 0  # tier rows were loaded
+        held = [getattr(ex, n) for ex in layers.values() for n in ex.moet_tensor_names]
+        assert all(t.untyped_storage().nbytes() == t.nbytes for t in held)
+        assert _storage_bytes(layers.values()) == sum(t.nbytes for t in held)
+    rows = sum(ex.delta_experts.nbytes for ex in drafter_layers.values())  # int64 a tier row: not a plane byte
+    assert _storage_bytes(drafter_layers.values()) == drafter.expert_bytes + drafter.tier_bytes + rows
 
 
 @pytest.mark.gpu
