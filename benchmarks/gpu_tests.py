@@ -54,7 +54,10 @@ def readme_status(doc: dict[str, Any] | None) -> str:
         return (f"{README_PREFIX} never recorded on this tree (no benchmarks/results/{RESULT}); run "
                 f"`python {COMMAND}` on a CUDA machine.")
     r = doc["result"]
-    counts = f"{r['passed']} passed, {r['failed']} failed, {r['errors']} errors, {r['skipped']} skipped"
+    # a run given pytest arguments (a selection of tests) says which, so a subset never reads as the whole job
+    args = doc["command"][2:]
+    counts = (f"{r['passed']} passed, {r['failed']} failed, {r['errors']} errors, {r['skipped']} skipped"
+              + (f"; pytest arguments: {' '.join(args)}" if args else ""))
     if passed(doc):
         return f"{README_PREFIX} {doc['date']} at commit {doc['commit']} on {doc['device']} ({counts})."
     return (f"{README_PREFIX} not on the last recorded run, {doc['date']} at commit {doc['commit']} on "

@@ -86,7 +86,7 @@ def test_a_run_is_recorded_with_its_counts_commit_and_device(gpu_tests: ModuleTy
     assert gpu_tests.passed(doc) and doc["result"]["failed"] == 0
     line = readme.read_text().split("\n")[2]
     assert line == f"GPU tests last passed: {doc['date']} at commit {doc['commit']} on NVIDIA Test GPU " \
-                   "(1 passed, 0 failed, 0 errors, 1 skipped)."
+                   "(1 passed, 0 failed, 0 errors, 1 skipped; pytest arguments: -q -k not fails)."
 
 
 def test_no_report_records_nothing(gpu_tests: ModuleType, project: Path, capsys: pytest.CaptureFixture) -> None:
