@@ -32,12 +32,12 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from moet_cache import layout as L
+from moet_cache.cache import layout as L
 from moet_cache.build import BuildOptions, build_cache
-from moet_cache.checkpoint import PROJECTIONS, open_checkpoint
+from moet_cache.source.checkpoint import PROJECTIONS, open_checkpoint
 from moet_cache.load import Tuning, open_cache
-from moet_cache.planes import split_planes
-from moet_cache.synthetic import make_checkpoint, spec_for_size
+from moet_cache.codec.planes import split_planes
+from moet_cache.source.synthetic import make_checkpoint, spec_for_size
 from moet_cache.units import parse_size
 
 BATCH, BATCHED_WORKERS = 12, 4  # the batched-layer scheme: 12 layers a batch on 4 workers

@@ -236,7 +236,7 @@ def served_layer(t: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], f
 def x4_layer(t: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], float]:
     """t as built with --base-table x4 (each table a * (1, 4, -1, -4), a from its first entry), served
     (served_layer: its planes repacked for the x4 decode); and the repack's time in ms."""
-    from moet_cache.planes import X4_PATTERN
+    from moet_cache.codec.planes import X4_PATTERN
 
     pattern = torch.as_tensor(X4_PATTERN, device=t["w13_table"].device)
     return served_layer(dict(t, w13_table=t["w13_table"][..., :1].abs() * pattern,

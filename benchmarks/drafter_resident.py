@@ -12,7 +12,7 @@ loader's default; figures `with_tier_*`) and base-only (`base_only_*`):
   held_bytes        CUDA: torch.cuda.memory_allocated() after minus before (synchronized, collected, unused
                     blocks released); CPU: the layers' tensors' storages, each counted once, whole
   plane_bytes       the drafter's planes, scales and tables, plus its tier rows with the tier (plan's and
-                    inspect's drafter figures: moet_cache/plan/measure.py, moet_cache/drafter_vram.py)
+                    inspect's drafter figures: moet_cache/plan/measure.py, moet_cache/plan/drafter_vram.py)
   held_vs_planes    held_bytes / plane_bytes (goal: within 1%)
   tensor_bytes      the routed experts' tensors' storages (as held_bytes on the CPU); layer_bytes the same over
                     the whole FusedMoE layers (router and all); on CUDA also reserved_bytes, the allocator's reserve
@@ -51,7 +51,7 @@ from moet_cache import BuildOptions, build_cache  # noqa: E402
 from moet_cache.integrations.vllm.loader import PluginOptions, load_into_model  # noqa: E402
 from moet_cache.integrations.vllm.plugin import register  # noqa: E402
 from moet_cache.plan.measure import footprint_from_cache  # noqa: E402
-from moet_cache.synthetic import dspark_v4_spec, make_v4_checkpoint  # noqa: E402
+from moet_cache.source.synthetic import dspark_v4_spec, make_v4_checkpoint  # noqa: E402
 
 GOAL = 0.01  # held within 1% of the plane bytes
 DELTAS = {"tier": "with_tier", "none": "base_only"}  # the loader's delta modes measured, by their figures' prefix

@@ -42,7 +42,7 @@ import torch
 
 from moet_cache.build import BuildOptions, build_cache
 from moet_cache.load import open_cache
-from moet_cache.quality_curve import CURVE_FILE, CURVE_FORMAT, CURVE_VERSION, REFERENCE_MODELS, curve_from_dict
+from moet_cache.cache.quality_curve import CURVE_FILE, CURVE_FORMAT, CURVE_VERSION, REFERENCE_MODELS, curve_from_dict
 from moet_cache.runtime import fused_moe
 from moet_cache.runtime.dequant import LayerPlanes, dequant_expert
 from moet_cache.units import parse_size
@@ -58,7 +58,7 @@ HERE = Path(__file__).resolve().parent
 MODEL_DIR = HERE / "quality_model"
 CHECKPOINTS = HERE / "data" / "quality_model"   # the committed reference checkpoints
 RESULTS = HERE / "results"
-CURVE_PATH = HERE.parent / "moet_cache" / CURVE_FILE
+CURVE_PATH = HERE.parent / "moet_cache" / "cache" / CURVE_FILE
 
 # DeepSeek-V4-Flash on the 96 GB preset: a 4.5 GB delta budget over 43 layers x 256 routed experts of
 # hidden 4096 and expert width 2048, 2 bits a weight of delta plane per expert (3 projections).
@@ -583,7 +583,7 @@ def plot(result: dict[str, object], path: Path) -> bool:
     return True
 
 
-# --- the curve `moet-cache plan` and `inspect` read (moet_cache/quality_curve.py) ---------------------------
+# --- the curve `moet-cache plan` and `inspect` read (moet_cache/cache/quality_curve.py) ---------------------------
 
 TIER_OF_ROW = re.compile(r"tier (\d+)/(\d+)")
 
@@ -680,7 +680,7 @@ def main() -> None:
                     help="only the 3-bit mid tier at the V4 preset's bytes: its cache row (build --mid-budget, the "
                          "loader, fused_moe) and the sim row it must equal (default --json results/quality-mid.json)")
     ap.add_argument("--write-curve", action="store_true",
-                    help="run nothing: write moet_cache/quality_curve.json from the results (--json, default "
+                    help="run nothing: write moet_cache/cache/quality_curve.json from the results (--json, default "
                          "results/quality.json) as last committed")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)   # run's per-model process
     args = ap.parse_args()

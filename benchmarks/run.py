@@ -42,7 +42,7 @@ BOOT_RUNS = 5
 
 def bench_spec(total_bytes: int, seed: int = 0) -> Any:
     """Routed-expert bytes near total_bytes: DeepSeek-like shapes (32 experts), scaled down for small sizes."""
-    from moet_cache.synthetic import SyntheticSpec
+    from moet_cache.source.synthetic import SyntheticSpec
     # From 1 GiB, DeepSeek-sized rows (1-2 MiB tensors: what the GPU path is for); below, smaller ones.
     H, I, E = (2048, 1024, 32) if total_bytes >= 1 << 30 else (1024, 512, 32) if total_bytes >= 256 << 20 \
         else (256, 128, 16)
@@ -56,7 +56,7 @@ def bench_spec(total_bytes: int, seed: int = 0) -> Any:
 
 def boot_spec(layers: int, experts: int, scale: int) -> Any:
     """A manifest-shaped cache: `layers` MoE layers of `experts` experts, tiny tensors (x scale per side)."""
-    from moet_cache.synthetic import SyntheticSpec
+    from moet_cache.source.synthetic import SyntheticSpec
     return SyntheticSpec(hidden_size=32 * scale, moe_intermediate_size=16 * scale, intermediate_size=32,
                          n_routed_experts=experts, n_shared_experts=0, num_experts_per_tok=2,
                          num_hidden_layers=layers + 1, first_k_dense_replace=1, num_nextn_predict_layers=0,
@@ -231,7 +231,7 @@ def expert_samples(src: Path, count: int) -> list[tuple[np.ndarray, np.ndarray]]
     """(codes, float32 block scales) of the first `count` expert projections of the first MoE layer."""
     import torch
 
-    from moet_cache.checkpoint import PROJECTIONS, open_checkpoint
+    from moet_cache.source.checkpoint import PROJECTIONS, open_checkpoint
     out = []
     with open_checkpoint(src) as ck:
         layer = ck.model.main_moe_layers()[0]
@@ -246,7 +246,7 @@ def expert_samples(src: Path, count: int) -> list[tuple[np.ndarray, np.ndarray]]
 
 def kernel_figures(samples: list[tuple[np.ndarray, np.ndarray]], workers: int,
                    min_seconds: float = MIN_SECONDS) -> dict[str, float]:
-    from moet_cache import planes as P
+    from moet_cache.codec import planes as P
     codes = [c for c, _ in samples]
     nbytes = sum(c.nbytes for c in codes)
 
@@ -277,7 +277,7 @@ def gpu_figures(nbytes: int = 1 << 30) -> dict[str, Any]:
     import torch
     if not torch.cuda.is_available():
         return {}
-    from moet_cache.planes import split_planes, split_planes_torch
+    from moet_cache.codec.planes import split_planes, split_planes_torch
     rows = nbytes // 7168
     host = torch.randint(0, 256, (rows, 7168), dtype=torch.uint8).pin_memory()
     dev = host.cuda()
@@ -307,8 +307,8 @@ def zstd_figures(cache: Path, sample_bytes: int = 64 << 20, min_seconds: float =
     import zstandard
     from safetensors import safe_open
 
-    from moet_cache import layout as L
-    from moet_cache.checkpoint import tensor_bytes
+    from moet_cache.cache import layout as L
+    from moet_cache.source.checkpoint import tensor_bytes
     base_files = sorted((cache / L.LAYERS_DIR).glob("*.safetensors")) if (cache / L.LAYERS_DIR).is_dir() else []
     planes, scales = bytearray(), bytearray()
     for f in base_files:
@@ -381,7 +381,7 @@ def make_source(family: str, path: Path, size: int, seed: int = 0) -> tuple[Path
     layer), the -0731 hybrid's NVFP4 main experts cast from MXFP4 (their scales stored compact, e8m0 per 32).
     """
     from moet_cache import make_checkpoint
-    from moet_cache.synthetic import make_v4_checkpoint, v4_spec_for_size
+    from moet_cache.source.synthetic import make_v4_checkpoint, v4_spec_for_size
     if family == "v4":
         v4 = v4_spec_for_size(size, seed=seed)
         return make_v4_checkpoint(path, v4), v4.hidden_size * v4.moe_intermediate_size // 2

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from moet_cache.cacheview import CacheView
+from moet_cache.cache.cacheview import CacheView
 from moet_cache.errors import VerificationError
 from moet_cache.verify import CORRUPT, INCOMPLETE, STALE, Problem, ProblemKind, boot_view
 

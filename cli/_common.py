@@ -14,7 +14,7 @@ from typer.core import TyperArgument, TyperCommand
 from ._env import env_choice
 
 if TYPE_CHECKING:
-    from moet_cache.commit import KillHook
+    from moet_cache.cache.commit import KillHook
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout, on every exit.")]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No summaries, progress or notes (errors and warnings still print).")]
@@ -48,9 +48,9 @@ class MoetCommand(TyperCommand):
 
 
 def kill_hook() -> KillHook | None:
-    """The fault tests' hook (MOET_CACHE_TEST_KILL_AT, moet_cache.commit.KillHook) for the commands that change
+    """The fault tests' hook (MOET_CACHE_TEST_KILL_AT, moet_cache.cache.commit.KillHook) for the commands that change
     files; None outside tests. Read here, never by the library."""
-    from moet_cache.commit import KILL_ENV, KillHook, Window
+    from moet_cache.cache.commit import KILL_ENV, KillHook, Window
     window, _, sig = os.environ.get(KILL_ENV, "").partition(":")
     if window or sig:  # a misspelt window would never fire: the test would pass without its kill
         env_choice(KILL_ENV, Window.names(), "", {KILL_ENV: window})
@@ -69,7 +69,7 @@ def _dist_version(name: str) -> str | None:
 def version_text() -> str:
     """moet-cache's version and what it runs with; reads package metadata only (importing vLLM takes seconds)."""
     from moet_cache.version import __version__
-    kernels = importlib.util.find_spec("moet_cache._kernels") is not None
+    kernels = importlib.util.find_spec("moet_cache.codec._kernels") is not None
     lines = [f"moet-cache {__version__}",
              f"python {platform.python_version()}",
              f"torch {_dist_version('torch') or 'not installed'}",

@@ -7,7 +7,7 @@ import os
 import shutil
 from pathlib import Path
 
-from moet_cache.cacheview import ListedFileError
+from moet_cache.cache.cacheview import ListedFileError
 from moet_cache.errors import EnvironmentProblem, InputError, Interrupted, MoetError, VerificationError
 
 EXIT_OK, EXIT_PROBLEM, EXIT_USAGE, EXIT_ENVIRONMENT = 0, 1, 2, 3

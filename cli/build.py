@@ -9,7 +9,7 @@ import typer
 
 from moet_cache.enums import BaseTable
 from moet_cache.errors import InputError
-from moet_cache.tiering import DEFAULT_DELTA_BUDGET
+from moet_cache.cache.tiering import DEFAULT_DELTA_BUDGET
 from moet_cache.units import fmt_bytes
 
 from ._common import JsonOpt, QuietOpt, kill_hook
@@ -33,7 +33,7 @@ def split_device_from_env() -> str:
 
 def host_kernel_from_env() -> str:
     """MOET_CACHE_KERNELS: numpy (A/B runs) or c; unset: the fastest built; any other value is refused."""
-    from moet_cache.planes import KERNEL, HostKernel
+    from moet_cache.codec.planes import KERNEL, HostKernel
     want = env_choice(KERNELS_ENV, HostKernel.names(), KERNEL)
     if want == HostKernel.C and KERNEL != HostKernel.C:  # the library would fall back to numpy without a word
         raise InputError(f"environment variable {KERNELS_ENV}=c, but the C kernels are not built here",

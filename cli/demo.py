@@ -16,7 +16,7 @@ from ._errors import EXIT_OK, EXIT_PROBLEM
 from ._output import Output, styled
 from ._progress import progress_for
 
-# moet_cache.checkpoint's names for the two layouts, spelled here so that loading the CLI does not
+# moet_cache.source.checkpoint's names for the two layouts, spelled here so that loading the CLI does not
 # import it (and torch, seconds); tests/test_bench.py checks they stay equal.
 MODELOPT, COMPRESSED_TENSORS = "modelopt", "compressed-tensors"
 # The embedded default is DeepSeek-V4-Flash as shipped (-0731-NVFP4: NVFP4 main experts cast from MXFP4,
@@ -34,7 +34,7 @@ def demo(
     """Make a synthetic DeepSeek-V4-Flash checkpoint (or V3 with --layout), build its cache, verify it three ways, inspect it, plan it on a GPU."""
     from moet_cache import BuildOptions, boot_check, build_cache, full_verify, inspect_cache, make_checkpoint, \
         small_spec, verify_against
-    from moet_cache.synthetic import make_v4_checkpoint, small_v4_spec
+    from moet_cache.source.synthetic import make_v4_checkpoint, small_v4_spec
     out = Output(json_, quiet)
     if layout not in (MODELOPT, COMPRESSED_TENSORS, *V4_LAYOUTS):
         raise typer.BadParameter(f"layout must be one of {', '.join([*V4_LAYOUTS, MODELOPT, COMPRESSED_TENSORS])}",

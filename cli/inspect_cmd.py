@@ -7,8 +7,8 @@ from typing import Annotated
 
 import typer
 
-from moet_cache.inspection import inspect_view
-from moet_cache.quality_curve import QUALITY_DOC
+from moet_cache.cache.inspection import inspect_view
+from moet_cache.cache.quality_curve import QUALITY_DOC
 from moet_cache.units import fmt_bytes
 
 from ._boot import checked_view

@@ -10,12 +10,12 @@ from typing import Annotated, Callable, Optional
 import typer
 
 from moet_cache import serve
-from moet_cache.drafter_vram import DrafterLayout
+from moet_cache.plan.drafter_vram import DrafterLayout
 from moet_cache.errors import InputError
-from moet_cache.folders import FolderKind, folder_kind
-from moet_cache.parallel import Parallel
+from moet_cache.cache.folders import FolderKind, folder_kind
+from moet_cache.plan.parallel import Parallel
 from moet_cache.plan import (DEFAULT_GPU, Footprint, GPU_PRESETS, GpuPreset, KV_DTYPES, Plan, PlanSettings, Speculative, Suggestion, detect_gpu, footprint_of_view, make_plan, parse_sizes_list, read_footprint, resolve_gpu)
-from moet_cache.quality_curve import QUALITY_DOC, QualityCurve, TierChange, packaged_curve, tier_change
+from moet_cache.cache.quality_curve import QUALITY_DOC, QualityCurve, TierChange, packaged_curve, tier_change
 from moet_cache.units import GIB, parse_size, parse_tokens
 
 from ._boot import checked_view

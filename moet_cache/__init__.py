@@ -12,20 +12,20 @@ from .version import __version__
 
 if TYPE_CHECKING:
     from .build import BuildOptions, BuildResult, BuildTuning, RetierResult, build_cache, retier_cache
-    from .exporter import ExportResult, export_checkpoint
-    from .inspection import CacheInfo, inspect_cache
+    from .source.exporter import ExportResult, export_checkpoint
+    from .cache.inspection import CacheInfo, inspect_cache
     from .load import Cache, LoadedLayer, open_cache
-    from .synthetic import SyntheticSpec, V4Spec, make_checkpoint, make_v4_checkpoint, small_spec, small_v4_spec
+    from .source.synthetic import SyntheticSpec, V4Spec, make_checkpoint, make_v4_checkpoint, small_spec, small_v4_spec
     from .verify import VerifyReport, boot_check, full_verify, verify_against
 
 # The API's modules load on first use (PEP 562): build, exporter and synthetic import torch, which
 # costs seconds, and `moet-cache verify` (the boot check, run at every start) needs none of it.
 _LAZY = {
     "build": ("BuildOptions", "BuildResult", "BuildTuning", "RetierResult", "build_cache", "retier_cache"),
-    "exporter": ("ExportResult", "export_checkpoint"),
-    "inspection": ("CacheInfo", "inspect_cache"),
+    "source.exporter": ("ExportResult", "export_checkpoint"),
+    "cache.inspection": ("CacheInfo", "inspect_cache"),
     "load": ("Cache", "LoadedLayer", "open_cache"),
-    "synthetic": ("SyntheticSpec", "make_checkpoint", "small_spec", "V4Spec", "make_v4_checkpoint", "small_v4_spec"),
+    "source.synthetic": ("SyntheticSpec", "make_checkpoint", "small_spec", "V4Spec", "make_v4_checkpoint", "small_v4_spec"),
     "verify": ("VerifyReport", "boot_check", "full_verify", "verify_against"),
 }
 _WHERE = {name: module for module, names in _LAZY.items() for name in names}

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from moet_cache import BuildOptions, build_cache, make_checkpoint, small_spec
-from moet_cache.checkpoint import COMPRESSED_TENSORS, MODELOPT
+from moet_cache.source.checkpoint import COMPRESSED_TENSORS, MODELOPT
 
 import vllm_cpu_env
 

@@ -12,12 +12,12 @@ from typer.testing import CliRunner
 
 from moet_cache import BuildOptions, build_cache, full_verify, inspect_cache, open_cache, retier_cache, verify_against
 from moet_cache.build.tier import tier_candidates
-from moet_cache.checkpoint import PROJECTIONS, open_checkpoint
+from moet_cache.source.checkpoint import PROJECTIONS, open_checkpoint
 from moet_cache.cli.app import app
 from moet_cache.enums import BaseTable
 from moet_cache.errors import InputError
-from moet_cache.manifest import CacheManifest
-from moet_cache.planes import (E4M3_VALUES, X4_PATTERN, code_histogram, error_and_energy, fit_base_table,
+from moet_cache.cache.manifest import CacheManifest
+from moet_cache.codec.planes import (E4M3_VALUES, X4_PATTERN, code_histogram, error_and_energy, fit_base_table,
                                has_x4_form)
 from moet_cache.verify import boot_check, load_cache_files
 
@@ -188,7 +188,7 @@ def test_an_x4_cache_takes_the_x4_decode_and_computes_the_same(tmp_path: Path) -
     from moet_cache.runtime.layout import prepare
     from moet_cache.runtime.plane_layout import X4
     from moet_cache.runtime.x4_table import is_x4
-    from moet_cache.synthetic import make_checkpoint, small_spec
+    from moet_cache.source.synthetic import make_checkpoint, small_spec
 
     src = make_checkpoint(tmp_path / "src", small_spec(moe_intermediate_size=256, num_hidden_layers=2))
     build_cache(src, tmp_path / "cache", BuildOptions(lossless=True, delta_budget="30%", base_table="x4"))

@@ -48,7 +48,7 @@ def test_the_benchmark_measured_real_work(bench: dict) -> None:
 
 def test_the_cli_layout_names_match_the_checkpoint_module() -> None:
     # cli/demo.py spells them out so that loading the CLI does not import torch
-    from moet_cache.checkpoint import COMPRESSED_TENSORS, MODELOPT
+    from moet_cache.source.checkpoint import COMPRESSED_TENSORS, MODELOPT
     from moet_cache.cli import demo
     assert (demo.MODELOPT, demo.COMPRESSED_TENSORS) == (MODELOPT, COMPRESSED_TENSORS)
 

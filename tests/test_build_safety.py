@@ -14,7 +14,7 @@ import pytest
 
 from moet_cache import BuildOptions, CancelToken, build_cache
 from moet_cache import fsutil
-from moet_cache import layout as L
+from moet_cache.cache import layout as L
 from moet_cache.errors import Interrupted
 from moet_cache.verify import VERIFIED, boot_check, full_verify
 
@@ -218,8 +218,8 @@ def test_a_snapshot_link_out_of_its_repo_is_refused_and_permissions_are_kept(ckp
 @pytest.mark.parametrize("family", ["v4", "v3"])
 def test_a_config_one_layer_short_of_the_tensors_is_refused(tmp_path: Path, family: str) -> None:
     from moet_cache import make_checkpoint, small_spec
-    from moet_cache.checkpoint import MODELOPT
-    from moet_cache.synthetic import make_v4_checkpoint, small_v4_spec
+    from moet_cache.source.checkpoint import MODELOPT
+    from moet_cache.source.synthetic import make_v4_checkpoint, small_v4_spec
     src = tmp_path / "src"
     if family == "v4":  # layers.0-2 and the drafter mtp.0: with 2 main layers, layers.2 and mtp.0 are one layer
         make_v4_checkpoint(src, small_v4_spec("hybrid", num_hidden_layers=3))
@@ -247,7 +247,7 @@ def test_export_into_or_around_the_cache_is_refused(lossless: tuple[Path, Path],
 
 _KILLING_EXPORT = """
 import os, signal, sys
-from moet_cache import exporter
+from moet_cache.source import exporter
 calls, real = [0], exporter.atomic_write_json
 def killing(path, obj):  # SIGKILL just before the k-th write of the progress record
     calls[0] += 1
@@ -276,7 +276,7 @@ def test_export_killed_before_a_progress_record_resumes(lossless: tuple[Path, Pa
 
 def test_sigterm_after_the_export_index_stops_and_the_rerun_finishes(lossless: tuple[Path, Path], tmp_path: Path,
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    from moet_cache.commit import KILL_ENV
+    from moet_cache.cache.commit import KILL_ENV
     src, cache = lossless
     out = tmp_path / "out"
     monkeypatch.setenv(KILL_ENV, "export-index-written:TERM")  # the console script signals itself there

@@ -15,10 +15,10 @@ from moet_cache.build.layers import multiply_convention
 from moet_cache.build.options import read_window
 from moet_cache.build.plan import make_plan
 from moet_cache.build.tier import tier_candidates
-from moet_cache.checkpoint import PROJECTIONS, SourceReader, open_checkpoint
+from moet_cache.source.checkpoint import PROJECTIONS, SourceReader, open_checkpoint
 from moet_cache.errors import DiskFullError, InputError, LockHeldError
 from moet_cache.fsutil import CacheLock
-from moet_cache.planes import join_planes
+from moet_cache.codec.planes import join_planes
 from moet_cache.verify import boot_check, load_cache_files
 
 
@@ -268,7 +268,7 @@ def test_source_reader_reads_what_safetensors_reads(ckpt: Path) -> None:
 @pytest.mark.parametrize("layout", ["modelopt", "compressed-tensors"])
 def test_multiply_convention_is_the_checkpoints(layout: str) -> None:
     # the build's torch-free copy of Checkpoint.multiply_global_scale, on awkward float32 values
-    from moet_cache.checkpoint import COMPRESSED_TENSORS, MODELOPT, Checkpoint
+    from moet_cache.source.checkpoint import COMPRESSED_TENSORS, MODELOPT, Checkpoint
     ck = Checkpoint.__new__(Checkpoint)
     ck.layout = MODELOPT if layout == "modelopt" else COMPRESSED_TENSORS
     rng = np.random.default_rng(3)

@@ -1,4 +1,4 @@
-"""The opened-cache view (moet_cache/cacheview.py): one checked read of each small listed file, typed
+"""The opened-cache view (moet_cache/cache/cacheview.py): one checked read of each small listed file, typed
 accessors, one "does this big file still match" test; and every reader refusing a damaged small file.
 
 Real caches built from the synthetic generator; damage is real bytes changed on disk, with the file's
@@ -13,14 +13,14 @@ from pathlib import Path
 
 import pytest
 
-from moet_cache import layout as L
-from moet_cache.cacheview import (CacheView, ListedFileError, entry_digest, file_matches, open_view, read_listed,
+from moet_cache.cache import layout as L
+from moet_cache.cache.cacheview import (CacheView, ListedFileError, entry_digest, file_matches, open_view, read_listed,
                                   read_listed_record)
 from moet_cache.cli.app import main
 from moet_cache.errors import VerificationError
-from moet_cache.inspection import inspect_cache
+from moet_cache.cache.inspection import inspect_cache
 from moet_cache.load import open_cache
-from moet_cache.manifest import DeltaIndex, FileEntry, ManifestError, PartManifest
+from moet_cache.cache.manifest import DeltaIndex, FileEntry, ManifestError, PartManifest
 from moet_cache.serve import build_serve_command
 from moet_cache.plan import footprint_from_cache
 from moet_cache.verify import CORRUPT, boot_check, full_verify, load_cache_files
@@ -180,7 +180,7 @@ def test_damaged_served_config_is_refused_by_plan_and_serve(built_cache: Path, t
 
 
 def test_damaged_source_map_is_refused_by_export(lossless: tuple[Path, Path], tmp_path: Path) -> None:
-    from moet_cache.exporter import export_checkpoint
+    from moet_cache.source.exporter import export_checkpoint
     root = _copy(lossless[1], tmp_path)
     smap = root / L.SOURCE_MAP
     data = smap.read_bytes()
@@ -193,7 +193,7 @@ def test_damaged_source_map_is_refused_by_export(lossless: tuple[Path, Path], tm
 
 def test_serve_reads_the_cache_once_through_the_view(built_cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """serve goes straight down: one boot check opens the view; name, config and plan come from it."""
-    from moet_cache import cacheview
+    from moet_cache.cache import cacheview
     from moet_cache.serve import preflight_plan
     opened: list[Path] = []
     real = cacheview.read_commit

@@ -17,7 +17,7 @@ from moet_cache import BuildOptions, CancelToken, boot_check, build_cache, expor
     open_cache, retier_cache
 from moet_cache.cancel import RESUME_HINT
 from moet_cache.errors import Interrupted
-from moet_cache.manifest import COMMIT_RECORD, VERIFIED_STATE
+from moet_cache.cache.manifest import COMMIT_RECORD, VERIFIED_STATE
 from moet_cache.window import bounded_window
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from moet_cache.checkpoint import COMPRESSED_TENSORS, MODELOPT, open_checkpoint
+from moet_cache.source.checkpoint import COMPRESSED_TENSORS, MODELOPT, open_checkpoint
 from moet_cache.errors import InputError, UnsupportedCheckpointError
 
 

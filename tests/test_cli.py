@@ -227,10 +227,10 @@ def test_the_split_device_comes_from_the_environment_in_the_cli_only(monkeypatch
 
 def test_the_kernels_and_the_kill_hook_come_from_the_environment_in_the_cli_only(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    from moet_cache import planes
+    from moet_cache.codec import planes
     from moet_cache.cli._common import kill_hook
     from moet_cache.cli.build import host_kernel_from_env
-    from moet_cache.commit import KillHook
+    from moet_cache.cache.commit import KillHook
     monkeypatch.setenv("MOET_CACHE_KERNELS", "numpy")
     assert host_kernel_from_env() == "numpy"
     monkeypatch.delenv("MOET_CACHE_KERNELS")

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from moet_cache import planes
+from moet_cache.codec import planes
 from moet_cache.cli._errors import exit_code_for, hint_for, message_for
 from moet_cache.cli.app import main
 from moet_cache.cli.build import host_kernel_from_env
@@ -362,7 +362,7 @@ def test_an_io_error_on_a_source_shard_is_not_called_gone(built_cache: Path, ckp
 
 def test_asking_for_c_kernels_that_are_not_built_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MOET_CACHE_KERNELS", "c")
-    monkeypatch.setattr(planes, "KERNEL", planes.HostKernel.NUMPY)  # as where moet_cache._kernels did not build
+    monkeypatch.setattr(planes, "KERNEL", planes.HostKernel.NUMPY)  # as where moet_cache.codec._kernels did not build
     with pytest.raises(InputError, match="MOET_CACHE_KERNELS=c, but the C kernels are not built"):
         host_kernel_from_env()
 

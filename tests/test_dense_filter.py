@@ -17,13 +17,13 @@ import torch
 from torch import nn
 
 from moet_cache import BuildOptions, build_cache
-from moet_cache import layout as L
+from moet_cache.cache import layout as L
 from moet_cache.errors import VerificationError
-from moet_cache.families import DeepseekV3, DeepseekV4
+from moet_cache.format.families import DeepseekV3, DeepseekV4
 from moet_cache.load import open_cache
 from moet_cache.load import reads as load_reads
 from moet_cache.load.dense_select import DensePart, in_part, is_drafter_tensor, part_of_layers
-from moet_cache.synthetic import dspark_v4_spec, make_v4_checkpoint
+from moet_cache.source.synthetic import dspark_v4_spec, make_v4_checkpoint
 
 vllm = pytest.importorskip("vllm.model_executor.model_loader", reason="vLLM is not installed")
 from moet_cache.integrations.vllm.loader import PluginOptions, load_into_model  # noqa: E402 (imports vLLM)

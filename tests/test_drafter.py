@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 from safetensors import safe_open
 
-from moet_cache import layout as L
-from moet_cache.checkpoint import open_checkpoint
-from moet_cache.families import DRAFTER_DSPARK, DRAFTER_MTP
+from moet_cache.cache import layout as L
+from moet_cache.source.checkpoint import open_checkpoint
+from moet_cache.format.families import DRAFTER_DSPARK, DRAFTER_MTP
 from moet_cache.stheader import read_header
-from moet_cache.synthetic import dspark_v4_spec, make_v4_checkpoint, small_v4_spec, v4_config_for
+from moet_cache.source.synthetic import dspark_v4_spec, make_v4_checkpoint, small_v4_spec, v4_config_for
 
 EXE = [sys.executable, "-m", "moet_cache.cli.app"]
 HEAD_STACK = ("mtp.0.main_proj.weight", "mtp.0.main_norm.weight", "mtp.2.norm.weight", "mtp.2.hc_head_fn",

@@ -29,7 +29,7 @@ from moet_cache.plan.measure import footprint_from_cache
 from moet_cache.runtime import fused_moe
 from moet_cache.runtime.dequant import LayerPlanes
 from moet_cache.runtime.reference import fused_moe_reference
-from moet_cache.synthetic import dspark_v4_spec, make_v4_checkpoint, small_v4_spec
+from moet_cache.source.synthetic import dspark_v4_spec, make_v4_checkpoint, small_v4_spec
 
 pytestmark = pytest.mark.vllm
 vllm = pytest.importorskip("vllm.model_executor.layers.quantization", reason="vLLM is not installed")

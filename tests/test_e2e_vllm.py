@@ -154,7 +154,7 @@ def _reference(src: Path, cache: Path, out: Path, mode: str) -> Path:
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> Tiny:
-    from moet_cache.synthetic import make_v4_checkpoint, vllm_v4_spec
+    from moet_cache.source.synthetic import make_v4_checkpoint, vllm_v4_spec
     work = tmp_path_factory.mktemp("e2e")
     src = make_v4_checkpoint(work / "src", vllm_v4_spec())
     _sharpen_head(src)

@@ -1,4 +1,4 @@
-"""split_and_measure (the one-pass C kernel, moet_cache._kernels, or its numpy fallback) against the
+"""split_and_measure (the one-pass C kernel, moet_cache.codec._kernels, or its numpy fallback) against the
 plain references: planes, histogram and table exactly; error and energy to rel 1e-9."""
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ import threading
 import numpy as np
 import pytest
 
-from moet_cache import planes as P
-from moet_cache.fp4 import E2M1_VALUES, unpack_codes
+from moet_cache.codec import planes as P
+from moet_cache.format.fp4 import E2M1_VALUES, unpack_codes
 
-HAVE_C = importlib.util.find_spec("moet_cache._kernels") is not None
+HAVE_C = importlib.util.find_spec("moet_cache.codec._kernels") is not None
 
 # (rows, packed bytes per row): odd sizes, one row, one block, many blocks
 SHAPES = [(1, 8), (1, 24), (3, 8), (5, 40), (7, 56), (2, 1000), (64, 512), (33, 1784), (1, 8 * 4099)]
@@ -96,7 +96,7 @@ def test_which_path_is_active() -> None:
     assert P.KERNEL == ("c" if HAVE_C else "numpy")
     assert (P._kernels is not None) == HAVE_C
     if os.environ.get("MOET_CACHE_REQUIRE_KERNELS") == "1" or os.environ.get("CI") == "true":
-        assert P.KERNEL == "c", "moet_cache._kernels was not built (no C compiler at install time?)"
+        assert P.KERNEL == "c", "moet_cache.codec._kernels was not built (no C compiler at install time?)"
 
 
 def test_shapes_the_kernel_does_not_take_fall_back() -> None:
@@ -110,7 +110,7 @@ def test_shapes_the_kernel_does_not_take_fall_back() -> None:
 
 @pytest.mark.skipif(not HAVE_C, reason="the C extension is not built")
 def test_kernel_argument_checks() -> None:
-    from moet_cache import _kernels
+    from moet_cache.codec import _kernels
     packed, scales = _inputs(2, 16, "random", seed=3)
     base = np.empty((2, 8), np.uint8)
     delta = np.empty_like(base)
@@ -199,7 +199,7 @@ def test_e4m3_fallback_when_the_extension_is_absent() -> None:
 
 @pytest.mark.skipif(not HAVE_C, reason="the C extension is not built")
 def test_e4m3_kernel_argument_checks() -> None:
-    from moet_cache import _kernels
+    from moet_cache.codec import _kernels
     packed, scale_bytes = _e4m3_inputs(2, 16, "random", seed=3)
     base = np.empty((2, 8), np.uint8)
     delta = np.empty_like(base)

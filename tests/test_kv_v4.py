@@ -1,4 +1,4 @@
-"""DeepSeek-V4's KV cache as vLLM 0.34 allocates it (moet_cache/kv_v4.py).
+"""DeepSeek-V4's KV cache as vLLM 0.34 allocates it (moet_cache/plan/kv_v4.py).
 
 The pinned figures were read off vLLM 0.34.0's own planning functions (`get_kv_cache_groups`,
 `_get_kv_cache_bytes_per_block`, `_max_memory_usage_bytes_from_groups`) on the same layer specs;
@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from moet_cache.errors import InputError
-from moet_cache.kv_v4 import V4Attention, groups, layer_specs, longest_context, v4_kv
+from moet_cache.plan.kv_v4 import V4Attention, groups, layer_specs, longest_context, v4_kv
 from moet_cache.plan import attention_from_config
 
 FLASH = tuple([0, 0] + [4, 128] * 20 + [4])          # V4-Flash: 43 main layers (compress_ratios' first 43)

@@ -15,7 +15,7 @@ import subprocess
 import pytest
 import vllm_cpu_env
 
-from moet_cache.kv_v4 import V4Attention, v4_kv
+from moet_cache.plan.kv_v4 import V4Attention, v4_kv
 from moet_cache.serve import vllm_python
 
 pytestmark = pytest.mark.vllm

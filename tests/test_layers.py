@@ -26,15 +26,15 @@ LAYERS = {
     **dict.fromkeys(["errors", "fsutil", "hashing", "stheader", "stwriter", "window", "cancel", "progress", "units",
                      "machine", "version", "enums", "_preads"], SEAMS),
     # formats: what a checkpoint's bytes and names mean (the split included)
-    **dict.fromkeys(["families", "formats", "modelconfig", "fp4", "planes", "_kernels", "parallel"], FORMATS),
+    **dict.fromkeys(["format.families", "format.formats", "format.modelconfig", "format.fp4", "codec.planes", "codec._kernels", "plan.parallel"], FORMATS),
     # the cache: its records and files, the commit, and the source reader (its fingerprint is a manifest record)
-    **dict.fromkeys(["manifest", "layout", "geometry", "cacheview", "commit", "folders", "stread", "tiering",
-                     "checkpoint", "manifests", "quality_curve", "quant_block"], CACHE),
+    **dict.fromkeys(["cache.manifest", "cache.layout", "cache.geometry", "cache.cacheview", "cache.commit", "cache.folders", "cache.stread", "cache.tiering",
+                     "source.checkpoint", "manifests", "cache.quality_curve", "cache.quant_block"], CACHE),
     # the verify records, the recorded verified state and the boot check: a commit records and proves with them
     **dict.fromkeys(["verify.report", "verify.state", "verify.boot"], CACHE),
     # commands: what the CLI and vLLM call (the package's API loads them lazily)
-    **dict.fromkeys(["", "build", "load", "runtime", "parsers", "verify", "exporter", "inspection", "plan",
-                     "kv_v4", "drafter_vram", "serve", "synthetic", "expand"], COMMANDS),
+    **dict.fromkeys(["", "build", "load", "runtime", "parsers", "verify", "source.exporter", "cache.inspection", "plan",
+                     "plan.kv_v4", "plan.drafter_vram", "serve", "source.synthetic", "codec.expand"], COMMANDS),
     # integrations: the glue a serving program (vLLM) imports through its plugins; it may import vLLM
     "integrations": INTEGRATIONS,
     "cli": CLI,
@@ -48,14 +48,14 @@ UPWARD: dict[tuple[str, str], str] = {}
 _LIGHT_CLI = "numpy, torch and safetensors stay out of the CLI's start (`moet-cache verify`, `--help`)"
 _CUDA = "loaded where a CUDA launch happens"
 LAZY: dict[str, tuple[frozenset[str], str]] = {
-    "moet_cache.manifest": (frozenset({"moet_cache.geometry", "moet_cache.formats"}), _LIGHT_CLI),
-    "moet_cache.verify.against": (frozenset({"moet_cache.checkpoint", "moet_cache.formats", "moet_cache.stread",
-                                             "moet_cache.geometry", "moet_cache.planes"}), "--against: " + _LIGHT_CLI),
-    "moet_cache.verify.boot": (frozenset({"moet_cache.checkpoint"}), "a rewritten source shard: " + _LIGHT_CLI),
-    "moet_cache.plan.measure": (frozenset({"moet_cache.stwriter", "moet_cache.geometry", "moet_cache.checkpoint",
-                                           "moet_cache.tiering"}),
+    "moet_cache.cache.manifest": (frozenset({"moet_cache.cache.geometry", "moet_cache.format.formats"}), _LIGHT_CLI),
+    "moet_cache.verify.against": (frozenset({"moet_cache.source.checkpoint", "moet_cache.format.formats", "moet_cache.cache.stread",
+                                             "moet_cache.cache.geometry", "moet_cache.codec.planes"}), "--against: " + _LIGHT_CLI),
+    "moet_cache.verify.boot": (frozenset({"moet_cache.source.checkpoint"}), "a rewritten source shard: " + _LIGHT_CLI),
+    "moet_cache.plan.measure": (frozenset({"moet_cache.stwriter", "moet_cache.cache.geometry", "moet_cache.source.checkpoint",
+                                           "moet_cache.cache.tiering"}),
                         "a plan from a checkpoint: " + _LIGHT_CLI),
-    "moet_cache.serve.command": (frozenset({"moet_cache.cacheview", "moet_cache.verify.boot",
+    "moet_cache.serve.command": (frozenset({"moet_cache.cache.cacheview", "moet_cache.verify.boot",
                                             "moet_cache.verify.report"}), _LIGHT_CLI),
     "moet_cache.integrations.vllm.plugin": (frozenset({"moet_cache.integrations.vllm.config",
                                                        "moet_cache.integrations.vllm.loader",
@@ -64,9 +64,9 @@ LAZY: dict[str, tuple[frozenset[str], str]] = {
                                             "imports without it and says where vLLM fails to import"),
     "moet_cache.runtime.triton_experts": (frozenset({"moet_cache.runtime.triton_moe"}),
                                           "triton is optional: " + _CUDA),
-    "moet_cache.cli._common": (frozenset({"moet_cache.commit", "moet_cache.version"}), _LIGHT_CLI),
-    "moet_cache.cli.build": (frozenset({"moet_cache", "moet_cache.build.options", "moet_cache.planes"}), _LIGHT_CLI),
-    "moet_cache.cli.demo": (frozenset({"moet_cache", "moet_cache.synthetic", "moet_cache.serve",
+    "moet_cache.cli._common": (frozenset({"moet_cache.cache.commit", "moet_cache.version"}), _LIGHT_CLI),
+    "moet_cache.cli.build": (frozenset({"moet_cache", "moet_cache.build.options", "moet_cache.codec.planes"}), _LIGHT_CLI),
+    "moet_cache.cli.demo": (frozenset({"moet_cache", "moet_cache.source.synthetic", "moet_cache.serve",
                                        "moet_cache.plan", "moet_cache.cli.plan", "moet_cache.cli.inspect_cmd"}),
                             _LIGHT_CLI),
     "moet_cache.cli.export": (frozenset({"moet_cache"}), _LIGHT_CLI),
@@ -135,7 +135,7 @@ class _Imports(ast.NodeVisitor):
             base = ".".join(package[:len(package) - node.level + 1] + ([node.module] if node.module else []))
         for alias in node.names:  # `from . import layout` depends on the module layout, not on the package
             sub = f"{base}.{alias.name}"
-            self._add(sub if sub in self.known or sub in ("moet_cache._kernels", "moet_cache._preads") else base, node.lineno)
+            self._add(sub if sub in self.known or sub in ("moet_cache.codec._kernels", "moet_cache._preads") else base, node.lineno)
 
 
 def import_edges() -> list[Edge]:
@@ -155,7 +155,7 @@ def test_every_module_has_a_layer_and_the_edges_are_seen() -> None:
     edges = import_edges()
     assert len(modules) > 90 and len(edges) > 300
     # the forms the visitor must resolve: a relative submodule, a parent package's name, an in-function import
-    assert Edge("moet_cache.commit", "moet_cache.layout", 29, False) in edges
+    assert Edge("moet_cache.cache.commit", "moet_cache.cache.layout", 29, False) in edges
     assert any(e.importer == "moet_cache.load.api" and e.imported == "moet_cache.verify.boot" for e in edges)
     assert any(e.importer == "moet_cache.serve.command" and e.imported == "moet_cache.verify.boot" and e.in_function
                for e in edges)

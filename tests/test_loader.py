@@ -19,17 +19,17 @@ import torch
 from safetensors import safe_open
 
 from moet_cache import BuildOptions, build_cache, make_checkpoint, small_spec
-from moet_cache import layout as L
-from moet_cache.checkpoint import open_checkpoint
+from moet_cache.cache import layout as L
+from moet_cache.source.checkpoint import open_checkpoint
 from moet_cache.enums import DeltaMode
 from moet_cache.errors import InputError, VerificationError
-from moet_cache.expand import expand_projection, join_planes_torch, nearest_delta_lut
-from moet_cache.fp4 import unpack_codes
+from moet_cache.codec.expand import expand_projection, join_planes_torch, nearest_delta_lut
+from moet_cache.format.fp4 import unpack_codes
 from moet_cache.load import DELTA_EXPERTS, Cache, LoadOptions, Tuning, default_workers, open_cache
 from moet_cache.load.engine import Pipeline
 from moet_cache.load.plan import Read, dense_jobs, layer_job, read_cache_header
 from moet_cache.load.reads import mismatch
-from moet_cache.planes import join_planes, nearest_code_for_table, split_planes
+from moet_cache.codec.planes import join_planes, nearest_code_for_table, split_planes
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""The two sources of truth for the manifest rules, compared: the hand parsers of moet_cache.manifest and the
+"""The two sources of truth for the manifest rules, compared: the hand parsers of moet_cache.cache.manifest and the
 JSON Schemas of manifests/. Every field of each written record is deleted, set to a value of every JSON type,
 or given an unknown key (the document itself too), and both judge the result.
 
@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterator
 import jsonschema
 import pytest
 
-from moet_cache.manifest import CacheManifest, CommitRecord, DeltaIndex, LayerManifest, ManifestError, PartManifest
+from moet_cache.cache.manifest import CacheManifest, CommitRecord, DeltaIndex, LayerManifest, ManifestError, PartManifest
 
 SCHEMAS = Path(__file__).resolve().parents[1] / "manifests"
 VALUES: list[Any] = ["x", -1, 0, None, [], {}, 1.5, True, 2**60]

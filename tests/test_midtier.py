@@ -13,13 +13,13 @@ import pytest
 from safetensors import safe_open
 
 from moet_cache import BuildOptions, boot_check, build_cache, full_verify, verify_against
-from moet_cache.checkpoint import PROJECTIONS, open_checkpoint
-from moet_cache.formats import scale_values
+from moet_cache.source.checkpoint import PROJECTIONS, open_checkpoint
+from moet_cache.format.formats import scale_values
 from moet_cache.errors import InputError
-from moet_cache.fp4 import E2M1_VALUES, unpack_codes
+from moet_cache.format.fp4 import E2M1_VALUES, unpack_codes
 from moet_cache.load import Shard, open_cache
-from moet_cache.manifest import DeltaIndex, ManifestError
-from moet_cache.planes import fit_mid_table, mid_plane, mid_plane_reference, split_planes, three_bit_codes, unpack_base
+from moet_cache.cache.manifest import DeltaIndex, ManifestError
+from moet_cache.codec.planes import fit_mid_table, mid_plane, mid_plane_reference, split_planes, three_bit_codes, unpack_base
 
 from test_manifest_schema_diff import KNOWN, RECORDS, SCHEMAS, _judge, _mutants
 from test_verifier import flip_bit
@@ -71,7 +71,7 @@ def test_mid_table_is_the_count_weighted_mean_of_each_code_pair() -> None:
 
 def test_the_one_pass_split_measures_the_mid_error_as_the_numpy_passes_do() -> None:
     from moet_cache.build.layers import mid_error
-    from moet_cache.planes import HostKernel, split_and_measure_e4m3, split_and_measure_mid_e4m3
+    from moet_cache.codec.planes import HostKernel, split_and_measure_e4m3, split_and_measure_mid_e4m3
     rng = np.random.default_rng(1)
     codes = rng.integers(0, 256, (64, 128), dtype=np.uint8)
     scales = rng.integers(0x20, 0x48, (64, 16), dtype=np.uint8)  # e4m3 bytes
@@ -317,7 +317,7 @@ def test_the_boot_check_refuses_a_mid_tier_index_that_does_not_cover_the_cache(m
 
 
 def test_plan_counts_the_mid_tier_as_resident_weights(mid_cache: tuple[Path, Path], tmp_path: Path) -> None:
-    from moet_cache.cacheview import open_view
+    from moet_cache.cache.cacheview import open_view
     from moet_cache.plan import footprint_of_view
     src, cache = mid_cache
     plain = tmp_path / "plain"
@@ -361,7 +361,7 @@ def test_a_build_with_a_mid_tier_killed_anywhere_resumes_to_the_same_cache(tmp_p
 
 
 def test_inspect_says_what_the_mid_tier_holds(mid_cache: tuple[Path, Path]) -> None:
-    from moet_cache.inspection import inspect_cache
+    from moet_cache.cache.inspection import inspect_cache
     from test_cli import run
     _, cache = mid_cache
     index = _index(cache)

@@ -14,9 +14,9 @@ import torch
 from safetensors import safe_open
 
 from moet_cache import BuildOptions, build_cache
-from moet_cache.checkpoint import PROJECTIONS, open_checkpoint
-from moet_cache.formats import scale_values
-from moet_cache.geometry import LayerGeometry
+from moet_cache.source.checkpoint import PROJECTIONS, open_checkpoint
+from moet_cache.format.formats import scale_values
+from moet_cache.cache.geometry import LayerGeometry
 from moet_cache.load import open_cache
 from moet_cache.runtime import fused_moe
 from moet_cache.runtime.dequant import E2M1, LayerPlanes, dequant_expert

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from moet_cache.families import DeepseekV3, DeepseekV4
+from moet_cache.format.families import DeepseekV3, DeepseekV4
 from moet_cache.plan.measure import _layer_of
 
 V3 = DeepseekV3("deepseek_v3", 4, (1, 2, 3), ())

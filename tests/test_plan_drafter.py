@@ -23,12 +23,12 @@ from safetensors.torch import save_file
 from v4flash import DSPARK, write_v4_flash
 
 from moet_cache import BuildOptions, build_cache
-from moet_cache.drafter_vram import (DrafterLayout, decode_graph_sizes, draft_layers, layout_of,
+from moet_cache.plan.drafter_vram import (DrafterLayout, decode_graph_sizes, draft_layers, layout_of,
                                      speculative_tokens)
 from moet_cache.errors import InputError
 from moet_cache.serve import (choose_drafter, fit_preset, get_preset, settings_from_argv, settings_from_flags,
                               speculative_flag)
-from moet_cache.synthetic import make_v4_checkpoint, small_v4_spec
+from moet_cache.source.synthetic import make_v4_checkpoint, small_v4_spec
 from moet_cache.units import GIB
 from moet_cache.plan import (CUDAGRAPH_PER_SIZE, GPU_PRESETS, Footprint, PlanSettings, activation_reserve, footprint_from_cache,
                              footprint_from_checkpoint, make_plan)

@@ -16,11 +16,11 @@ import pytest
 from v4flash import FLASH, RATIOS, write_v4_flash
 
 from moet_cache import BuildOptions, build_cache
-from moet_cache import layout as L
-from moet_cache.cacheview import open_view
-from moet_cache.parallel import Parallel, allowed_sizes, is_split
+from moet_cache.cache import layout as L
+from moet_cache.cache.cacheview import open_view
+from moet_cache.plan.parallel import Parallel, allowed_sizes, is_split
 from moet_cache.serve import preset_plan_settings
-from moet_cache.synthetic import make_v4_checkpoint, small_v4_spec
+from moet_cache.source.synthetic import make_v4_checkpoint, small_v4_spec
 from moet_cache.units import GIB, parse_size
 from moet_cache.plan import (COMM_RESERVE, GPU_PRESETS, GPUS, GpuPreset, PlanSettings, footprint_from_cache,
                              make_plan, rank_footprint, read_footprint)

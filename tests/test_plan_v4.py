@@ -87,7 +87,7 @@ def test_plan_cli_on_the_full_size_checkpoint(flash: Path) -> None:
 def test_plan_given_nothing_plans_what_serve_starts(flash: Path) -> None:
     """plan's defaults are the preset serve picks for the model (V4: 2,048 batched tokens, not vLLM's 8,192), with
     the drafter serve turns on when it fits: the release's MTP block, at the preset's 1,024 batched tokens."""
-    from moet_cache.drafter_vram import DrafterLayout
+    from moet_cache.plan.drafter_vram import DrafterLayout
     from moet_cache.serve import fit_preset, get_preset, settings_from_flags
     r = subprocess.run([MOET, "plan", str(flash), "--json", "--gpu", "rtx-pro-6000"], capture_output=True, text=True,
                        timeout=300)
@@ -114,7 +114,7 @@ def test_v4_checkpoint_footprint_equals_the_built_cache(variant: str, tmp_path: 
     """The computed footprint of a real (small) V4 checkpoint is the built cache's exact one, compact scales
     found in the NVFP4 data included."""
     from moet_cache import BuildOptions, build_cache
-    from moet_cache.synthetic import make_v4_checkpoint, small_v4_spec
+    from moet_cache.source.synthetic import make_v4_checkpoint, small_v4_spec
     from moet_cache.plan import footprint_from_cache
     src = make_v4_checkpoint(tmp_path / "src", small_v4_spec(variant))
     build_cache(src, tmp_path / "cache", BuildOptions(delta_budget="25%"))
@@ -128,7 +128,7 @@ def test_v4_checkpoint_footprint_equals_the_built_cache(variant: str, tmp_path: 
 
 def test_serve_picks_the_v4_preset_and_refuses_max_effort_below_393216(tmp_path: Path) -> None:
     from moet_cache import BuildOptions, build_cache
-    from moet_cache.synthetic import make_v4_checkpoint, small_v4_spec
+    from moet_cache.source.synthetic import make_v4_checkpoint, small_v4_spec
     src = make_v4_checkpoint(tmp_path / "DeepSeek-V4-Tiny", small_v4_spec("hybrid"))
     cache = tmp_path / "cache"
     build_cache(src, cache, BuildOptions(delta_budget="25%"))

@@ -4,9 +4,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from moet_cache.fp4 import E2M1_VALUES, pack_codes, quantize_to_codes, unpack_codes
+from moet_cache.format.fp4 import E2M1_VALUES, pack_codes, quantize_to_codes, unpack_codes
 from moet_cache.enums import BaseTable
-from moet_cache.planes import (DEFAULT_TABLE, E4M3_VALUES, X4_PATTERN, HostKernel, base_values, code_histogram,
+from moet_cache.codec.planes import (DEFAULT_TABLE, E4M3_VALUES, X4_PATTERN, HostKernel, base_values, code_histogram,
                                error_and_energy, fit_base_table, fit_table, fit_table_x4, fit_table_x4_reference,
                                has_x4_form, join_planes, nearest_code_for_table, split_and_measure_e4m3,
                                split_planes, split_planes_reference)

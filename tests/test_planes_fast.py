@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
 
-from moet_cache import planes as P
-from moet_cache.fp4 import BLOCK
+from moet_cache.codec import planes as P
+from moet_cache.format.fp4 import BLOCK
 
 # rows x (8 * blocks) bytes: whole FP8 blocks, as every NVFP4 tensor has
 blocked = st.integers(1, 5).flatmap(lambda rows: st.integers(1, 6).flatmap(
@@ -57,7 +57,7 @@ def test_split_without_the_extension_is_the_same() -> None:
 
 
 def test_c_split_argument_checks() -> None:
-    kernels = pytest.importorskip("moet_cache._kernels")
+    kernels = pytest.importorskip("moet_cache.codec._kernels")
     packed = np.random.default_rng(6).integers(0, 256, 64, dtype=np.uint8)
     base, delta = np.empty(32, np.uint8), np.empty(32, np.uint8)
     assert kernels.split(packed, base, delta) is None
@@ -124,7 +124,7 @@ def test_error_with_a_foreign_table_and_chunks() -> None:
     rerr, renergy = P.error_and_energy_reference(packed, scales, table)
     assert err == pytest.approx(rerr, rel=1e-6) and energy == pytest.approx(renergy, rel=1e-6)
     # and a direct float64 sum from the unpacked values, independent of both lookups
-    from moet_cache.fp4 import E2M1_VALUES, unpack_codes
+    from moet_cache.format.fp4 import E2M1_VALUES, unpack_codes
     codes = unpack_codes(packed).astype(np.int64)
     v = E2M1_VALUES[codes].astype(np.float64)
     s = np.repeat(scales.astype(np.float64), BLOCK, axis=1)

@@ -21,7 +21,7 @@ from quality_model.reference import unpack_nibbles
 from quality_model.routed import routed_sum
 
 from moet_cache.build import BuildOptions
-from moet_cache.fp4 import E2M1_VALUES
+from moet_cache.format.fp4 import E2M1_VALUES
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -18,14 +18,14 @@ from typer.testing import CliRunner
 from moet_cache import BuildOptions, build_cache, make_checkpoint, small_spec
 from moet_cache.cli.app import app
 from moet_cache.errors import InputError
-from moet_cache.formats import FORMATS, LAYOUT_FORMAT, MXFP4
-from moet_cache.quality_curve import (CURVE_FILE, REFERENCE_MODELS, packaged_curve, read_curve, reference_for,
+from moet_cache.format.formats import FORMATS, LAYOUT_FORMAT, MXFP4
+from moet_cache.cache.quality_curve import (CURVE_FILE, REFERENCE_MODELS, packaged_curve, read_curve, reference_for,
                                       tier_change, tier_kl)
 from quality import MID_SERIES, MID_SHARES, curve_from_results  # benchmarks/quality.py (pytest's pythonpath)
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results" / "quality.json"
-CURVE_JSON = REPO / "moet_cache" / CURVE_FILE
+CURVE_JSON = REPO / "moet_cache" / "cache" / CURVE_FILE
 MXFP4_CKPT = REPO / "benchmarks" / "data" / "quality_model" / "mxfp4"
 EXPERT_DELTA, EXPERT_MID = 24576, 12384   # one reference-model expert's delta planes; its mid planes and tables
 MIX_ROW = "tier 8/128 + mid 15/120: sq. weight error (--mid-budget)"   # the ladder's row of the mid_cache build

@@ -14,7 +14,7 @@ import torch
 from safetensors import safe_open
 
 from moet_cache.errors import InputError
-from moet_cache.fp4 import E2M1_VALUES, unpack_codes
+from moet_cache.format.fp4 import E2M1_VALUES, unpack_codes
 from moet_cache.load import open_cache
 from moet_cache.runtime import fused_moe
 
@@ -255,7 +255,7 @@ class V4Source(Source):
 @pytest.fixture(scope="module", params=["mxfp4", "hybrid"])
 def v4_cache(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
     from moet_cache import BuildOptions, build_cache
-    from moet_cache.synthetic import make_v4_checkpoint, small_v4_spec
+    from moet_cache.source.synthetic import make_v4_checkpoint, small_v4_spec
 
     work = tmp_path_factory.mktemp(f"v4{request.param}")
     spec = small_v4_spec(request.param, num_hidden_layers=2, mtp_blocks=0, num_nextn_predict_layers=0,
@@ -381,7 +381,7 @@ def test_prefill_blocks_fit_each_cards_shared_memory() -> None:
 def test_layer_form_reads_the_layout_and_the_scales() -> None:
     """launch.layer_form: what fused_moe_cuda hands Config.pick for a layer (x4 layout, e4m3 scales, a
     tier)."""
-    from moet_cache.planes import X4_PATTERN
+    from moet_cache.codec.planes import X4_PATTERN
     from moet_cache.runtime import layout
     from moet_cache.runtime.dequant import LayerPlanes
     from moet_cache.runtime.launch import layer_form

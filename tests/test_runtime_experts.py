@@ -10,7 +10,7 @@ import torch
 
 from moet_cache.enums import BaseTable
 from moet_cache.errors import InputError
-from moet_cache.planes import X4_PATTERN
+from moet_cache.codec.planes import X4_PATTERN
 from moet_cache.runtime import fused_moe, layout, mma_moe, mma_prefill
 from moet_cache.runtime.dequant import LayerPlanes
 from moet_cache.runtime.experts import Experts

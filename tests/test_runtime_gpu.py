@@ -12,7 +12,7 @@ from moet_cache.runtime import fused_moe
 from moet_cache.runtime.dequant import LayerPlanes
 from moet_cache.runtime import mma_moe, mma_prefill
 from moet_cache.runtime.mma_moe import two_accumulators
-from moet_cache.planes import X4_PATTERN
+from moet_cache.codec.planes import X4_PATTERN
 from moet_cache.runtime.launch import DEFAULT, SPLIT, WHOLE, Config, Mma, Pairs, Prefill, fused_moe_cuda, layer_form
 from moet_cache.runtime.reference import fused_moe_reference
 from moet_cache.runtime.synthetic_layer import random_layer

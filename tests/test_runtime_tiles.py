@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moet_cache.planes import X4_PATTERN
+from moet_cache.codec.planes import X4_PATTERN
 from moet_cache.runtime import fused_moe, layout
 from moet_cache.runtime.dequant import LayerPlanes, dequant_expert
 from moet_cache.runtime.plane_layout import NATURAL, TILED, X4, to_layout

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moet_cache.planes import X4_PATTERN
+from moet_cache.codec.planes import X4_PATTERN
 from moet_cache.runtime import layout, plane_layout, x4_table
 from moet_cache.runtime.dequant import LayerPlanes, unpack_plane
 from moet_cache.runtime.layout import prepare, prepare_in_place

@@ -14,11 +14,11 @@ import pytest
 import vllm_cpu_env
 
 from moet_cache import BuildOptions, build_cache
-from moet_cache.kv_v4 import V4_ATTENTION_MAJORS
-from moet_cache.parallel import Parallel
+from moet_cache.plan.kv_v4 import V4_ATTENTION_MAJORS
+from moet_cache.plan.parallel import Parallel
 from moet_cache.serve import (PRESETS, VllmProbe, preset_plan_settings, settings_from_argv, split_flags,
                               vllm_python)
-from moet_cache.synthetic import make_v4_checkpoint, small_v4_spec
+from moet_cache.source.synthetic import make_v4_checkpoint, small_v4_spec
 from moet_cache.plan import GPU_PRESETS, attention_from_config
 
 BIN = Path(sys.executable).parent

@@ -14,19 +14,19 @@ import torch
 from safetensors import safe_open
 
 from moet_cache import BuildOptions, build_cache
-from moet_cache import layout as L
+from moet_cache.cache import layout as L
 from moet_cache.build import retier_cache
-from moet_cache.checkpoint import MODELOPT, MXFP4_LAYOUT, open_checkpoint
+from moet_cache.source.checkpoint import MODELOPT, MXFP4_LAYOUT, open_checkpoint
 from moet_cache.errors import InputError, UnsupportedCheckpointError, VerificationError
-from moet_cache.exporter import export_checkpoint
-from moet_cache.families import DeepseekV3, DeepseekV4, detect_family
-from moet_cache.formats import (CT_NVFP4, E4M3_16, E8M0_32, MODELOPT_NVFP4, MXFP4, compact_e8m0, e4m3_shift,
+from moet_cache.source.exporter import export_checkpoint
+from moet_cache.format.families import DeepseekV3, DeepseekV4, detect_family
+from moet_cache.format.formats import (CT_NVFP4, E4M3_16, E8M0_32, MODELOPT_NVFP4, MXFP4, compact_e8m0, e4m3_shift,
                                 e8m0_to_e4m3, scale_values)
-from moet_cache.geometry import LayerGeometry
+from moet_cache.cache.geometry import LayerGeometry
 from moet_cache.load import open_cache
-from moet_cache.modelconfig import ModelConfig
+from moet_cache.format.modelconfig import ModelConfig
 from moet_cache.stheader import read_header
-from moet_cache.synthetic import make_v4_checkpoint, small_v4_spec, v4_config_for, vllm_v4_spec
+from moet_cache.source.synthetic import make_v4_checkpoint, small_v4_spec, v4_config_for, vllm_v4_spec
 from moet_cache.verify import VERIFIED, boot_check, full_verify, verify_against
 
 from faults.campaign import recommit, rewrite_json

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from moet_cache.errors import InputError
-from moet_cache.quant_block import (E4M3_16, E8M0_32, LayerForm, parse_block, served_config,
+from moet_cache.cache.quant_block import (E4M3_16, E8M0_32, LayerForm, parse_block, served_config,
                                     served_config_bytes)
 
 SOURCE = {"model_type": "deepseek_v4", "hidden_size": 256,

@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from moet_cache.checkpoint import open_checkpoint
+from moet_cache.source.checkpoint import open_checkpoint
 from moet_cache.errors import InputError
 from moet_cache.load import open_cache
 from moet_cache.integrations.vllm.plugin import register

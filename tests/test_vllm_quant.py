@@ -177,7 +177,7 @@ def test_a_cache_is_laid_out_after_loading_and_computes_the_same(tmp_path: Path,
     wide, so that their planes split into tiles."""
     from moet_cache import BuildOptions, build_cache
     from moet_cache.runtime import fused_moe, layout
-    from moet_cache.synthetic import make_checkpoint, small_spec
+    from moet_cache.source.synthetic import make_checkpoint, small_spec
     src = make_checkpoint(tmp_path / "src", small_spec(moe_intermediate_size=256))
     cache = tmp_path / "cache"
     build_cache(src, cache, BuildOptions(delta_budget="25%", base_table=base_table))

@@ -11,7 +11,7 @@ import pytest
 from safetensors import safe_open
 
 from moet_cache import BuildOptions, build_cache, make_checkpoint, small_spec
-from moet_cache.checkpoint import COMPRESSED_TENSORS, MODELOPT
+from moet_cache.source.checkpoint import COMPRESSED_TENSORS, MODELOPT
 from moet_cache.errors import InputError
 from moet_cache.units import GIB, parse_size
 from moet_cache.plan import (GPU_PRESETS, Attention, GpuPreset, Footprint, PlanSettings, attention_from_config,

@@ -11,8 +11,8 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
-from moet_cache.fp4 import E2M1_VALUES, pack_codes, quantize_to_codes
-from moet_cache.synthetic import quantize_nvfp4
+from moet_cache.format.fp4 import E2M1_VALUES, pack_codes, quantize_to_codes
+from moet_cache.source.synthetic import quantize_nvfp4
 
 from quality_model.model import ModelSpec, layer_prefix
 
@@ -28,7 +28,7 @@ def mxfp4_exponents(w: torch.Tensor) -> torch.Tensor:
 
 
 def mxfp4_fake(w: torch.Tensor) -> torch.Tensor:
-    """w rounded to MXFP4 (nearest E2M1 value, first of equals, as moet_cache.fp4.quantize_to_codes), with
+    """w rounded to MXFP4 (nearest E2M1 value, first of equals, as moet_cache.format.fp4.quantize_to_codes), with
     a straight-through gradient: the forward sees the FP4 values, the update reaches the master weights."""
     with torch.no_grad():
         blocks = w.reshape(*w.shape[:-1], -1, MX_BLOCK)

@@ -8,7 +8,7 @@
     parts    file entries of bytes just written, the resume check of a part, counters
     written  what a build proves it wrote (.written.json and its records), the sweep, is_cache_folder
     run      build_cache, the script;  retier  retier_cache
-Both commands change the cache through moet_cache.commit (uncommit, write, commit, record, restore).
+Both commands change the cache through moet_cache.cache.commit (uncommit, write, commit, record, restore).
 """
 
 from __future__ import annotations

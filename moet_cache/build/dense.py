@@ -13,14 +13,14 @@ from pathlib import Path
 
 import numpy as np
 
-from .. import layout as L
+from ..cache import layout as L
 from ..cancel import CancelToken
-from ..checkpoint import INDEX_NAME, Checkpoint, SourceReader, link_root
+from ..source.checkpoint import INDEX_NAME, Checkpoint, SourceReader, link_root
 from ..errors import InputError
 from ..fsutil import read_all, refuse_links
-from ..manifest import FORMAT_VERSION, FileEntry, LayerManifest, PartManifest
+from ..cache.manifest import FORMAT_VERSION, FileEntry, LayerManifest, PartManifest
 from ..stwriter import SafetensorsWriter, TensorSpec
-from ..quant_block import SERVED_CONFIG, SOURCE_CONFIG, LayerForm, served_config_bytes
+from ..cache.quant_block import SERVED_CONFIG, SOURCE_CONFIG, LayerForm, served_config_bytes
 from ..window import bounded_window
 from .parts import Counters, read_entry, reusable_part, write_bytes_entry, write_record_entry, \
     written_entries

@@ -21,14 +21,14 @@ from typing import TypeVar
 import numpy as np
 import torch
 
-from .. import layout as L
-from ..checkpoint import PROJECTIONS, RawExpert, SourceReader
+from ..cache import layout as L
+from ..source.checkpoint import PROJECTIONS, RawExpert, SourceReader
 from ..enums import BaseTable
 from ..errors import InputError
-from ..formats import E4M3_16, LAYOUT_FORMAT, ExpertFormat, TensorKind, e4m3_shift, e8m0_to_e4m3, stored_scales
-from ..geometry import LayerGeometry, is_w13
-from ..manifest import FileEntry, LayerManifest, write_record
-from ..planes import E4M3_VALUES, HostKernel, code_histogram, code_histogram_torch, error_and_energy, \
+from ..format.formats import E4M3_16, LAYOUT_FORMAT, ExpertFormat, TensorKind, e4m3_shift, e8m0_to_e4m3, stored_scales
+from ..cache.geometry import LayerGeometry, is_w13
+from ..cache.manifest import FileEntry, LayerManifest, write_record
+from ..codec.planes import E4M3_VALUES, HostKernel, code_histogram, code_histogram_torch, error_and_energy, \
     error_and_energy_torch, fit_base_table, fit_mid_table, split_and_measure_mid_e4m3, split_planes_torch
 from ..stwriter import SafetensorsWriter
 from ..window import bounded_window

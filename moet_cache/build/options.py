@@ -6,12 +6,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..commit import KillHook
+from ..cache.commit import KillHook
 from ..enums import BaseTable, StrEnum
 from ..errors import InputError
 from ..machine import usable_cores
-from ..planes import KERNEL, HostKernel
-from ..tiering import DEFAULT_DELTA_BUDGET
+from ..codec.planes import KERNEL, HostKernel
+from ..cache.tiering import DEFAULT_DELTA_BUDGET
 
 
 class SplitDevice(StrEnum):
@@ -35,7 +35,7 @@ class BuildTuning:
       path's maths without a GPU), cuda (the GPU). On the H200 machine (4 GiB, 16 cores) a build took
       5.4 s with the C kernels on 8 threads and 10.0 s with the GPU split, whose per-tensor copies and
       syncs cost more than the kernel saves (benchmarks/NOTES.md).
-    host_kernel: the host kernels of a host split (planes.HostKernel): c where moet_cache._kernels is
+    host_kernel: the host kernels of a host split (planes.HostKernel): c where moet_cache.codec._kernels is
       built (the default there), numpy (the default without it; the CLI's MOET_CACHE_KERNELS=numpy asks for
       it on A/B runs). With numpy, `auto` splits on the GPU where there is one, as without the C kernels.
     plane_workers: threads for the split; None: the cores this process may use, at most 8.
@@ -119,7 +119,7 @@ class BuildOptions:
     include_mtp: bool = False
     wait: bool = False
     tuning: BuildTuning = field(default_factory=BuildTuning)
-    kill_at: KillHook | None = None   # tests only: signal this process at a commit window (moet_cache.commit)
+    kill_at: KillHook | None = None   # tests only: signal this process at a commit window (moet_cache.cache.commit)
     base_table: BaseTable | str = BaseTable.FITTED
     # The mid tier's budget (bytes or a percentage of every expert's mid tier); None: no mid tier. Its experts
     # (outside the 4-bit tier) keep base + the delta's high bit through a fitted 8-entry table: 3 bits a weight.

@@ -13,9 +13,9 @@ from typing import Any, Protocol, TypeVar
 
 from ..cancel import CancelToken
 from ..fsutil import atomic_write_bytes
-from ..cacheview import file_matches
+from ..cache.cacheview import file_matches
 from ..hashing import xxh3_hex
-from ..manifest import FileEntry, ManifestError, PartManifest, TensorEntry, load_record, write_record
+from ..cache.manifest import FileEntry, ManifestError, PartManifest, TensorEntry, load_record, write_record
 from ..progress import Progress
 from ..stwriter import WrittenFile
 

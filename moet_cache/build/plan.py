@@ -7,15 +7,15 @@ the keys it gives decide which parts of an earlier (killed) build are reused.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from ..checkpoint import PROJECTIONS, Checkpoint
+from ..source.checkpoint import PROJECTIONS, Checkpoint
 from ..enums import BaseTable
 from ..errors import InputError
-from ..formats import E4M3_16, ExpertFormat, TensorKind
-from ..geometry import LayerGeometry
-from ..manifest import FORMAT_VERSION, BuildParams, LayerKind, SourceFingerprint
-from ..modelconfig import parse_layer_selection
+from ..format.formats import E4M3_16, ExpertFormat, TensorKind
+from ..cache.geometry import LayerGeometry
+from ..cache.manifest import FORMAT_VERSION, BuildParams, LayerKind, SourceFingerprint
+from ..format.modelconfig import parse_layer_selection
 from ..stwriter import TensorSpec
-from .. import layout as L
+from ..cache import layout as L
 from .options import BuildOptions
 from .parts import key_of
 

@@ -7,12 +7,12 @@ from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
-from ..cacheview import CacheView, file_matches, open_uncommitted_view
+from ..cache.cacheview import CacheView, file_matches, open_uncommitted_view
 from ..cancel import CancelToken, check as check_cancel
-from ..commit import KillHook, changing
+from ..cache.commit import KillHook, changing
 from ..errors import InputError, VerificationError
-from ..manifest import COMMIT_RECORD, ManifestError, utc_now
-from ..tiering import check_profile, choose_tier, load_profile
+from ..cache.manifest import COMMIT_RECORD, ManifestError, utc_now
+from ..cache.tiering import check_profile, choose_tier, load_profile
 from ..units import parse_budget
 from ..verify.boot import boot_view
 from ..verify.report import UNVERIFIED, VERIFIED, Problem, ProblemKind, VerifyReport
@@ -30,7 +30,7 @@ def retier_cache(cache: str | os.PathLike[str], delta_budget: str, profile: str 
     verification) and checks every delta plane it copies against its digest: a damaged, incomplete or
     unreadable cache is a VerificationError (exit 1), and the cache is left as it was.
 
-    The same commit protocol as a build (moet_cache.commit): interrupted with Ctrl-C, SIGTERM or `cancel`
+    The same commit protocol as a build (moet_cache.cache.commit): interrupted with Ctrl-C, SIGTERM or `cancel`
     it puts the previous commit back where it can prove nothing changed; killed inside its window it leaves
     the cache uncommitted, and the same command resumes it (from cache.json, re-hashing the files it keeps).
     """

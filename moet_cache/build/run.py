@@ -14,16 +14,16 @@ from contextlib import closing
 from functools import partial
 from pathlib import Path
 
-from .. import layout as L
-from ..cacheview import read_committed_manifest, read_delta_index
+from ..cache import layout as L
+from ..cache.cacheview import read_committed_manifest, read_delta_index
 from ..cancel import CancelToken
-from ..checkpoint import SourceReader, link_root, open_checkpoint
-from ..commit import changing
+from ..source.checkpoint import SourceReader, link_root, open_checkpoint
+from ..cache.commit import changing
 from ..errors import InputError
 from ..fsutil import check_free_space, is_inside, refuse_overlap
-from ..manifest import BuildParams, CacheManifest, CacheModel, FileEntry, LayerRef, ManifestError, utc_now
+from ..cache.manifest import BuildParams, CacheManifest, CacheModel, FileEntry, LayerRef, ManifestError, utc_now
 from ..progress import NullProgress, Progress
-from ..tiering import RoutingProfile, check_profile, load_profile
+from ..cache.tiering import RoutingProfile, check_profile, load_profile
 from ..units import parse_budget
 from ..verify.boot import boot_check
 from ..verify.state import speed_sample

@@ -18,16 +18,16 @@ from pathlib import Path
 
 import numpy as np
 
-from .. import layout as L
+from ..cache import layout as L
 from ..cancel import CancelToken
-from ..checkpoint import SourceReader
+from ..source.checkpoint import SourceReader
 from ..errors import InputError, VerificationError
 from ..fsutil import open_regular, pread_into, resolve_inside
 from ..hashing import new_hasher
-from ..manifest import DeltaIndex, FileEntry, LayerManifest, PartManifest
-from ..planes import HostKernel, code_histogram, fit_mid_table, mid_plane, split_planes
+from ..cache.manifest import DeltaIndex, FileEntry, LayerManifest, PartManifest
+from ..codec.planes import HostKernel, code_histogram, fit_mid_table, mid_plane, split_planes
 from ..stwriter import SafetensorsWriter, TensorSpec
-from ..tiering import Candidate, RoutingProfile, choose_tier
+from ..cache.tiering import Candidate, RoutingProfile, choose_tier
 from ..window import bounded_window
 from .parts import key_of, read_entry, reusable_part, write_record_entry, written_entries
 from .plan import BuildPlan

@@ -25,11 +25,11 @@ import re
 from collections.abc import Iterable
 from pathlib import Path
 
-from .. import layout as L
-from ..cacheview import read_listed_record
+from ..cache import layout as L
+from ..cache.cacheview import read_listed_record
 from ..errors import InputError
 from ..fsutil import atomic_write_bytes, fsync_dir, read_json_file, safe_relpath
-from ..manifest import (CACHE_MANIFEST, COMMIT_RECORD, VERIFIED_STATE, CacheManifest, FileEntry, LayerManifest,
+from ..cache.manifest import (CACHE_MANIFEST, COMMIT_RECORD, VERIFIED_STATE, CacheManifest, FileEntry, LayerManifest,
                         ManifestError, PartManifest, load_record)
 
 #: The folders the sweep looks into (model/ recursively: the aux files keep the source's folders).

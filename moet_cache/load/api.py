@@ -23,13 +23,13 @@ from typing import Callable, Iterator, Mapping, Sequence
 
 import torch
 
-from .. import layout as L
-from ..cacheview import CacheView, ListedFileError, entry_digest, read_commit
+from ..cache import layout as L
+from ..cache.cacheview import CacheView, ListedFileError, entry_digest, read_commit
 from ..cancel import CancelToken
 from ..enums import BaseTable, DeltaMode, VerifyMode
 from ..errors import InputError, VerificationError
 from ..fsutil import FileId, file_id
-from ..manifest import DeltaIndex, FileEntry, ManifestError, TensorEntry
+from ..cache.manifest import DeltaIndex, FileEntry, ManifestError, TensorEntry
 from ..progress import NullProgress, Progress
 from ..verify.boot import boot_check, boot_view
 from ..verify.report import CORRUPT, INCOMPLETE, STALE, VERIFIED, Problem, ProblemKind, VerifyReport

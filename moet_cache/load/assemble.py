@@ -9,10 +9,10 @@ from typing import Any
 
 import torch
 
-from .. import layout as L
+from ..cache import layout as L
 from ..enums import DeltaMode
-from ..expand import expand_projection, expand_scales
-from ..manifest import LayerManifest
+from ..codec.expand import expand_projection, expand_scales
+from ..cache.manifest import LayerManifest
 
 DELTA_EXPERTS = "delta_experts"  # int64 [n]: which experts the w13_delta / w2_delta rows belong to
 MID_EXPERTS = "mid_experts"      # int64 [m]: which experts the w13_mid / w2_mid rows (and mid tables) belong to

@@ -16,9 +16,9 @@ Pure: names in, a yes or no out.
 
 from __future__ import annotations
 
-from ..drafter_vram import CONTEXT_WKV
+from ..plan.drafter_vram import CONTEXT_WKV
 from ..enums import StrEnum
-from ..families import DeepseekV4, Family
+from ..format.families import DeepseekV4, Family
 
 
 class DensePart(StrEnum):

@@ -13,11 +13,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
 
-from .. import layout as L
+from ..cache import layout as L
 from ..enums import DeltaMode
 from ..errors import InputError, VerificationError
 from ..fsutil import FileId, file_id, resolve_inside
-from ..manifest import FileEntry, LayerManifest, TensorEntry
+from ..cache.manifest import FileEntry, LayerManifest, TensorEntry
 from ..stheader import DTYPES, Header, read_header
 from ..stheader import nbytes as st_nbytes
 from .shard import Run, Shard, share

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from .. import layout as L
+from ..cache import layout as L
 from ..errors import InputError
 
 #: the expert width a rank holds is a multiple of this: whole block-scale groups in both scale forms (16

@@ -8,7 +8,7 @@ from typing import Any
 
 from ..enums import StrEnum
 from ..errors import InputError
-from ..kv_v4 import KV_DTYPES_V4, V4_ATTENTION_MAJORS, V4Attention, compress_ratios_of
+from .kv_v4 import KV_DTYPES_V4, V4_ATTENTION_MAJORS, V4Attention, compress_ratios_of
 from .gpus import GPU_PRESETS, GpuPreset
 
 KV_DTYPES = ("auto", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2", "fp8_ds_mla", "nvfp4_ds_mla")

@@ -11,11 +11,11 @@ from __future__ import annotations
 import os
 from dataclasses import replace
 
-from ..drafter_vram import DrafterLayout, draft_layers, drafter_need
+from .drafter_vram import DrafterLayout, draft_layers, drafter_need
 from ..errors import InputError
-from ..kv_v4 import BLOCK_SIZE_V4, KV_DTYPES_V4, v4_kv
-from ..parallel import Parallel, allowed_sizes
-from ..parallel import check as check_parallel
+from .kv_v4 import BLOCK_SIZE_V4, KV_DTYPES_V4, v4_kv
+from .parallel import Parallel, allowed_sizes
+from .parallel import check as check_parallel
 from ..units import GIB
 from .attention import SPARSE_ONLY, AttentionKind, attention_refusal, kv_bytes_per_token_layer
 from .footprint import Footprint, rank_footprint

@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from ..drafter_vram import DrafterWeights
-from ..parallel import Parallel, fullest_rank_experts, share
+from .drafter_vram import DrafterWeights
+from .parallel import Parallel, fullest_rank_experts, share
 from .attention import Attention
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from ..kv_v4 import V4Attention, V4Kv, longest_context, v4_kv
+from .kv_v4 import V4Attention, V4Kv, longest_context, v4_kv
 from .footprint import Footprint
 from .settings import PlanSettings
 

@@ -6,14 +6,14 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from .. import layout as L
-from ..cacheview import CacheView, open_view
-from ..drafter_vram import BLOCK_WKV, CONTEXT_WKV, DrafterWeights, layout_of
+from ..cache import layout as L
+from ..cache.cacheview import CacheView, open_view
+from .drafter_vram import BLOCK_WKV, CONTEXT_WKV, DrafterWeights, layout_of
 from ..errors import InputError
-from ..families import PROJECTIONS, Family
-from ..manifest import CACHE_MANIFEST, COMMIT_RECORD, LayerKind
-from ..modelconfig import ModelConfig
-from ..parallel import is_split
+from ..format.families import PROJECTIONS, Family
+from ..cache.manifest import CACHE_MANIFEST, COMMIT_RECORD, LayerKind
+from ..format.modelconfig import ModelConfig
+from .parallel import is_split
 from ..units import parse_budget
 from .attention import attention_from_config
 from .footprint import Footprint
@@ -39,7 +39,7 @@ def _layer_of(name: str, family: Family | None = None) -> int | None:
 
 
 def expert_delta_bytes(m: ModelConfig) -> int:
-    from ..geometry import LayerGeometry
+    from ..cache.geometry import LayerGeometry
     return LayerGeometry(m.n_routed_experts, m.hidden_size, m.moe_intermediate_size).expert_delta_bytes
 
 
@@ -57,9 +57,9 @@ def footprint_from_checkpoint(path: str | os.PathLike[str], delta_budget: str | 
     Each layer's base planes are counted in the block-scale form the build would store (Checkpoint.scale_forms:
     MXFP4 e8m0 by format; NVFP4 e8m0 only where every scale of the projection group allows it, which reads
     the NVFP4 scales; a scale that is not compact gives the e4m3 form)."""
-    from ..checkpoint import open_checkpoint
-    from ..geometry import LayerGeometry
-    from ..tiering import DEFAULT_DELTA_BUDGET
+    from ..source.checkpoint import open_checkpoint
+    from ..cache.geometry import LayerGeometry
+    from ..cache.tiering import DEFAULT_DELTA_BUDGET
     with open_checkpoint(path) as ck:
         m, fam = ck.model, ck.family
         served = [i for i in fam.moe_layers

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..drafter_vram import DrafterNeed
+from .drafter_vram import DrafterNeed
 from ..enums import StrEnum
-from ..kv_v4 import V4Kv
+from .kv_v4 import V4Kv
 from ..units import MIB
 from .footprint import Footprint
 from .settings import PlanSettings

@@ -9,7 +9,7 @@ from typing import Any
 
 from ..enums import StrEnum
 from ..errors import InputError
-from ..parallel import Parallel
+from .parallel import Parallel
 from ..units import MIB
 from .attention import KV_DTYPES
 from .gpus import DEFAULT_GPU, GPU_PRESETS, GpuPreset

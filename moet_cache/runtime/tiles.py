@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from ..formats import FORM_DTYPE, FORM_GROUP
+from ..format.formats import FORM_DTYPE, FORM_GROUP
 from ..stheader import torch_dtype
 from .nvrtc import CHUNK_WORDS
 

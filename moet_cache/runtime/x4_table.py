@@ -30,7 +30,7 @@ from functools import lru_cache
 
 import torch
 
-from ..planes import has_x4_form
+from ..codec.planes import has_x4_form
 from .nvrtc import compiled, runs_here
 from .tiles import EXPERTS_A_STEP
 

@@ -18,10 +18,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .. import layout as L
-from ..drafter_vram import DrafterLayout
+from ..cache import layout as L
+from ..plan.drafter_vram import DrafterLayout
 from ..errors import EnvironmentProblem, InputError, MissingDependencyError, VerificationError
-from ..parallel import check as check_parallel
+from ..plan.parallel import check as check_parallel
 from ..plan import (DEFAULT_GPU, GPU_PRESETS, PlanSettings, detect_gpu, footprint_from_cache, footprint_of_view,
                     make_plan)
 from .flags import Flag, adapt_renames, check_known, merge_flags, node_flags, refuse_config_file, split_flags
@@ -31,7 +31,7 @@ from .vllm_env import (SERVER_MODULE, TORCH_PIN, VLLM_PIN, VllmProbe, check_plug
                        vllm_install, vllm_install_hint, vllm_python)
 
 if TYPE_CHECKING:
-    from ..cacheview import CacheView
+    from ..cache.cacheview import CacheView
     from ..verify.report import State, VerifyReport
 
 
@@ -88,7 +88,7 @@ def parser_plugin_path() -> str | None:
 def _served_name(cache: Path, view: CacheView | None) -> str:
     m = view.manifest if view is not None else None
     if view is None:  # forced past manifests the view could not read: the commit's manifest, if it reads
-        from ..cacheview import read_committed_manifest
+        from ..cache.cacheview import read_committed_manifest
         try:
             m = read_committed_manifest(cache)
         except InputError:

@@ -8,10 +8,10 @@ import json
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from ..drafter_vram import DrafterLayout
+from ..plan.drafter_vram import DrafterLayout
 from ..errors import InputError
-from ..kv_v4 import REASONING_MAX_CONTEXT
-from ..parallel import Parallel
+from ..plan.kv_v4 import REASONING_MAX_CONTEXT
+from ..plan.parallel import Parallel
 from ..plan import (Footprint, GpuPreset, PlanSettings, Speculative, attention_from_config, make_plan,
                     max_position_embeddings, parse_sizes_list)
 from ..units import GIB, parse_budget, parse_tokens

@@ -12,7 +12,7 @@ check); full and against are commands.
 
 from __future__ import annotations
 
-from ..cacheview import read_committed_manifest
+from ..cache.cacheview import read_committed_manifest
 from .against import cache_read_errors, verify_against
 from .boot import SMALL_ROLES, CacheFiles, boot_check, boot_view, load_cache_files
 from .full import UNREADABLE, full_verify

@@ -10,12 +10,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .. import layout as L
-from ..cacheview import CacheView, ListedFileError
+from ..cache import layout as L
+from ..cache.cacheview import CacheView, ListedFileError
 from ..cancel import CancelToken, check as check_cancel
 from ..enums import TensorKind
 from ..errors import InputError, VerificationError
-from ..manifest import CACHE_MANIFEST
+from ..cache.manifest import CACHE_MANIFEST
 from ..progress import NullProgress, Progress
 from .boot import boot_view
 from .report import CORRUPT, VERIFIED, Check, Problem, ProblemKind, VerifyReport
@@ -80,7 +80,7 @@ class _LayerAgainst:
 
     def expert(self, ck: Any, e: int, want_fmt: Any, progress: Progress) -> list[Problem]:
         """Every projection of expert e against the source, in order; the first one's problems, or none."""
-        from ..checkpoint import PROJECTIONS
+        from ..source.checkpoint import PROJECTIONS
         for j, proj in enumerate(PROJECTIONS):
             x = ck.read_raw_expert(self.layer, e, proj)
             if want_fmt is not None and x.fmt is not want_fmt:
@@ -97,9 +97,9 @@ class _LayerAgainst:
         """Expert e's projection `proj` (j-th) in the cache against the source's raw tensors x."""
         import numpy as np
 
-        from ..formats import stored_scales
-        from ..geometry import is_w13, names_of
-        from ..planes import code_histogram, fit_base_table, fit_mid_table, mid_plane, split_planes
+        from ..format.formats import stored_scales
+        from ..cache.geometry import is_w13, names_of
+        from ..codec.planes import code_histogram, fit_base_table, fit_mid_table, mid_plane, split_planes
         problems: list[Problem] = []
         name = f"expert {e} {proj}"
 
@@ -162,8 +162,8 @@ class _LayerAgainst:
 def _layer_against(root: Path, cf: CacheView, layer: int, ck: Any, pack: Any, checked: dict[str, int],
                    progress: Progress, cancel: CancelToken | None) -> list[Problem]:
     """Every expert of one served layer against the source; the first problems found, or none."""
-    from ..formats import FORMATS
-    from ..stread import TensorFile
+    from ..format.formats import FORMATS
+    from ..cache.stread import TensorFile
     lm = cf.layers[layer]
     base_fe = next(f for f in lm.files if f.role == L.Role.BASE)
     all_fe = next((f for f in lm.files if f.role == L.Role.DELTA_ALL), None)
@@ -191,8 +191,8 @@ def verify_against(root: str | os.PathLike[str], src: str | os.PathLike[str],
     corrupt is reported as such (exit 1), as is one without its model config or source map."""
     # numpy, torch and safetensors are imported inside, not at the top: the boot check (every start of
     # `moet-cache verify`) needs none of them, and torch alone costs seconds of import time.
-    from ..checkpoint import open_checkpoint
-    from ..stread import TensorFile
+    from ..source.checkpoint import open_checkpoint
+    from ..cache.stread import TensorFile
     t0 = time.perf_counter()
     root = Path(root)
     progress = progress or NullProgress()
@@ -226,7 +226,7 @@ def verify_against(root: str | os.PathLike[str], src: str | os.PathLike[str],
 
 def _dense_against(root: Path, cf: CacheView, ck: Any, checked: dict[str, int], smap: Any) -> list[Problem]:
     """Every tensor the source map lists that is not a plane of a served layer is in a dense file, equal."""
-    from ..stread import TensorFile
+    from ..cache.stread import TensorFile
     planed = ck.expert_tensor_names(list(cf.manifest.build.layers))
     shards = smap.get("shards") if isinstance(smap, dict) else None
     listed = {t[0] for sh in (shards if isinstance(shards, list) else ()) if isinstance(sh, dict)

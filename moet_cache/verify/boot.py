@@ -9,12 +9,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .. import layout as L
-from ..cacheview import CacheView, ListedFileError, entry_digest, open_view
-from ..folders import EMPTY_DETAIL, FolderKind, require_cache_folder
+from ..cache import layout as L
+from ..cache.cacheview import CacheView, ListedFileError, entry_digest, open_view
+from ..cache.folders import EMPTY_DETAIL, FolderKind, require_cache_folder
 from ..fsutil import lock_is_held
 from ..hashing import xxh3_file_hex
-from ..manifest import CACHE_MANIFEST, COMMIT_RECORD, DeltaIndex, FileEntry, ManifestError
+from ..cache.manifest import CACHE_MANIFEST, COMMIT_RECORD, DeltaIndex, FileEntry, ManifestError
 from .report import CORRUPT, INCOMPLETE, STALE, UNVERIFIED, VERIFIED, Check, Problem, ProblemKind, VerifyReport
 from .state import recorded_damage, recorded_speed, stat_key, verified_state
 
@@ -101,7 +101,7 @@ def _source_changes(cf: CacheView) -> tuple[bool, list[Problem]]:
             problems.append(Problem(ProblemKind.STALE, p.name,
                                     f"the source shard's size changed ({shard.size} -> {st.st_size})"))
         elif st.st_mtime_ns != shard.mtime_ns:
-            from ..checkpoint import header_digest  # here: checkpoint imports torch (seconds), rarely needed
+            from ..source.checkpoint import header_digest  # here: checkpoint imports torch (seconds), rarely needed
             same_header = header_digest(p) == shard.header_xxh3
             problems.append(Problem(ProblemKind.STALE, p.name, "the source shard was rewritten since the build"
                                     + ("" if same_header else " (its header differs)")))

@@ -9,12 +9,12 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Iterable
 
-from ..cacheview import entry_digest
+from ..cache.cacheview import entry_digest
 from ..cancel import CancelToken
 from ..fsutil import open_regular, pread_into
 from ..hashing import xxh3_hex
 from ..machine import usable_cores
-from ..manifest import FileEntry, TensorEntry, utc_now
+from ..cache.manifest import FileEntry, TensorEntry, utc_now
 from ..progress import NullProgress, Progress
 from ..window import bounded_window
 from .boot import boot_view

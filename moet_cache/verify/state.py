@@ -8,10 +8,10 @@ import os
 from pathlib import Path
 from typing import Any, Collection
 
-from ..cacheview import CacheView, open_view
+from ..cache.cacheview import CacheView, open_view
 from ..errors import InputError
 from ..fsutil import atomic_write_json, file_id, read_json_file, refuse_links
-from ..manifest import CACHE_MANIFEST, COMMIT_RECORD, VERIFIED_STATE, CacheManifest, utc_now
+from ..cache.manifest import CACHE_MANIFEST, COMMIT_RECORD, VERIFIED_STATE, CacheManifest, utc_now
 from .report import VerifiedBy
 
 

@@ -40,7 +40,7 @@ def serve() -> None:
         argv = req["argv"]
         pid = os.fork()
         if pid == 0:  # the child: quiet, and exits without running the parent's cleanup
-            os.environ.update(req.get("env") or {})  # e.g. MOET_CACHE_TEST_KILL_AT (moet_cache.commit)
+            os.environ.update(req.get("env") or {})  # e.g. MOET_CACHE_TEST_KILL_AT (moet_cache.cache.commit)
             null = os.open(os.devnull, os.O_WRONLY)
             os.dup2(null, 1)
             os.dup2(null, 2)

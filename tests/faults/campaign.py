@@ -24,10 +24,10 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from moet_cache import BuildOptions, build_cache, make_checkpoint, small_spec
-from moet_cache.checkpoint import MODELOPT
+from moet_cache.source.checkpoint import MODELOPT
 from moet_cache.hashing import xxh3_hex
-from moet_cache.manifest import CACHE_MANIFEST, COMMIT_RECORD, VERIFIED_STATE
-from moet_cache.synthetic import SyntheticSpec
+from moet_cache.cache.manifest import CACHE_MANIFEST, COMMIT_RECORD, VERIFIED_STATE
+from moet_cache.source.synthetic import SyntheticSpec
 from moet_cache.verify import CORRUPT, INCOMPLETE, VERIFIED, boot_check, full_verify, load_cache_files
 
 HERE = Path(__file__).resolve().parent
@@ -49,7 +49,7 @@ def make_tiny(path: Path, layout: str = MODELOPT, seed: int = 0, **over: Any) ->
 
 def make_tiny_v4(path: Path, variant: str = "hybrid", seed: int = 0, **over: Any) -> Path:
     """A DeepSeek-V4 checkpoint of two main layers and a drafter block, two experts each, tiny attention."""
-    from moet_cache.synthetic import make_v4_checkpoint, small_v4_spec
+    from moet_cache.source.synthetic import make_v4_checkpoint, small_v4_spec
     args = dict(n_routed_experts=2, num_experts_per_tok=1, hidden_size=64, moe_intermediate_size=32,
                 num_hidden_layers=2, vocab_size=64, num_attention_heads=2, head_dim=64, q_lora_rank=32,
                 o_lora_rank=16, index_n_heads=2, index_head_dim=32, index_topk=8, hc_mult=2, seed=seed)
@@ -259,7 +259,7 @@ def crash_campaign(work: Path, kills: int, seed: int = 0, verify_kills: int | No
 
 def window_campaign(work: Path, log: Callable[[str], None] | None = None) -> Counter:
     """SIGKILL build (fresh and rebuild), retier and export at every window of their commit protocol
-    (moet_cache.commit.WINDOWS, EXPORT_WINDOWS), deterministically: the child kills itself there
+    (moet_cache.cache.commit.WINDOWS, EXPORT_WINDOWS), deterministically: the child kills itself there
     (MOET_CACHE_TEST_KILL_AT). After each kill: a boot check that says complete must be right; the same
     command must then finish (exit 0), verify --full (or, for export, every tensor equal to the source's),
     and leave no temp file.
@@ -267,7 +267,7 @@ def window_campaign(work: Path, log: Callable[[str], None] | None = None) -> Cou
     Counts: cases, killed_in_window (the child died of SIGKILL at the window: must equal cases),
     wrongly_complete, clean_resumes, failed_resumes, leftover_temps, export_inexact.
     """
-    from moet_cache.commit import EXPORT_WINDOWS, KILL_ENV, WINDOWS
+    from moet_cache.cache.commit import EXPORT_WINDOWS, KILL_ENV, WINDOWS
     c: Counter = Counter()
     src = make_tiny(work / "src", seed=11)
     ref = work / "ref"
@@ -321,7 +321,7 @@ def exported_equals_source(out: Path, src: Path) -> bool:
     """Every tensor of the source is in the export, in the same shard, with the same dtype, shape and bytes."""
     from safetensors import safe_open
 
-    from moet_cache.checkpoint import tensor_bytes
+    from moet_cache.source.checkpoint import tensor_bytes
     for shard in sorted(src.glob("*.safetensors")):
         if not (out / shard.name).is_file():
             return False
@@ -520,7 +520,7 @@ def run_library(argv: list[Any]) -> tuple[int, str, str]:
     from moet_cache import BuildOptions, boot_check, build_cache, full_verify, inspect_cache, verify_against
     from moet_cache.build import retier_cache
     from moet_cache.cli._errors import exit_code_for
-    from moet_cache.exporter import export_checkpoint
+    from moet_cache.source.exporter import export_checkpoint
     a = [str(x) for x in argv if str(x) not in ("--quiet", "--json")]
 
     def opt(name: str) -> str | None:
@@ -678,7 +678,7 @@ def case_config(data: Any, env: FuzzEnv) -> None:
 
 
 def case_index(data: Any, env: FuzzEnv) -> None:
-    from moet_cache.checkpoint import INDEX_NAME
+    from moet_cache.source.checkpoint import INDEX_NAME
     case = env.case()
     idx = json.loads((case / "src" / INDEX_NAME).read_text())
     write_doc(data, case / "src" / INDEX_NAME, mutate_json(data, idx, case))

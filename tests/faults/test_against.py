@@ -14,7 +14,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from moet_cache.manifest import CACHE_MANIFEST, COMMIT_RECORD
+from moet_cache.cache.manifest import CACHE_MANIFEST, COMMIT_RECORD
 
 from .campaign import _reseal_file, link_copy, recommit, rewrite_json, run_main
 
@@ -108,8 +108,8 @@ def test_a_table_of_the_other_form_is_a_mismatch(lossless: tuple[Path, Path], wo
     """An x4 cache holding one fitted table (a builder that forgot the form), and a fitted cache whose manifest
     says x4: --against refits each table in the form the manifest names, so both are caught."""
     from moet_cache import BuildOptions, build_cache
-    from moet_cache.checkpoint import open_checkpoint
-    from moet_cache.planes import code_histogram, fit_table
+    from moet_cache.source.checkpoint import open_checkpoint
+    from moet_cache.codec.planes import code_histogram, fit_table
     src, ref = lossless
     x4 = work / "x4"
     build_cache(src, x4, BuildOptions(delta_budget="30%", lossless=True, base_table="x4"))

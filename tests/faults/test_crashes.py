@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from moet_cache import BuildOptions, boot_check, build_cache, full_verify
-from moet_cache.manifest import COMMIT_RECORD
+from moet_cache.cache.manifest import COMMIT_RECORD
 
 from .campaign import crash_campaign, leftover_temps, make_tiny, run_console, run_main
 

@@ -19,7 +19,7 @@ import pytest
 from moet_cache import boot_check, full_verify
 from moet_cache import fsutil
 from moet_cache.load import open_cache
-from moet_cache.manifest import VERIFIED_STATE
+from moet_cache.cache.manifest import VERIFIED_STATE
 
 from .campaign import link_copy, make_tiny, private, run_main
 

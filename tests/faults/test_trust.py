@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 
 from moet_cache import BuildOptions, boot_check, build_cache, full_verify, open_cache, retier_cache
-from moet_cache import layout as L
+from moet_cache.cache import layout as L
 from moet_cache.errors import VerificationError
-from moet_cache.manifest import COMMIT_RECORD
+from moet_cache.cache.manifest import COMMIT_RECORD
 
 from .campaign import link_copy, private, run_main
 from .test_io import _inject

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from moet_cache import boot_check, full_verify
-from moet_cache.commit import KILL_ENV
+from moet_cache.cache.commit import KILL_ENV
 
 from .campaign import exported_equals_source, leftover_temps, link_copy, private, run_main, \
     window_campaign

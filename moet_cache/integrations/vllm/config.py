@@ -2,7 +2,7 @@
 method for every other layer.
 
 vLLM picks it when the model folder's config.json says `"quant_method": "moet"` (the cache's
-`model/config.json`, written by `build`; its block is moet_cache.quant_block). Then:
+`model/config.json`, written by `build`; its block is moet_cache.cache.quant_block). Then:
 
 - `MoetConfig.from_config(block)` parses the block and builds the source's own config from
   `block["source"]` (ModelOpt NVFP4, DeepSeek-V4's FP8 config, compressed-tensors, ...; none for a
@@ -28,7 +28,7 @@ from vllm.model_executor.layers.quantization.base_config import QuantizationConf
 from vllm.model_executor.layers.quantization.modelopt import ModelOptQuantConfigBase
 
 from ...errors import InputError
-from ...quant_block import QUANT_METHOD, MoetBlock, parse_block
+from ...cache.quant_block import QUANT_METHOD, MoetBlock, parse_block
 from .method import MoetMoEMethod, layer_index, shard_of
 
 try:

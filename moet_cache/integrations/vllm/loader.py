@@ -28,7 +28,7 @@ from vllm.model_executor.model_loader import BaseModelLoader, register_model_loa
 
 from ...enums import DeltaMode, VerifyMode
 from ...errors import InputError
-from ...families import Family
+from ...format.families import Family
 from ...load import DELTA_EXPERTS, Shard, open_cache
 from ...load.assemble import MID_NAMES
 from ...load.dense_select import in_part, part_of_layers

@@ -32,11 +32,11 @@ from vllm.model_executor.layers.fused_moe.config import FUSED_MOE_UNQUANTIZED_CO
 from vllm.model_executor.utils import set_weight_attrs
 
 from ...errors import InputError
-from ...geometry import LayerGeometry
+from ...cache.geometry import LayerGeometry
 from ...load.assemble import DELTA_EXPERTS, MID_EXPERTS
 from ...load.shard import Shard
-from ...parallel import TP_KERNEL_WIDTH
-from ...quant_block import LayerForm
+from ...plan.parallel import TP_KERNEL_WIDTH
+from ...cache.quant_block import LayerForm
 from ...runtime import fused_moe
 from ...runtime.dequant import LayerPlanes
 from ...runtime.layout import prepare_in_place

@@ -27,7 +27,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from .enums import StrEnum
+from ..enums import StrEnum
 
 # DSpark's head-stack tensors as the checkpoint names them (vLLM 0.34 DSparkDeepseekV4ForCausalLM._remap_dspark_name).
 HEAD_STACK = re.compile(r"^mtp\.\d+\.(main_proj|main_norm|markov_head|confidence_head)\.|^context_wkv_proj\.")

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import VerificationError
-from .fsutil import open_regular, pread_into, resolve_inside
-from .stheader import DTYPES, Entry, read_header_fd, storage_shape
+from ..errors import VerificationError
+from ..fsutil import open_regular, pread_into, resolve_inside
+from ..stheader import DTYPES, Entry, read_header_fd, storage_shape
 
 REPAIR = "run moet-cache verify --full, then build the cache again"
 

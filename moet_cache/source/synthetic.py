@@ -17,10 +17,10 @@ import torch
 from safetensors.torch import save_file
 
 from .checkpoint import COMPRESSED_TENSORS, INDEX_NAME, MODELOPT, TENSOR_SUFFIXES
-from .formats import e8m0_to_e4m3
-from .fp4 import BLOCK, pack_codes, quantize_to_codes
-from .fsutil import atomic_write_bytes
-from .stwriter import SafetensorsWriter, TensorSpec
+from ..format.formats import e8m0_to_e4m3
+from ..format.fp4 import BLOCK, pack_codes, quantize_to_codes
+from ..fsutil import atomic_write_bytes
+from ..stwriter import SafetensorsWriter, TensorSpec
 
 FP8_MAX = 448.0
 

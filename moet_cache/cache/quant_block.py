@@ -22,8 +22,8 @@ import json
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from .errors import InputError
-from .formats import E4M3_16, E8M0_32, SCALE_FORMS  # noqa: F401 (E8M0_32 re-exported)
+from ..errors import InputError
+from ..format.formats import E4M3_16, E8M0_32, SCALE_FORMS  # noqa: F401 (E8M0_32 re-exported)
 
 QUANT_METHOD = "moet"
 BLOCK_VERSION = 1

@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from . import layout as L
-from .formats import E4M3_16, FORM_DTYPE, FORM_GROUP
-from .stwriter import TensorSpec
+from ..format.formats import E4M3_16, FORM_DTYPE, FORM_GROUP
+from ..stwriter import TensorSpec
 
 
 @dataclass(frozen=True)

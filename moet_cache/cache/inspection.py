@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from . import layout as L
 from .cacheview import CacheView, open_view
-from .families import Family
+from ..format.families import Family
 from .manifest import BuildParams, LayerKind
 from .quality_curve import TierKl, packaged_curve, tier_kl
 

@@ -6,7 +6,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import InputError
+from ..errors import InputError
 
 _REQUIRED_INT = (
     "num_hidden_layers", "hidden_size", "moe_intermediate_size", "n_routed_experts",

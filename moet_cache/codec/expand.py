@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .formats import e4m3_shift, e8m0_to_e4m3
+from ..format.formats import e4m3_shift, e8m0_to_e4m3
 from .planes import join_planes, nearest_code_for_table
 
 

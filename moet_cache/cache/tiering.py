@@ -12,9 +12,9 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import InputError
-from .fsutil import read_json_file
-from .hashing import xxh3_hex
+from ..errors import InputError
+from ..fsutil import read_json_file
+from ..hashing import xxh3_hex
 
 DEFAULT_DELTA_BUDGET = "4.5GB"  # the tier planned for DeepSeek-V4-Flash on one 96 GB card (docs/SERVING.md)
 

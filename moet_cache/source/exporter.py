@@ -12,23 +12,23 @@ from typing import Any
 
 import numpy as np
 
-from . import layout as L
+from ..cache import layout as L
 from .checkpoint import INDEX_NAME
-from .commit import KillHook, Window, kill_point
-from .families import Family
-from .formats import FORMATS, LAYOUT_FORMAT, ExpertFormat, SourceLayout, TensorKind, source_scales
-from .geometry import names_of
-from .errors import InputError, VerificationError
-from .cacheview import CacheView, ListedFileError, open_view
-from .fsutil import (atomic_write_bytes, atomic_write_json, fsync_dir, open_regular, pread_into, read_json_file,
+from ..cache.commit import KillHook, Window, kill_point
+from ..format.families import Family
+from ..format.formats import FORMATS, LAYOUT_FORMAT, ExpertFormat, SourceLayout, TensorKind, source_scales
+from ..cache.geometry import names_of
+from ..errors import InputError, VerificationError
+from ..cache.cacheview import CacheView, ListedFileError, open_view
+from ..fsutil import (atomic_write_bytes, atomic_write_json, fsync_dir, open_regular, pread_into, read_json_file,
                      refuse_overlap, resolve_inside)
-from .hashing import xxh3_file_hex, xxh3_hex
-from .manifest import DTYPES, MAX_INT, TensorEntry
-from .planes import join_planes
-from .cancel import CancelToken, check as check_cancel
-from .progress import NullProgress, Progress
-from .stwriter import DTYPE_SIZES, SafetensorsWriter, TensorSpec
-from .verify.against import cache_read_errors
+from ..hashing import xxh3_file_hex, xxh3_hex
+from ..cache.manifest import DTYPES, MAX_INT, TensorEntry
+from ..codec.planes import join_planes
+from ..cancel import CancelToken, check as check_cancel
+from ..progress import NullProgress, Progress
+from ..stwriter import DTYPE_SIZES, SafetensorsWriter, TensorSpec
+from ..verify.against import cache_read_errors
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Iterable
 
-from .errors import InputError
+from ..errors import InputError
 
 # The sizes vLLM's moet method takes: powers of two up to one 8-GPU host (docs/LOADER.md).
 PARALLEL_SIZES = (1, 2, 4, 8)

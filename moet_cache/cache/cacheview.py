@@ -21,14 +21,14 @@ from pathlib import Path
 from typing import Any
 
 from . import layout as L
-from .errors import InputError, UnsafePathError, VerificationError
-from .families import DeepseekV3, Family
+from ..errors import InputError, UnsafePathError, VerificationError
+from ..format.families import DeepseekV3, Family
 from .folders import require_cache_folder
-from .fsutil import read_all, read_json_file, resolve_inside
-from .hashing import xxh3_file_hex, xxh3_hex
+from ..fsutil import read_all, read_json_file, resolve_inside
+from ..hashing import xxh3_file_hex, xxh3_hex
 from .manifest import (CACHE_MANIFEST, COMMIT_RECORD, CacheManifest, CommitRecord, DeltaIndex, FileEntry,
                        LayerManifest, ManifestError, PartManifest, loads_record)
-from .modelconfig import ModelConfig
+from ..format.modelconfig import ModelConfig
 
 #: The most a listed small file (a manifest, the source map, a model-folder file) may hold.
 SMALL_LIMIT = 64 << 20

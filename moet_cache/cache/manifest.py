@@ -14,12 +14,12 @@ from pathlib import Path
 from typing import Any
 
 from . import layout as L
-from .enums import BaseTable, ScaleForm, SourceLayout, StrEnum
-from .errors import InputError
-from .families import FAMILY_CLASSES, Family
-from .fsutil import atomic_write_json, read_json_file, safe_relpath
-from .modelconfig import ModelConfig
-from .stheader import DTYPES as _DTYPE_TABLE
+from ..enums import BaseTable, ScaleForm, SourceLayout, StrEnum
+from ..errors import InputError
+from ..format.families import FAMILY_CLASSES, Family
+from ..fsutil import atomic_write_json, read_json_file, safe_relpath
+from ..format.modelconfig import ModelConfig
+from ..stheader import DTYPES as _DTYPE_TABLE
 
 
 def utc_now() -> str:
@@ -240,7 +240,7 @@ class LayerManifest:
         mid_err = [_float({"v": v}, "v", where) for v in _list(d, "mid_sq_error", where)] if "mid_sq_error" in d else []
         if mid_err and len(mid_err) != n:
             raise _fail(where, "mid_sq_error needs one entry per expert")
-        from .formats import FORMATS  # here: formats imports numpy, which the CLI does not load
+        from ..format.formats import FORMATS  # here: formats imports numpy, which the CLI does not load
         fmt = d.get("source_format", "")
         if not isinstance(fmt, str) or (fmt != "" and fmt not in FORMATS):  # a list or object: no crash
             raise _fail(where, f"source_format must be one of {sorted(FORMATS)}, found {fmt!r}")

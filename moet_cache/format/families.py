@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Iterable
 
-from .errors import UnsupportedCheckpointError
+from ..errors import UnsupportedCheckpointError
 from .modelconfig import ModelConfig
 
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")

@@ -11,8 +11,8 @@ import os
 from pathlib import Path
 
 from . import layout as L
-from .enums import StrEnum
-from .errors import InputError
+from ..enums import StrEnum
+from ..errors import InputError
 from .manifest import CACHE_MANIFEST, COMMIT_RECORD
 
 #: Names only a build writes into a cache folder (its lock, its manifests, the folders it fills).

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
-from .errors import InputError
+from ..errors import InputError
 
 CURVE_FILE = "quality_curve.json"
 CURVE_FORMAT = "moet-cache-quality-curve"
@@ -228,7 +228,7 @@ def read_curve(path: str | Path) -> QualityCurve:
 
 
 def packaged_curve() -> QualityCurve:
-    """The curve shipped with moet-cache (moet_cache/quality_curve.json)."""
+    """The curve shipped with moet-cache (moet_cache/cache/quality_curve.json)."""
     with resources.as_file(resources.files(__package__) / CURVE_FILE) as path:
         return read_curve(path)
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .enums import StrEnum
+from ..enums import StrEnum
 
 LAYERS_DIR = "layers"
 DENSE_DIR = "dense"

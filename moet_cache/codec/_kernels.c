@@ -1,4 +1,4 @@
-/* moet_cache._kernels: the FP4 plane kernels in one pass (optional; planes.py falls back to numpy).
+/* moet_cache.codec._kernels: the FP4 plane kernels in one pass (optional; planes.py falls back to numpy).
  *
  * split_measure(packed, scales, base_out, delta_out) -> (counts, weighted)
  *   packed:    C-contiguous bytes, n packed FP4 bytes (two codes each, the even element in the low
@@ -387,8 +387,8 @@ static PyMethodDef methods[] = {
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "moet_cache._kernels",
-    "One-pass FP4 plane kernels (optional; moet_cache.planes falls back to numpy).", -1, methods,
+    PyModuleDef_HEAD_INIT, "moet_cache.codec._kernels",
+    "One-pass FP4 plane kernels (optional; moet_cache.codec.planes falls back to numpy).", -1, methods,
 };
 
 PyMODINIT_FUNC PyInit__kernels(void)

@@ -19,15 +19,15 @@ from typing import Any
 
 import numpy as np
 
-from .errors import InputError, UnsupportedCheckpointError
-from .families import PROJECTIONS, Family, detect_family
-from .formats import (CT_NVFP4, E4M3_16, E8M0_32, LAYOUT_FORMAT, MODELOPT_NVFP4, ExpertFormat, SourceLayout,
+from ..errors import InputError, UnsupportedCheckpointError
+from ..format.families import PROJECTIONS, Family, detect_family
+from ..format.formats import (CT_NVFP4, E4M3_16, E8M0_32, LAYOUT_FORMAT, MODELOPT_NVFP4, ExpertFormat, SourceLayout,
                       TensorKind, compact_e8m0, format_of)
-from .fsutil import read_json_file
-from .hashing import xxh3_file_hex, xxh3_hex
-from .manifest import ShardFingerprint, SourceFingerprint
-from .modelconfig import ModelConfig
-from .stheader import Entry, nbytes, read_header, storage_shape, torch_dtype
+from ..fsutil import read_json_file
+from ..hashing import xxh3_file_hex, xxh3_hex
+from ..cache.manifest import ShardFingerprint, SourceFingerprint
+from ..format.modelconfig import ModelConfig
+from ..stheader import Entry, nbytes, read_header, storage_shape, torch_dtype
 
 # Checkpoint-level layouts (formats.SourceLayout), by the short names the code and tests use.
 MODELOPT, COMPRESSED_TENSORS, MXFP4_LAYOUT = SourceLayout.MODELOPT, SourceLayout.COMPRESSED_TENSORS, SourceLayout.MXFP4

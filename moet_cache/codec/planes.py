@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .enums import BaseTable, StrEnum
-from .fp4 import BLOCK, E2M1_VALUES, unpack_codes
+from ..enums import BaseTable, StrEnum
+from ..format.fp4 import BLOCK, E2M1_VALUES, unpack_codes
 
 if TYPE_CHECKING:
     import torch
@@ -98,7 +98,7 @@ def split_planes(packed: np.ndarray, *, kernel: HostKernel | None = None) -> tup
 
 
 def split_planes_numpy(packed: np.ndarray, *, chunk_words: int = CHUNK_WORDS) -> tuple[np.ndarray, np.ndarray]:
-    """split_planes in numpy alone (where moet_cache._kernels is not built), whole uint64 words only, in
+    """split_planes in numpy alone (where moet_cache.codec._kernels is not built), whole uint64 words only, in
     chunks of `chunk_words` words."""
     words = _as_u16(packed)
     w64 = words.reshape(-1).view(np.uint64)
@@ -442,7 +442,7 @@ class HostKernel(StrEnum):
     NUMPY = "numpy"
 
 
-#: Which path split_and_measure takes by default: "c" (moet_cache._kernels, where it is built) or "numpy".
+#: Which path split_and_measure takes by default: "c" (moet_cache.codec._kernels, where it is built) or "numpy".
 #: A build asks for its own (BuildTuning.host_kernel; the CLI's MOET_CACHE_KERNELS=numpy).
 KERNEL = HostKernel.C if _kernels is not None else HostKernel.NUMPY
 
@@ -464,7 +464,7 @@ def split_and_measure(packed: np.ndarray, block_scales: np.ndarray, *, kernel: H
                       form: BaseTable | str = BaseTable.FITTED
                       ) -> tuple[np.ndarray, np.ndarray, np.ndarray, float, float]:
     """(base, delta, table, error, energy) for one tensor: split_planes, fit_base_table(code_histogram,
-    form) and error_and_energy (against that table) together, in one pass through moet_cache._kernels
+    form) and error_and_energy (against that table) together, in one pass through moet_cache.codec._kernels
     where it is built (the GIL is released while it runs); otherwise, or for shapes it does not take,
     the numpy kernels.
 

@@ -24,15 +24,15 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from .enums import StrEnum
-from .errors import EnvironmentProblem, InputError
+from ..enums import StrEnum
+from ..errors import EnvironmentProblem, InputError
 from . import layout as L
-from .fsutil import CacheLock, atomic_write_bytes, fsync_dir, read_all, refuse_links
-from .hashing import xxh3_hex
+from ..fsutil import CacheLock, atomic_write_bytes, fsync_dir, read_all, refuse_links
+from ..hashing import xxh3_hex
 from .manifest import CACHE_MANIFEST, COMMIT_RECORD, CacheManifest, CommitRecord, utc_now, write_record
-from .verify.boot import boot_check
-from .verify.report import VERIFIED, VerifiedBy
-from .verify.state import record_verified_state
+from ..verify.boot import boot_check
+from ..verify.report import VERIFIED, VerifiedBy
+from ..verify.state import record_verified_state
 
 KILL_ENV = "MOET_CACHE_TEST_KILL_AT"
 
