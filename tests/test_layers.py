@@ -20,21 +20,22 @@ PACKAGE_DIRS = {"moet_cache": ROOT / "moet_cache", "moet_cache.cli": ROOT / "cli
 
 SEAMS, FORMATS, CACHE, COMMANDS, INTEGRATIONS, CLI = range(6)
 LAYER_NAMES = ("seams", "formats", "the cache", "commands", "integrations", "cli")
-# a module's layer: its own entry, else its package's (the root package `moet_cache` counts only for itself)
+# a module's layer: its own entry, else its package's (the root package `moet_cache` counts only for itself).
+# A folder's modules share its layer (verify's and source's named apart); the root's modules are the seams.
 LAYERS = {
     # seams: no knowledge of models or caches
     **dict.fromkeys(["errors", "fsutil", "hashing", "stheader", "stwriter", "window", "cancel", "progress", "units",
                      "machine", "version", "enums", "_preads"], SEAMS),
-    # formats: what a checkpoint's bytes and names mean (the split included)
-    **dict.fromkeys(["format.families", "format.formats", "format.modelconfig", "format.fp4", "codec.planes", "codec._kernels", "plan.parallel"], FORMATS),
-    # the cache: its records and files, the commit, and the source reader (its fingerprint is a manifest record)
-    **dict.fromkeys(["cache.manifest", "cache.layout", "cache.geometry", "cache.cacheview", "cache.commit", "cache.folders", "cache.stread", "cache.tiering",
-                     "source.checkpoint", "manifests", "cache.quality_curve", "cache.quant_block"], CACHE),
-    # the verify records, the recorded verified state and the boot check: a commit records and proves with them
-    **dict.fromkeys(["verify.report", "verify.state", "verify.boot"], CACHE),
-    # commands: what the CLI and vLLM call (the package's API loads them lazily)
-    **dict.fromkeys(["", "build", "load", "runtime", "parsers", "verify", "source.exporter", "cache.inspection", "plan",
-                     "plan.kv_v4", "plan.drafter_vram", "serve", "source.synthetic", "codec.expand"], COMMANDS),
+    # formats: what a checkpoint's bytes and names mean, and the split of its codes into planes and back
+    **dict.fromkeys(["format", "codec"], FORMATS),
+    # the cache: its records and files, the commit, what it holds; the source checkpoint it is built from (the
+    # reader's fingerprint is a manifest record) and the verify records, the recorded verified state and the boot
+    # check (a commit records and proves with them)
+    **dict.fromkeys(["cache", "manifests", "source", "verify.report", "verify.state", "verify.boot"], CACHE),
+    # commands: what the CLI and vLLM call (the package's API loads them lazily); the exporter checks the bytes it
+    # reads as verify.against does
+    **dict.fromkeys(["", "build", "load", "runtime", "parsers", "verify", "plan", "serve", "source.exporter"],
+                    COMMANDS),
     # integrations: the glue a serving program (vLLM) imports through its plugins; it may import vLLM
     "integrations": INTEGRATIONS,
     "cli": CLI,
@@ -49,11 +50,12 @@ _LIGHT_CLI = "numpy, torch and safetensors stay out of the CLI's start (`moet-ca
 _CUDA = "loaded where a CUDA launch happens"
 LAZY: dict[str, tuple[frozenset[str], str]] = {
     "moet_cache.cache.manifest": (frozenset({"moet_cache.cache.geometry", "moet_cache.format.formats"}), _LIGHT_CLI),
-    "moet_cache.verify.against": (frozenset({"moet_cache.source.checkpoint", "moet_cache.format.formats", "moet_cache.cache.stread",
-                                             "moet_cache.cache.geometry", "moet_cache.codec.planes"}), "--against: " + _LIGHT_CLI),
+    "moet_cache.verify.against": (frozenset({"moet_cache.source.checkpoint", "moet_cache.format.formats",
+                                             "moet_cache.cache.stread", "moet_cache.cache.geometry",
+                                             "moet_cache.codec.planes"}), "--against: " + _LIGHT_CLI),
     "moet_cache.verify.boot": (frozenset({"moet_cache.source.checkpoint"}), "a rewritten source shard: " + _LIGHT_CLI),
-    "moet_cache.plan.measure": (frozenset({"moet_cache.stwriter", "moet_cache.cache.geometry", "moet_cache.source.checkpoint",
-                                           "moet_cache.cache.tiering"}),
+    "moet_cache.plan.measure": (frozenset({"moet_cache.stwriter", "moet_cache.cache.geometry",
+                                           "moet_cache.source.checkpoint", "moet_cache.cache.tiering"}),
                         "a plan from a checkpoint: " + _LIGHT_CLI),
     "moet_cache.serve.command": (frozenset({"moet_cache.cache.cacheview", "moet_cache.verify.boot",
                                             "moet_cache.verify.report"}), _LIGHT_CLI),
@@ -65,7 +67,8 @@ LAZY: dict[str, tuple[frozenset[str], str]] = {
     "moet_cache.runtime.triton_experts": (frozenset({"moet_cache.runtime.triton_moe"}),
                                           "triton is optional: " + _CUDA),
     "moet_cache.cli._common": (frozenset({"moet_cache.cache.commit", "moet_cache.version"}), _LIGHT_CLI),
-    "moet_cache.cli.build": (frozenset({"moet_cache", "moet_cache.build.options", "moet_cache.codec.planes"}), _LIGHT_CLI),
+    "moet_cache.cli.build": (frozenset({"moet_cache", "moet_cache.build.options", "moet_cache.codec.planes"}),
+                             _LIGHT_CLI),
     "moet_cache.cli.demo": (frozenset({"moet_cache", "moet_cache.source.synthetic", "moet_cache.serve",
                                        "moet_cache.plan", "moet_cache.cli.plan", "moet_cache.cli.inspect_cmd"}),
                             _LIGHT_CLI),
@@ -135,7 +138,8 @@ class _Imports(ast.NodeVisitor):
             base = ".".join(package[:len(package) - node.level + 1] + ([node.module] if node.module else []))
         for alias in node.names:  # `from . import layout` depends on the module layout, not on the package
             sub = f"{base}.{alias.name}"
-            self._add(sub if sub in self.known or sub in ("moet_cache.codec._kernels", "moet_cache._preads") else base, node.lineno)
+            extension = sub in ("moet_cache.codec._kernels", "moet_cache._preads")
+            self._add(sub if sub in self.known or extension else base, node.lineno)
 
 
 def import_edges() -> list[Edge]:
