@@ -9,8 +9,10 @@ cache, what fits, and the nearest changes that fit when it does not.
     record     the plan's records: its terms and verdict, a suggested change
     kv         the KV term: bytes for (sequences, length), the longest length and most sequences a room holds
     budget     make_plan: the terms summed against the budget, the deciding term, the suggestions
-Layered in that order: gpus imports none of the others, budget imports them all. kv_v4 (DeepSeek-V4's KV
-allocator), drafter_vram (the drafter's terms) and parallel (the split over GPUs) sit below them.
+Layered in that order: gpus imports none of the others, budget imports them all. Below them:
+    kv_v4         DeepSeek-V4's KV cache as vLLM allocates it: the per-layer caches, pages, groups, blocks
+    drafter_vram  what a speculative drafter adds to the plan
+    parallel      what one GPU holds when vLLM splits a model over N GPUs, and which N the planes allow
 """
 
 from __future__ import annotations
