@@ -25,7 +25,8 @@ _LAZY = {
     "source.exporter": ("ExportResult", "export_checkpoint"),
     "cache.inspection": ("CacheInfo", "inspect_cache"),
     "load": ("Cache", "LoadedLayer", "open_cache"),
-    "source.synthetic": ("SyntheticSpec", "make_checkpoint", "small_spec", "V4Spec", "make_v4_checkpoint", "small_v4_spec"),
+    "source.synthetic": ("SyntheticSpec", "make_checkpoint", "small_spec", "V4Spec", "make_v4_checkpoint",
+                         "small_v4_spec"),
     "verify": ("VerifyReport", "boot_check", "full_verify", "verify_against"),
 }
 _WHERE = {name: module for module, names in _LAZY.items() for name in names}

@@ -6,7 +6,8 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-from moet_cache.cache.manifest import CacheManifest, CommitRecord, DeltaIndex, LayerManifest, ManifestError, PartManifest
+from moet_cache.cache.manifest import (CacheManifest, CommitRecord, DeltaIndex, LayerManifest, ManifestError,
+                                      PartManifest)
 
 SCHEMAS = Path(__file__).resolve().parents[1] / "manifests"
 

@@ -17,7 +17,8 @@ from typing import Any, Callable, Iterator
 import jsonschema
 import pytest
 
-from moet_cache.cache.manifest import CacheManifest, CommitRecord, DeltaIndex, LayerManifest, ManifestError, PartManifest
+from moet_cache.cache.manifest import (CacheManifest, CommitRecord, DeltaIndex, LayerManifest, ManifestError,
+                                      PartManifest)
 
 SCHEMAS = Path(__file__).resolve().parents[1] / "manifests"
 VALUES: list[Any] = ["x", -1, 0, None, [], {}, 1.5, True, 2**60]

@@ -19,7 +19,8 @@ from moet_cache.errors import InputError
 from moet_cache.format.fp4 import E2M1_VALUES, unpack_codes
 from moet_cache.load import Shard, open_cache
 from moet_cache.cache.manifest import DeltaIndex, ManifestError
-from moet_cache.codec.planes import fit_mid_table, mid_plane, mid_plane_reference, split_planes, three_bit_codes, unpack_base
+from moet_cache.codec.planes import (fit_mid_table, mid_plane, mid_plane_reference, split_planes, three_bit_codes,
+                                     unpack_base)
 
 from test_manifest_schema_diff import KNOWN, RECORDS, SCHEMAS, _judge, _mutants
 from test_verifier import flip_bit

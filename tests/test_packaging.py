@@ -59,7 +59,8 @@ def test_wheel_carries_every_schema_byte_for_byte(wheel: zipfile.ZipFile) -> Non
 
 def test_wheel_carries_the_quality_curve(wheel: zipfile.ZipFile) -> None:
     """plan and inspect read moet_cache/cache/quality_curve.json (moet_cache.cache.quality_curve.packaged_curve)."""
-    assert wheel.read("moet_cache/cache/quality_curve.json") == (REPO / "moet_cache" / "cache" / "quality_curve.json").read_bytes()
+    curve = REPO / "moet_cache" / "cache" / "quality_curve.json"
+    assert wheel.read("moet_cache/cache/quality_curve.json") == curve.read_bytes()
 
 
 def test_wheel_carries_every_module(wheel: zipfile.ZipFile) -> None:
