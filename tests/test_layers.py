@@ -18,16 +18,18 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE_DIRS = {"moet_cache": ROOT / "moet_cache", "moet_cache.cli": ROOT / "cli",
                 "moet_cache.manifests": ROOT / "manifests"}
 
-SEAMS, FORMATS, CACHE, COMMANDS, INTEGRATIONS, CLI = range(6)
-LAYER_NAMES = ("seams", "formats", "the cache", "commands", "integrations", "cli")
+SEAMS, FORMATS, CODEC, CACHE, COMMANDS, INTEGRATIONS, CLI = range(7)
+LAYER_NAMES = ("seams", "formats", "codec", "the cache", "commands", "integrations", "cli")
 # a module's layer: its own entry, else its package's (the root package `moet_cache` counts only for itself).
 # A folder's modules share its layer (verify's and source's named apart); the root's modules are the seams.
 LAYERS = {
     # seams: no knowledge of models or caches
     **dict.fromkeys(["errors", "fsutil", "hashing", "stheader", "stwriter", "window", "cancel", "progress", "units",
                      "machine", "version", "enums", "_preads"], SEAMS),
-    # formats: what a checkpoint's bytes and names mean, and the split of its codes into planes and back
-    **dict.fromkeys(["format", "codec"], FORMATS),
+    # formats: what a checkpoint's bytes and names mean
+    "format": FORMATS,
+    # the codec: each FP4 code split into planes and joined again
+    "codec": CODEC,
     # the cache: its records and files, the commit, what it holds; the source checkpoint it is built from (the
     # reader's fingerprint is a manifest record) and the verify records, the recorded verified state and the boot
     # check (a commit records and proves with them)
@@ -292,7 +294,7 @@ def test_the_verify_modules_import_in_their_order() -> None:
 def test_the_architecture_page_names_each_module_in_its_layer() -> None:
     page = (ROOT / "docs" / "ARCHITECTURE.md").read_text()
     table = page[page.index("## Layers"):].split("```")[1]
-    rows = table.split("---+")  # cli, integrations, commands, the cache, formats, seams: top to bottom
+    rows = table.split("---+")  # cli, integrations, commands, the cache, codec, formats, seams: top to bottom
     assert len(rows) == len(LAYER_NAMES)
     text_of = {layer: rows[len(LAYER_NAMES) - 1 - layer] for layer in range(len(LAYER_NAMES))}
     for layer, name in enumerate(LAYER_NAMES):

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..enums import BaseTable, StrEnum
-from ..format.fp4 import BLOCK, E2M1_VALUES, unpack_codes
+from ..format.fp4 import BLOCK, E2M1_VALUES, E4M3_VALUES, unpack_codes
 
 if TYPE_CHECKING:
     import torch
@@ -494,19 +494,6 @@ def split_and_measure_numpy(packed: np.ndarray, block_scales: np.ndarray, *, ker
     table = fit_base_table(code_histogram(packed), form)
     er, eg = error_and_energy(packed, np.asarray(block_scales, dtype=np.float32), table)
     return base, delta, table, er, eg
-
-
-def _e4m3_table() -> np.ndarray:
-    """float32 [256]: the value of each float8_e4m3fn byte (sign, 4 exponent bits of bias 7, 3 mantissa
-    bits; exponent 0 is subnormal; S.1111.111 is NaN; no infinities)."""
-    v = np.arange(256)
-    e, m = (v >> 3) & 15, (v & 7).astype(np.float64)
-    mag = np.where(e == 0, m / 8 * 2.0**-6, (1 + m / 8) * np.exp2(e - 7.0))
-    mag = np.where((e == 15) & (m == 7), np.nan, mag)
-    return np.where(v & 0x80, -mag, mag).astype(np.float32)
-
-
-E4M3_VALUES = _e4m3_table()
 
 
 def split_and_measure_e4m3(packed: np.ndarray, scale_bytes: np.ndarray, *, kernel: HostKernel | None = None,

@@ -24,7 +24,7 @@ import numpy as np
 
 from ..enums import ScaleForm, SourceLayout, TensorKind
 from ..errors import InputError
-from ..codec.planes import E4M3_VALUES
+from .fp4 import E4M3_VALUES
 
 # The short names the code and tests use.
 E4M3_16, E8M0_32 = ScaleForm.E4M3_16, ScaleForm.E8M0_32

@@ -1,4 +1,5 @@
-"""NVFP4 (E2M1) code maths: the value table and nibble packing (even index = low nibble)."""
+"""NVFP4 (E2M1) code maths: the value table and nibble packing (even index = low nibble); the value table of
+its FP8 (E4M3) block scales."""
 
 from __future__ import annotations
 
@@ -9,6 +10,19 @@ E2M1_VALUES = np.array(
     [0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], dtype=np.float32
 )
 BLOCK = 16  # elements per FP8 block scale, along the input dimension
+
+
+def _e4m3_table() -> np.ndarray:
+    """float32 [256]: the value of each float8_e4m3fn byte (sign, 4 exponent bits of bias 7, 3 mantissa
+    bits; exponent 0 is subnormal; S.1111.111 is NaN; no infinities)."""
+    v = np.arange(256)
+    e, m = (v >> 3) & 15, (v & 7).astype(np.float64)
+    mag = np.where(e == 0, m / 8 * 2.0**-6, (1 + m / 8) * np.exp2(e - 7.0))
+    mag = np.where((e == 15) & (m == 7), np.nan, mag)
+    return np.where(v & 0x80, -mag, mag).astype(np.float32)
+
+
+E4M3_VALUES = _e4m3_table()
 
 
 def unpack_codes(packed: np.ndarray) -> np.ndarray:
