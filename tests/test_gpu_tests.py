@@ -89,6 +89,35 @@ def test_a_run_is_recorded_with_its_counts_commit_and_device(gpu_tests: ModuleTy
                    "(1 passed, 0 failed, 0 errors, 1 skipped; pytest arguments: -q -k not fails)."
 
 
+def test_a_run_stopped_at_its_deadline_records_what_ran_and_never_reads_as_passed(
+        gpu_tests: ModuleType, project: Path) -> None:
+    """--deadline: pytest interrupted as Ctrl-C would, its report of the tests that ran recorded as interrupted."""
+    (project / "proj" / "test_tiny.py").write_text(textwrap.dedent("""
+        import time
+
+        import pytest
+
+        @pytest.mark.gpu
+        def test_passes():
+            assert True
+
+        @pytest.mark.gpu
+        def test_outlasts_the_deadline():
+            time.sleep(300)
+    """))
+    results, readme = project / "results", project / "README.md"
+    code = gpu_tests.run(["-q"], "NVIDIA Test GPU", results=results, readme=readme, cwd=project / "proj",
+                         deadline_s=8)
+    assert code == 2  # pytest's: interrupted
+    doc = json.loads((results / "gpu_tests.json").read_text())
+    result = doc["result"]
+    assert result["interrupted"] and result["deadline_s"] == 8 and result["passed"] == 1
+    assert not gpu_tests.passed(doc)
+    line = readme.read_text().split("\n")[2]
+    assert line == gpu_tests.readme_status(doc) and "not on the last recorded run" in line
+    assert line.endswith("; stopped at its deadline, 8 s).")
+
+
 def test_no_report_records_nothing(gpu_tests: ModuleType, project: Path, capsys: pytest.CaptureFixture) -> None:
     results, readme = project / "results", project / "README.md"
     code = gpu_tests.run(["--no-such-option"], "NVIDIA Test GPU", results=results, readme=readme,
