@@ -36,30 +36,23 @@ def fused_moe_reference(x: torch.Tensor, planes: LayerPlanes, topk_weights: torc
     flat_w = topk_weights.reshape(-1).float()
     tokens = torch.arange(T, device=x.device).repeat_interleave(topk_ids.shape[1])
     rows = planes.tier_rows()
+    # every expert's weights written into the same buffers (and rounded through the same ones in x's dtype):
+    # a fresh tensor of this size per expert costs its first touch of every page, more than the decode
     weights = (torch.empty((2 * I, H), device=x.device), torch.empty((H, I), device=x.device))
+    rounded = tuple(torch.empty_like(w, dtype=x.dtype) for w in weights) if x.dtype != torch.float32 else None
     for e in torch.unique(flat_ids).tolist():
         if e < 0:  # a padding pair (vLLM's -1): no contribution
             continue
         pick = (flat_ids == e).nonzero().squeeze(1)
-        w13, w2 = (_round_(w, x.dtype) for w in dequant_expert(planes, e, rows.get(e), out=weights))
+        w13, w2 = dequant_expert(planes, e, rows.get(e), out=weights)
+        if rounded is not None:  # w.to(x.dtype).float(), in place
+            for w, r in zip(weights, rounded):
+                w.copy_(r.copy_(w))
         t = tokens[pick]
         gate_up = xf[t] @ w13.T
         act = swiglu(gate_up[:, :I], gate_up[:, I:], swiglu_limit).to(x.dtype).float()
         out.index_add_(0, t, (act @ w2.T) * flat_w[pick].unsqueeze(1))
     return out
-
-
-#: rows of an expert's weights rounded at a time: a small temporary, not one the size of the weights (whose
-#: first touch of every page costs more than the rounding)
-_ROUND_ROWS = 256
-
-
-def _round_(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """float32 w rounded to `dtype` and back, in place: w.to(dtype).float() bit for bit."""
-    if dtype != torch.float32:
-        for part in w.split(_ROUND_ROWS):
-            part.copy_(part.to(dtype))
-    return w
 
 
 @dataclass(frozen=True)
