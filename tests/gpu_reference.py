@@ -1,7 +1,7 @@
 """The plain torch reference the GPU tests check the kernels against: fused_moe_reference on the CPU for small
 T (a kernel's reference is plain torch on the CPU), on the GPU (the same code, float32) from LARGE_T tokens.
 The CPU copy of each GPU tensor is made once and kept while the tensor lives unchanged: a layer at
-DeepSeek-V4-Flash's dims is about 2 GB, and copying it on every call cost more than the reference itself."""
+DeepSeek-V4-Flash's dims is about 2 GB: a copy on every call would cost more than the reference itself."""
 
 from __future__ import annotations
 

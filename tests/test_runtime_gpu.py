@@ -482,8 +482,8 @@ def test_padding_rows_skipped_eagerly_and_in_cuda_graphs(layer: dict, T: int, pa
 @pytest.mark.parametrize("T,pad,block", PADDED)
 def test_padding_rows_skipped_eagerly_and_in_cuda_graphs_x4(x4_layer: dict, T: int, pad: int, block,
                                                             reference: Reference) -> None:
-    """The same on an x4 layer, repacked as served. (One test a form: one taking both layer fixtures ran
-    each case once for every scale form of the layer it did not read.)"""
+    """The same on an x4 layer, repacked as served (a test a form, so that each case runs once for each scale
+    form of the layer it reads)."""
     _padding_rows_skipped(x4_layer, T, pad, block, reference)
 
 
