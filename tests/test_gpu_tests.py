@@ -116,6 +116,19 @@ def test_a_run_stopped_at_its_deadline_records_what_ran_and_never_reads_as_passe
     line = readme.read_text().split("\n")[2]
     assert line == gpu_tests.readme_status(doc) and "not on the last recorded run" in line
     assert line.endswith("; stopped at its deadline, 8 s).")
+def test_a_run_spread_over_workers_records_the_same_counts(gpu_tests: ModuleType, project: Path) -> None:
+    """The documented parallel form (pytest-xdist's `-n N --dist load`): the workers' JUnit cases gathered in
+    one report, counted as a single process counts them."""
+    results, readme = project / "results", project / "README.md"
+    code = gpu_tests.run(["-q", "-n", "2", "--dist", "load"], "NVIDIA Test GPU", results=results, readme=readme,
+                         cwd=project / "proj")
+    assert code == 1
+    result = json.loads((results / "gpu_tests.json").read_text())["result"]
+    assert {k: result[k] for k in ("passed", "failed", "skipped", "errors")} == {
+        "passed": 1, "failed": 1, "skipped": 1, "errors": 0}
+    cases = ET.parse(results / "gpu_tests.xml").getroot().iter("testcase")
+    assert sorted(c.get("name") for c in cases) == ["test_fails", "test_passes", "test_skips"]
+    assert "pytest arguments: -q -n 2 --dist load" in readme.read_text().split("\n")[2]
 
 
 def test_no_report_records_nothing(gpu_tests: ModuleType, project: Path, capsys: pytest.CaptureFixture) -> None:

@@ -13,7 +13,8 @@ from moet_cache.runtime.launch import DEFAULT, cuda_experts
 from moet_cache.runtime.synthetic_layer import random_layer
 from moet_cache.runtime.triton_experts import TritonExperts
 
-from test_runtime_gpu import E, H, I, _check, _reference, _routing
+from gpu_reference import Reference
+from test_runtime_gpu import E, H, I, _check, _routing
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -24,14 +25,15 @@ def mid_layer(request: pytest.FixtureRequest) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("T", [1, 7, 64, 4096])
-def test_a_mid_tier_layer_runs_on_triton_and_equals_the_reference(mid_layer: dict, T: int) -> None:
+def test_a_mid_tier_layer_runs_on_triton_and_equals_the_reference(mid_layer: dict, T: int,
+                                                                     reference: Reference) -> None:
     g = torch.Generator(device="cuda").manual_seed(T)
     x = torch.randn((T, H), generator=g, device="cuda").to(torch.bfloat16)
     w, ids = _routing(T, T, all_hot=T >= 64)
     ids[0, :2] = mid_layer["mid_experts"][:2]  # the first token takes two mid-tier experts
     assert isinstance(cuda_experts(x, LayerPlanes.from_tensors(mid_layer), T * ids.shape[1], DEFAULT), TritonExperts)
     got = fused_moe(x, mid_layer, w, ids, swiglu_limit=7.0)
-    _check(got, _reference(x, mid_layer, w, ids, 7.0))
+    _check(got, reference(x, mid_layer, w, ids, 7.0))
 
 
 def test_a_mid_tier_layer_is_captured_by_a_cuda_graph(mid_layer: dict) -> None:

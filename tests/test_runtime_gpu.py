@@ -14,7 +14,6 @@ from moet_cache.runtime import mma_moe, mma_prefill
 from moet_cache.runtime.mma_moe import two_accumulators
 from moet_cache.codec.planes import X4_PATTERN
 from moet_cache.runtime.launch import DEFAULT, SPLIT, WHOLE, Config, Mma, Pairs, Prefill, fused_moe_cuda, layer_form
-from moet_cache.runtime.reference import fused_moe_reference
 from moet_cache.runtime.synthetic_layer import random_layer
 from moet_cache.runtime import layout, x4_table
 from moet_cache.runtime.layout import prepare, prepare_in_place
@@ -22,6 +21,7 @@ from moet_cache.runtime.warm_up import kernel_names, warm_up
 from moet_cache.runtime.plane_layout import TILED, X4
 
 from cuda_graph import replayed
+from gpu_reference import Reference
 
 X4_NAMES = X4.names
 
@@ -57,13 +57,6 @@ def _tokens_to_tier(t: dict, T: int, seed: int) -> tuple[torch.Tensor, torch.Ten
     return x, w, ids
 
 
-def _reference(x: torch.Tensor, t: dict, w: torch.Tensor, ids: torch.Tensor, limit: float | None) -> torch.Tensor:
-    """The plain torch path: on the CPU for small T, on the GPU (same code, float32) for large T."""
-    planes = LayerPlanes.from_tensors(t if x.shape[0] >= 64 else {k: v.cpu() for k, v in t.items()})
-    dev = planes.w13_base.device
-    return fused_moe_reference(x.to(dev), planes, w.to(dev), ids.to(dev), limit).to(x.device)
-
-
 #: the tiled fitted blocks' output against the natural layout's where they sum in another order (norm; rows
 #: 3x): measured at most 5.4e-4 (rows 1.0e-3) against the reference's 4-6e-3 (H200)
 ACC2_TOL = 2e-3
@@ -77,26 +70,41 @@ def _check(got: torch.Tensor, ref: torch.Tensor, tol: float = 1.5e-2) -> None:
 
 
 @pytest.mark.parametrize("T", [1, 7, 64, 4096])
-def test_kernels_equal_reference(layer: dict, T: int) -> None:
+def test_kernels_equal_reference(layer: dict, T: int, reference: Reference) -> None:
     g = torch.Generator(device="cuda").manual_seed(T)
     x = torch.randn((T, H), generator=g, device="cuda").to(torch.bfloat16)
     w, ids = _routing(T, T, all_hot=T >= 64)
     limit = 7.0 if T in (7, 4096) else None
     got = fused_moe(x, layer, w, ids, swiglu_limit=limit)
     assert got.dtype == torch.bfloat16
-    _check(got, _reference(x, layer, w, ids, limit))
+    _check(got, reference(x, layer, w, ids, limit))
+
+
+def test_the_reference_copies_a_layer_to_the_cpu_once(layer: dict, reference: Reference) -> None:
+    """The small-T reference reads the layer's CPU copies made at its first call (the layer's tensors are
+    unchanged since), and a tensor's copy goes with the tensor."""
+    x, w, ids = _tokens_to_tier(layer, 2, 5)
+    first = reference(x, layer, w, ids, None)
+    copies = [reference.copies.of(v) for v in layer.values()]
+    assert torch.equal(reference(x, layer, w, ids, None), first)
+    assert all(reference.copies.of(v) is c for v, c in zip(layer.values(), copies))
+    held = len(reference.copies)
+    extra = torch.zeros(3, device="cuda")
+    assert torch.equal(reference.copies.of(extra), torch.zeros(3)) and len(reference.copies) == held + 1
+    del extra
+    assert len(reference.copies) == held
 
 
 @pytest.mark.parametrize("T,mode", [(7, "large"), (64, "pairs"), (3, "mid"), (64, "large"), (4096, "mid"),
                                     (5, "tiny")])
-def test_both_regimes(layer: dict, T: int, mode: str) -> None:
+def test_both_regimes(layer: dict, T: int, mode: str, reference: Reference) -> None:
     """Each regime at sizes the default choice would give to the other one."""
     cfg = Config.only(getattr(DEFAULT, mode))
     g = torch.Generator(device="cuda").manual_seed(100 + T)
     x = torch.randn((T, H), generator=g, device="cuda").to(torch.bfloat16)
     w, ids = _routing(T, 100 + T)
     got = fused_moe_cuda(x, LayerPlanes.from_tensors(layer), w, ids, None, cfg)
-    _check(got, _reference(x, layer, w, ids, None))
+    _check(got, reference(x, layer, w, ids, None))
 
 
 @pytest.mark.parametrize("T,block", [(1, Mma(1, 4, 4, True)), (3, Mma(1, 1, 1)), (7, Mma(2, 2, 2)),
@@ -104,7 +112,7 @@ def test_both_regimes(layer: dict, T: int, mode: str) -> None:
                                      (5, Mma(1, 2, 4)), (16, Mma(1, 4, 8, True)), (16, Mma(1, 2, 1, True)),
                                      (64, Mma(1, 2, 2)), (256, Mma(1, 2, 2)), (2, Mma(1, 2, 2, True, True)),
                                      (40, Mma(1, 2, 2, True, True)), (64, Mma(1, 2, 2, False, True))])
-def test_tensor_core_blocks(layer: dict, T: int, block: Mma) -> None:
+def test_tensor_core_blocks(layer: dict, T: int, block: Mma, reference: Reference) -> None:
     """The tensor-core plane kernels (mma_moe.cu) at every block shape the sweep may pick, with the
     tier's experts routed (exact FP4) and the SwiGLU clamp."""
     assert mma_moe.supported(LayerPlanes.from_tensors(layer), torch.device("cuda"), block)  # not a fallback
@@ -113,11 +121,11 @@ def test_tensor_core_blocks(layer: dict, T: int, block: Mma) -> None:
     w, ids = _routing(T, 200 + T, all_hot=T >= 64)
     ids[0, :3] = layer["delta_experts"][:3]  # tier experts for sure
     got = fused_moe_cuda(x, LayerPlanes.from_tensors(layer), w, ids, 7.0, Config.only(block))
-    _check(got, _reference(x, layer, w, ids, 7.0))
+    _check(got, reference(x, layer, w, ids, 7.0))
 
 
 @pytest.mark.parametrize("T", [16, 64])
-def test_direct_blocks_group_hot_experts(layer: dict, T: int) -> None:
+def test_direct_blocks_group_hot_experts(layer: dict, T: int, reference: Reference) -> None:
     """Direct blocks take an expert's pairs 8 at a time in pair order (mma_moe.cu group_pair): one
     expert in every token (T pairs: whole groups of 8), a tier expert in most tokens (a last group
     short), the rest random."""
@@ -129,20 +137,20 @@ def test_direct_blocks_group_hot_experts(layer: dict, T: int) -> None:
     ids[:, 0] = min(set(range(E)) - set(tier.tolist()))
     ids[: (3 * T) // 4, 1] = tier[0]
     got = fused_moe_cuda(x, LayerPlanes.from_tensors(layer), w, ids, 7.0, Config.only(block))
-    _check(got, _reference(x, layer, w, ids, 7.0))
+    _check(got, reference(x, layer, w, ids, 7.0))
 
 
-def test_tier_edges_and_float32(layer: dict) -> None:
+def test_tier_edges_and_float32(layer: dict, reference: Reference) -> None:
     """No tier, every expert in the tier, float32 activations, zero tokens."""
     T = 5
     x = torch.randn((T, H), device="cuda")
     w, ids = _routing(T, 7)
     none = {k: v for k, v in layer.items() if k not in ("w13_delta", "w2_delta", "delta_experts")}
-    _check(fused_moe(x, none, w, ids), _reference(x, none, w, ids, None))
+    _check(fused_moe(x, none, w, ids), reference(x, none, w, ids, None))
     full = dict(layer, delta_experts=torch.arange(E, device="cuda"),
                 w13_delta=torch.randint(0, 256, layer["w13_base"].shape, dtype=torch.uint8, device="cuda"),
                 w2_delta=torch.randint(0, 256, layer["w2_base"].shape, dtype=torch.uint8, device="cuda"))
-    _check(fused_moe(x, full, w, ids), _reference(x, full, w, ids, None))
+    _check(fused_moe(x, full, w, ids), reference(x, full, w, ids, None))
     empty = fused_moe(x[:0], layer, w[:0], ids[:0])
     assert empty.shape == (0, H)
 
@@ -169,7 +177,7 @@ def test_cuda_graph_capture(layer: dict, T: int) -> None:
                                           (4096, Prefill(8, 4, 2, True, 2), "hot"),
                                           (4096, Prefill(4, 4, 2, True, 2), "full tier"),
                                           (4096, Prefill(2, 8, 4, True, 2), "full tier")])
-def test_prefill_kernels(layer: dict, T: int, block: Prefill, mode: str) -> None:
+def test_prefill_kernels(layer: dict, T: int, block: Prefill, mode: str, reference: Reference) -> None:
     """The prefill tensor-core kernels (mma_prefill.cu), forced below their default range too: half the
     experts without a pair ("cold"), every expert hot, tier experts routed, every expert in the tier,
     the clamp on and off. Each must run on mma_prefill (not fall back to Triton)."""
@@ -188,10 +196,11 @@ def test_prefill_kernels(layer: dict, T: int, block: Prefill, mode: str) -> None
     planes = LayerPlanes.from_tensors(t)
     assert mma_prefill.supported(planes, x, ids.numel(), block)
     got = fused_moe_cuda(x, planes, w, ids, limit, Config.only(block))
-    _check(got, _reference(x, t, w, ids, limit))
+    _check(got, reference(x, t, w, ids, limit))
 
 
-def test_prefill_on_a_card_with_less_shared_memory(layer: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_prefill_on_a_card_with_less_shared_memory(layer: dict, monkeypatch: pytest.MonkeyPatch,
+                                                   reference: Reference) -> None:
     """Where a CTA may take 99 KB of shared memory (sm_86, sm_89, sm_120: the RTX PRO 6000), a prefill step
     whose block takes 104 KB (a Prefill(4, 8, 4)) runs on the prefill kernels with 3 stages
     (mma_prefill.within), not on Triton's with the layer put back in the natural layout on every call, and
@@ -206,7 +215,7 @@ def test_prefill_on_a_card_with_less_shared_memory(layer: dict, monkeypatch: pyt
     x, w, ids = _tokens_to_tier(layer, T, 21)
     got = fused_moe_cuda(x, served, w, ids, 7.0, config)
     assert ran == [Prefill(4, 8, 3, True, 2)]
-    _check(got, _reference(x, layer, w, ids, 7.0))
+    _check(got, reference(x, layer, w, ids, 7.0))
 
 
 def test_prefill_cuda_graph_capture(layer: dict) -> None:
@@ -265,7 +274,7 @@ def test_warm_up_compiles_every_kernel_the_layer_launches(layer: dict, x4_layer:
                                       (300, Config.only(Prefill(4, 4, 2, True, 2))),
                                       (2048, Config.only(Prefill(8, 4, 2, True, 2))), (4096, DEFAULT),
                                       (5, Config.only(Pairs(64, 8, 2)))])
-def test_x4_layers_equal_reference(x4_layer: dict, T: int, config: Config) -> None:
+def test_x4_layers_equal_reference(x4_layer: dict, T: int, config: Config, reference: Reference) -> None:
     """Planes repacked for the x4 decode (layout.prepare) through every kernel family: the decode
     blocks (direct, lean, sorted; DEFAULT at T = 1 and 3 takes direct blocks with their two accumulator
     sets, at T = 2 direct ones with K whole, at T = 7, 16 and 30 lean ones with e8m0 scales and ones with K
@@ -277,18 +286,18 @@ def test_x4_layers_equal_reference(x4_layer: dict, T: int, config: Config) -> No
     assert planes.layout == X4
     x, w, ids = _tokens_to_tier(x4_layer, T, 700 + T)
     got = fused_moe_cuda(x, planes, w, ids, 7.0, config)
-    _check(got, _reference(x, x4_layer, w, ids, 7.0))
+    _check(got, reference(x, x4_layer, w, ids, 7.0))
 
 
 @pytest.mark.parametrize("T", [7, 16])
-def test_x4_layer_without_a_tier_equals_reference(x4_layer: dict, T: int) -> None:
+def test_x4_layer_without_a_tier_equals_reference(x4_layer: dict, T: int, reference: Reference) -> None:
     """An x4 layer with no tier takes its own decode steps (DEFAULT.mma_x4_base: K whole from 24 pairs
     with e8m0 scales)."""
     base = {k: v for k, v in x4_layer.items() if k not in ("w13_delta", "w2_delta", "delta_experts")}
     planes = LayerPlanes.from_tensors(prepare(base))
     assert planes.layout == X4 and not layer_form(planes)["tier"]
     x, w, ids = _tokens_to_tier(x4_layer, T, 750 + T)  # its tier experts are base ones here
-    _check(fused_moe_cuda(x, planes, w, ids, 7.0, DEFAULT), _reference(x, base, w, ids, 7.0))
+    _check(fused_moe_cuda(x, planes, w, ids, 7.0, DEFAULT), reference(x, base, w, ids, 7.0))
 
 
 @pytest.mark.parametrize("T,config", [(1, DEFAULT), (2, DEFAULT), (3, DEFAULT), (16, DEFAULT), (30, DEFAULT),
@@ -296,7 +305,7 @@ def test_x4_layer_without_a_tier_equals_reference(x4_layer: dict, T: int) -> Non
                                       (44, DEFAULT), (64, DEFAULT), (300, Config.only(Prefill())),
                                       (300, Config.only(Prefill(4, 8, 4))), (4096, DEFAULT),
                                       (5, Config.only(Pairs(64, 8, 2)))])
-def test_tiled_fitted_layers_equal_reference(layer: dict, T: int, config: Config) -> None:
+def test_tiled_fitted_layers_equal_reference(layer: dict, T: int, config: Config, reference: Reference) -> None:
     """A fitted-table layer as the vLLM method serves it, its planes and scales in tiles (tiles.py, the bits
     as loaded), through the decode blocks (direct, lean, sorted), the prefill blocks and Triton (which reads
     them put back), tier experts routed beside base ones; the output is the natural layout's bit for bit,
@@ -308,7 +317,7 @@ def test_tiled_fitted_layers_equal_reference(layer: dict, T: int, config: Config
     assert planes.layout == TILED
     x, w, ids = _tokens_to_tier(layer, T, 800 + T)
     got = fused_moe_cuda(x, planes, w, ids, 7.0, config)
-    _check(got, _reference(x, layer, w, ids, 7.0))
+    _check(got, reference(x, layer, w, ids, 7.0))
     form = layer_form(planes)
     block = config.pick(ids.numel(), **form)
     if isinstance(block, Pairs):
@@ -323,7 +332,7 @@ def test_tiled_fitted_layers_equal_reference(layer: dict, T: int, config: Config
         assert torch.equal(got, natural)
 
 
-def test_x4_prepare_in_place_on_the_gpu(x4_layer: dict) -> None:
+def test_x4_prepare_in_place_on_the_gpu(x4_layer: dict, reference: Reference) -> None:
     """The vLLM method's in-place repack gives what prepare gives, and fused_moe takes the result."""
     t = {k: v.clone() for k, v in x4_layer.items()}
     assert prepare_in_place(t) == X4_NAMES
@@ -332,7 +341,7 @@ def test_x4_prepare_in_place_on_the_gpu(x4_layer: dict) -> None:
         assert torch.equal(t[natural].view(torch.uint8), prepared[x4].view(torch.uint8))
     x = torch.randn((3, H), device="cuda").to(torch.bfloat16)
     w, ids = _routing(3, 5)
-    _check(fused_moe(x, prepared, w, ids), _reference(x, x4_layer, w, ids, None))
+    _check(fused_moe(x, prepared, w, ids), reference(x, x4_layer, w, ids, None))
 
 
 def test_x4_repack_kernel_equals_the_torch_bit_moves(x4_layer: dict) -> None:
@@ -351,7 +360,8 @@ def test_x4_repack_kernel_equals_the_torch_bit_moves(x4_layer: dict) -> None:
 
 @pytest.mark.parametrize("T,config", [(1, DEFAULT), (16, DEFAULT), (64, DEFAULT), (300, Config.only(Prefill())),
                                       (300, Config.only(Prefill(16, 4, 2, True, 1)))])
-def test_x4_layer_with_every_expert_in_the_tier(x4_layer: dict, T: int, config: Config) -> None:
+def test_x4_layer_with_every_expert_in_the_tier(x4_layer: dict, T: int, config: Config,
+                                                reference: Reference) -> None:
     """Every expert on the x4 tier decode (x4_tier_reg: exact FP4 through bf16 subnormals, the scale x
     2^118, the 2^8 in the epilogue), decode and prefill blocks. Codes 0.5 lost as flushed subnormals
     would be about 6% error: far over the bound."""
@@ -363,7 +373,7 @@ def test_x4_layer_with_every_expert_in_the_tier(x4_layer: dict, T: int, config: 
     assert planes.layout == X4
     x = torch.randn((T, H), generator=g, device="cuda").to(torch.bfloat16)
     w, ids = _routing(T, 40 + T, all_hot=T >= 64)
-    _check(fused_moe_cuda(x, planes, w, ids, 7.0, config), _reference(x, full, w, ids, 7.0))
+    _check(fused_moe_cuda(x, planes, w, ids, 7.0, config), reference(x, full, w, ids, 7.0))
 
 
 @pytest.mark.parametrize("T,block", [(1, Mma(1, 2, 2, direct=True, pdl=True)),
@@ -459,15 +469,25 @@ PADDED = [(1, 3, dataclasses.replace(SPLIT, sum_in_w2=True)), (1, 1, None), (1, 
 
 
 @pytest.mark.parametrize("T,pad,block", PADDED)
-@pytest.mark.parametrize("form", ["fitted", "x4"])
-def test_padding_rows_skipped_eagerly_and_in_cuda_graphs(layer: dict, x4_layer: dict, T: int, pad: int,
-                                                         block, form: str) -> None:
+def test_padding_rows_skipped_eagerly_and_in_cuda_graphs(layer: dict, T: int, pad: int, block,
+                                                         reference: Reference) -> None:
     """vLLM 0.34's routers set the padding rows' expert ids to -1 (VLLM_MOE_SKIP_PADDING): on every path
     (the direct, whole-K, lean and sorted decode blocks, the prefill blocks, Triton's pairs and grouped
     kernels), with the kernels the padded batch takes, the real rows are bit-identical to the batch
     without the padding rows and the padding rows are 0, though their activations and weights are not
-    finite; a CUDA graph replays it exactly (no host sync)."""
-    raw = layer if form == "fitted" else x4_layer
+    finite; a CUDA graph replays it exactly (no host sync). A fitted-table layer, tiled as served."""
+    _padding_rows_skipped(layer, T, pad, block, reference)
+
+
+@pytest.mark.parametrize("T,pad,block", PADDED)
+def test_padding_rows_skipped_eagerly_and_in_cuda_graphs_x4(x4_layer: dict, T: int, pad: int, block,
+                                                            reference: Reference) -> None:
+    """The same on an x4 layer, repacked as served (a test a form, so that each case runs once for each scale
+    form of the layer it reads)."""
+    _padding_rows_skipped(x4_layer, T, pad, block, reference)
+
+
+def _padding_rows_skipped(raw: dict, T: int, pad: int, block, reference: Reference) -> None:
     planes = LayerPlanes.from_tensors(prepare(raw))
     config = Config.only(block or DEFAULT.pick((T + pad) * K, **layer_form(planes)))
     x, w, ids = _tokens_to_tier(raw, T, 1000 + T)
@@ -482,4 +502,4 @@ def test_padding_rows_skipped_eagerly_and_in_cuda_graphs(layer: dict, x4_layer: 
     assert torch.equal(got[:T], want)
     assert bool((got[T:] == 0).all())
     replayed(step)
-    _check(want, _reference(x, raw, w, ids, 7.0))
+    _check(want, reference(x, raw, w, ids, 7.0))

@@ -32,12 +32,17 @@ def unpack_plane(plane: torch.Tensor) -> torch.Tensor:
 
 def expand_block_scale(scale: torch.Tensor, in_features: int) -> torch.Tensor:
     """Block scales [..., in/group] (e4m3 or e8m0) -> float32 [..., in], each repeated over its group."""
+    return scale.float().repeat_interleave(_group(scale, in_features), dim=-1)
+
+
+def _group(scale: torch.Tensor, in_features: int) -> int:
+    """The inputs a block scale of `scale` covers (checked: a float8 scale form, whole groups)."""
     if scale.dtype not in _SCALE_DTYPES:
         raise InputError(f"block scales must be float8_e4m3fn or float8_e8m0fnu, not {scale.dtype}")
     groups = scale.shape[-1]
     if groups == 0 or in_features % groups:
         raise InputError(f"{in_features} input features do not split into {groups} scale groups")
-    return scale.float().repeat_interleave(in_features // groups, dim=-1)
+    return in_features // groups
 
 
 def unpack_mid(plane: torch.Tensor) -> torch.Tensor:
@@ -190,13 +195,68 @@ class LayerPlanes:
         return self.mid is not None and self.mid.mid_experts.shape[0] > 0
 
 
-def _values(base: torch.Tensor, delta: torch.Tensor | None, table: torch.Tensor) -> torch.Tensor:
-    """Code values before scales: E2M1[(base << 2) | delta], or table[base] with one [4] table a row."""
-    codes = unpack_plane(base).long()
-    if delta is not None:
-        e2m1 = torch.tensor(E2M1, dtype=torch.float32, device=base.device)
-        return e2m1[(codes << 2) | unpack_plane(delta).long()]
-    return torch.gather(table, 1, codes)
+def _index_codes(low_bits: int, device: torch.device) -> torch.Tensor:
+    """int64 [256 << 4 * low_bits, 4]: the four codes an index `(base byte << 4 * low_bits) | low` decodes to,
+    element j's `(base code << low_bits) | low code`: its base code from bits 2j..2j+1 of the base byte (the
+    plane's packing), its low code from bits low_bits * j.. of `low` (four low codes: a delta byte's 2-bit
+    ones, a mid nibble's bits, none)."""
+    index = torch.arange(256 << 4 * low_bits, device=device).unsqueeze(1)
+    j = torch.arange(4, device=device)
+    base = (index >> (4 * low_bits + 2 * j)) & 3
+    return (base << low_bits) | ((index >> (low_bits * j)) & ((1 << low_bits) - 1))
+
+
+def _mid_nibbles(mid: torch.Tensor) -> torch.Tensor:
+    """uint8 [rows, K/8] mid plane -> uint8 [rows, K/4]: the four mid bits of base byte q's elements (4q..4q+3,
+    bits 4(q % 2).. of mid byte q // 2)."""
+    return torch.stack((mid & 15, mid >> 4), dim=-1).reshape(mid.shape[0], -1)
+
+
+def _decode_(out: torch.Tensor, index: torch.Tensor, luts: torch.Tensor) -> torch.Tensor:
+    """out float32 [rows, K] = the values of index int32 [rows, K/4] (a packed base byte and its low bits each)
+    through luts [n, len, 4], the rows split evenly among the n tables (w13: gate rows, up rows): one lookup a
+    byte, written in place (a fresh tensor per pass costs more than the pass)."""
+    n = luts.shape[0]
+    rows = index.shape[0] // n
+    for k in range(n):
+        torch.index_select(luts[k], 0, index[k * rows : (k + 1) * rows].reshape(-1),
+                           out=out[k * rows : (k + 1) * rows].view(-1, 4))
+    return out
+
+
+def _scale_(w: torch.Tensor, block_scale: torch.Tensor, scale_2: torch.Tensor) -> torch.Tensor:
+    """w [rows, K] times its block scales [rows, K/group] then its per-row scale_2 [rows] (or one), in place:
+    w * expand_block_scale(block_scale, K) * scale_2 bit for bit, each group's scale broadcast, not repeated."""
+    w.view(w.shape[0], -1, _group(block_scale, w.shape[1])).mul_(block_scale.float().unsqueeze(-1))
+    return w.mul_(scale_2.reshape(-1, 1))
+
+
+def _values_(out: tuple[torch.Tensor, torch.Tensor], planes: LayerPlanes, expert: int, tier_row: int | None,
+             mid_row: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """out's float32 code values (w13 [2I, H], w2 [H, I]) before scales: E2M1[(base << 2) | delta] (a tier row),
+    mid_table[(base << 1) | mid] (a mid row), else table[base]; one lookup per packed base byte, by the byte and
+    its low bits (its delta byte, its mid nibble), in 256-, 65536- or 4096-entry tables of 4 values."""
+    b13, b2 = (_natural_row(planes, p, expert) for p in (planes.w13_base, planes.w2_base))
+    i13, i2 = b13.int(), b2.int()
+    dev = b13.device
+    if tier_row is not None:
+        d13, d2 = (_natural_row(planes, p, tier_row, True) for p in (planes.w13_delta, planes.w2_delta))
+        i13.bitwise_left_shift_(8).bitwise_or_(d13)
+        i2.bitwise_left_shift_(8).bitwise_or_(d2)
+        lut = torch.tensor(E2M1, dtype=torch.float32, device=dev)[_index_codes(2, dev)].unsqueeze(0)
+        lut13 = lut2 = lut
+    elif mid_row is not None:
+        m = planes.mid
+        i13.bitwise_left_shift_(4).bitwise_or_(_mid_nibbles(m.w13_mid[mid_row]))
+        i2.bitwise_left_shift_(4).bitwise_or_(_mid_nibbles(m.w2_mid[mid_row]))
+        codes = _index_codes(1, dev)
+        lut13 = m.w13_mid_table[mid_row][:, codes]  # [2, 4096, 4]: gate, up
+        lut2 = m.w2_mid_table[mid_row][codes].unsqueeze(0)
+    else:
+        codes = _index_codes(0, dev)
+        lut13 = planes.w13_table[expert][:, codes]  # [2, 256, 4]: gate, up
+        lut2 = planes.w2_table[expert][codes].unsqueeze(0)
+    return _decode_(out[0], i13, lut13), _decode_(out[1], i2, lut2)
 
 
 def _natural_row(planes: LayerPlanes, t: torch.Tensor, i: int, delta: bool = False) -> torch.Tensor:
@@ -205,32 +265,21 @@ def _natural_row(planes: LayerPlanes, t: torch.Tensor, i: int, delta: bool = Fal
     return planes.natural_of(t[i : i + 1], delta, [i])[0]
 
 
-def _mid_values(base: torch.Tensor, mid: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    """Code values before scales of a mid-tier expert: table[(base << 1) | mid], one [8] table a row."""
-    codes = (unpack_plane(base).long() << 1) | unpack_mid(mid).long()
-    return torch.gather(table, 1, codes)
-
-
-def dequant_expert(planes: LayerPlanes, expert: int, tier_row: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+def dequant_expert(planes: LayerPlanes, expert: int, tier_row: int | None,
+                   out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """float32 (w13 [2I, H], w2 [H, I]) of one expert: its FP4 codes when tier_row is given, else its 3-bit
-    codes through its 8-entry tables when it is in the layer's mid tier, else its base tables."""
-    I, H = planes.inter, planes.hidden
-    b13, b2 = (_natural_row(planes, p, expert) for p in (planes.w13_base, planes.w2_base))
+    codes through its 8-entry tables when it is in the layer's mid tier, else its base tables. `out`: two
+    contiguous float32 tensors of those shapes on the planes' device to write them into (a loop over experts
+    reuses them: a fresh tensor of this size costs its first touch of every page, more than the decode)."""
+    H, I = planes.hidden, planes.inter
+    dev = planes.w13_base.device
+    if out is None:
+        out = (torch.empty((2 * I, H), device=dev), torch.empty((H, I), device=dev))
+    elif any(o.shape != shape or o.dtype != torch.float32 or o.device != dev or not o.is_contiguous()
+             for o, shape in zip(out, ((2 * I, H), (H, I)))):
+        raise InputError(f"dequant_expert writes into contiguous float32 [{2 * I}, {H}] and [{H}, {I}] on {dev}")
     mid_row = planes.mid.rows().get(expert) if planes.mid is not None and tier_row is None else None
-    if mid_row is not None:
-        m = planes.mid
-        v13 = _mid_values(b13, m.w13_mid[mid_row], m.w13_mid_table[mid_row].repeat_interleave(I, dim=0))
-        v2 = _mid_values(b2, m.w2_mid[mid_row], m.w2_mid_table[mid_row].expand(H, 8))
-    else:
-        d13 = d2 = None
-        if tier_row is not None:
-            d13, d2 = (_natural_row(planes, p, tier_row, True) for p in (planes.w13_delta, planes.w2_delta))
-        t13 = planes.w13_table[expert]  # [2, 4]: gate rows take row 0, up rows row 1
-        row_table = t13.repeat_interleave(I, dim=0)  # [2I, 4]
-        v13 = _values(b13, d13, row_table)
-        v2 = _values(b2, d2, planes.w2_table[expert].expand(H, 4))
-    s2_13 = planes.w13_scale_2[expert].repeat_interleave(I).unsqueeze(1)  # [2I, 1]
+    v13, v2 = _values_(out, planes, expert, tier_row, mid_row)
     s13, s2 = (_natural_row(planes, s, expert) for s in (planes.w13_scale, planes.w2_scale))
-    w13 = v13 * expand_block_scale(s13, H) * s2_13
-    w2 = v2 * expand_block_scale(s2, I) * planes.w2_scale_2[expert]
-    return w13, w2
+    return (_scale_(v13, s13, planes.w13_scale_2[expert].repeat_interleave(I)),
+            _scale_(v2, s2, planes.w2_scale_2[expert]))

@@ -36,11 +36,18 @@ def fused_moe_reference(x: torch.Tensor, planes: LayerPlanes, topk_weights: torc
     flat_w = topk_weights.reshape(-1).float()
     tokens = torch.arange(T, device=x.device).repeat_interleave(topk_ids.shape[1])
     rows = planes.tier_rows()
+    # every expert's weights written into the same buffers (and rounded through the same ones in x's dtype):
+    # a fresh tensor of this size per expert costs its first touch of every page, more than the decode
+    weights = (torch.empty((2 * I, H), device=x.device), torch.empty((H, I), device=x.device))
+    rounded = tuple(torch.empty_like(w, dtype=x.dtype) for w in weights) if x.dtype != torch.float32 else None
     for e in torch.unique(flat_ids).tolist():
         if e < 0:  # a padding pair (vLLM's -1): no contribution
             continue
         pick = (flat_ids == e).nonzero().squeeze(1)
-        w13, w2 = (w.to(x.dtype).float() for w in dequant_expert(planes, e, rows.get(e)))
+        w13, w2 = dequant_expert(planes, e, rows.get(e), out=weights)
+        if rounded is not None:  # w.to(x.dtype).float(), in place
+            for w, r in zip(weights, rounded):
+                w.copy_(r.copy_(w))
         t = tokens[pick]
         gate_up = xf[t] @ w13.T
         act = swiglu(gate_up[:, :I], gate_up[:, I:], swiglu_limit).to(x.dtype).float()
