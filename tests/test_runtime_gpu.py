@@ -13,7 +13,8 @@ from moet_cache.runtime.dequant import LayerPlanes
 from moet_cache.runtime import mma_moe, mma_prefill
 from moet_cache.runtime.mma_moe import two_accumulators
 from moet_cache.codec.planes import X4_PATTERN
-from moet_cache.runtime.launch import DEFAULT, SPLIT, WHOLE, Config, Mma, Pairs, Prefill, fused_moe_cuda, layer_form
+from moet_cache.runtime.launch import (DEFAULT, SPLIT, WHOLE, Config, Mma, Pairs, Prefill, config_for, fused_moe_cuda,
+                                       layer_form)
 from moet_cache.runtime.synthetic_layer import random_layer
 from moet_cache.runtime import layout, x4_table
 from moet_cache.runtime.layout import prepare, prepare_in_place
@@ -253,12 +254,13 @@ def test_warm_up_compiles_every_kernel_the_layer_launches(layer: dict, x4_layer:
     assert warm_up(planes) == len(kernel_names(planes, planes.w13_base.device)) > 0
     compiled = mma_moe.compiled.cache_info().misses
     shape = layer_form(planes)
-    starts = [(start, block) for start, block in DEFAULT.decode_steps(**shape)]
-    starts += [(start + (DEFAULT.prefill_later.of(**shape) if i == 0 else 0), block)
-               for i, (start, block) in enumerate(DEFAULT.prefill)]
+    config = config_for(planes.w13_base.device)  # what warm_up and fused_moe run with here (the H200's or not)
+    starts = [(start, block) for start, block in config.decode_steps(**shape)]
+    starts += [(start + (config.prefill_later.of(**shape) if i == 0 else 0), block)
+               for i, (start, block) in enumerate(config.prefill)]
     for start, block in starts:
         T = max(1, -(-start // K))
-        assert DEFAULT.pick(T * K, **shape) == block
+        assert config.pick(T * K, **shape) == block
         x, w, ids = _tokens_to_tier(x4_layer, T, 40 + T)
         fused_moe(x, t, w, ids, swiglu_limit=7.0)
     torch.cuda.synchronize()
